@@ -1,0 +1,54 @@
+# pagedkv — build, test and run. `make test` works on a fresh clone: it sets up
+# whatever is missing first.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+
+# Each part is its own distribution holding a piece of the `pagedkv` namespace.
+PARTS := shared services/scheduler services/client kernels services/executor
+PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
+
+PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
+
+.PHONY: setup test lint proto run bench-blocks redis clean
+
+setup: $(STAMP)
+
+$(STAMP): $(PART_FILES) constraints.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -r requirements-dev.txt \
+		$(foreach p,$(PARTS),-e ./$(p))
+	touch $@
+
+# Tests that need Redis start their own private server; this makes sure the
+# binary is there.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || \
+		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+test: setup redis
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# Regenerates shared/pagedkv/v1 from protos/ (never edit the generated files).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -Iprotos \
+		--python_out=shared --pyi_out=shared --grpc_python_out=shared $(PROTOS)
+
+# Until the services exist, `make run` runs the block-core benchmark.
+run: setup
+	$(BIN)/pagedkv bench blocks
+
+# Refreshes the committed block-core results.
+bench-blocks: setup
+	$(BIN)/pagedkv bench blocks --output tests/benchmarks/results/blocks-cpu.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

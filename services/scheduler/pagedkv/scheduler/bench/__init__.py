@@ -1,0 +1,1 @@
+"""Benchmarks of the scheduler side (``pagedkv bench ...``)."""

@@ -1,0 +1,32 @@
+"""Registers ``pagedkv bench blocks`` (imports nothing heavy until it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="block-core benchmark: a ShareGPT-like trace through the KV cache manager",
+        description=(
+            "Runs a synthetic ShareGPT-like trace through the scheduler's block core and "
+            "reports the bookkeeping cost per step, prefix hits and block use."
+        ),
+    )
+    parser.add_argument("--num-requests", type=int, default=10_000)
+    parser.add_argument("--num-blocks", type=int, default=20_000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler.bench.blocks import main
+
+    return main(args)

@@ -1,0 +1,343 @@
+"""The pool of KV blocks: ref counts, the free queue and the prefix-cache index.
+
+Ownership: the pool owns every ``KVCacheBlock``. Holders (block tables in the
+``KVCacheManager``) take a reference with ``get_new_blocks`` or ``touch`` and
+give it back with ``free_blocks``; a block whose ref count drops to 0 goes to
+the tail of the free queue.
+
+Eviction order: ``get_new_blocks`` pops from the head of the free queue, so
+blocks freed earlier are reused first, and within one ``free_blocks`` call the
+caller's order is kept (the manager passes a request's tail block first, so a
+shared prefix's head blocks survive longest). A block that is still in the
+prefix-cache index stays there while it sits in the free queue, so a later
+request can take it back with ``touch``; its hash is dropped only when the
+block is popped for reuse (lazy eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId
+
+
+class KVCacheBlock:
+    """One physical block's metadata. The KV data itself lives on the executor.
+
+    ``prev_free`` / ``next_free`` link the block into the free queue (they are
+    None when it is not there). ``block_hash`` and ``group_id`` are set while
+    the block is in the prefix-cache index of that KV-cache group.
+    """
+
+    __slots__ = ("block_hash", "block_id", "group_id", "is_null", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = BlockId(block_id)
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.group_id = 0
+        self.is_null = False
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """Intrusive doubly linked list of free blocks, head = next to be reused.
+
+    Every operation is O(1) per block and allocates nothing: the links live in
+    the blocks themselves, between two sentinel blocks.
+    """
+
+    __slots__ = ("_head", "_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        """Removes and returns the head block. Raises IndexError when empty."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("the free block queue is empty")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Removes and returns the first ``n`` blocks, head first."""
+        if n > self.num_free_blocks:
+            raise IndexError(f"asked for {n} blocks, {self.num_free_blocks} are free")
+        if n <= 0:
+            return []
+        out: list[KVCacheBlock] = []
+        append = out.append
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlinks ``block``, which must be in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Puts ``block`` at the tail (reused last)."""
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = tail
+        tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Puts ``blocks`` at the tail in the given order."""
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        n = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            n += 1
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free_blocks += n
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """The free blocks, head first."""
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class IntegrityReport(NamedTuple):
+    """What ``check_integrity`` found. ``ok`` when ``errors`` is empty."""
+
+    num_blocks: int
+    num_free: int
+    num_used: int
+    num_cached: int
+    errors: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class BlockPool:
+    """All ``num_blocks`` blocks of one executor's KV cache.
+
+    Block 0 is the null block: never in the free queue, never handed out, its
+    ref count is not tracked. ``num_groups`` KV-cache groups share the blocks;
+    each group has its own prefix-cache index (hash → block).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
+
+    # -- allocation -----------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that ``get_new_blocks`` can hand out now (cached ones included)."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks (all but the null block) held by requests."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pops ``num_blocks`` from the head of the free queue with ref_cnt 1.
+
+        A popped block that was in the prefix-cache index is evicted from it.
+        Raises ValueError when fewer blocks are free; callers check first.
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0, block
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes a reference on each block (a prefix-cache hit or a fork).
+
+        A block with ref_cnt 0 leaves the free queue, so it cannot be evicted
+        while held. Null blocks are skipped.
+        """
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference on each block, in eviction order.
+
+        Blocks reaching ref_cnt 0 are appended to the free queue in the given
+        order (first given = evicted first). Null blocks are skipped. Cached
+        blocks keep their hash until they are popped for reuse.
+        """
+        queue = self.free_block_queue
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block
+            if not block.ref_cnt:
+                queue.append(block)
+
+    # -- prefix cache ----------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        """The block holding ``block_hash`` in ``group_id``'s index, if any."""
+        return self.cached_blocks[group_id].get(block_hash)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_id: int = 0,
+    ) -> None:
+        """Enters ``blocks[num_cached_blocks:num_full_blocks]`` into the index.
+
+        ``block_hashes[i]`` is the hash of ``blocks[i]``. Null placeholders and
+        blocks already cached are skipped. When another block already holds
+        the same hash (two requests computed the same prefix at once), the new
+        block stays out of the index and is reused as a plain block once freed.
+        """
+        if not self.enable_caching:
+            return
+        index = self.cached_blocks[group_id]
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None or block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash in index:
+                continue
+            block.block_hash = block_hash
+            block.group_id = group_id
+            index[block_hash] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self.cached_blocks[block.group_id][block_hash]
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix-cache index. Refused (False) while any block is held."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for index in self.cached_blocks:
+            for block in index.values():
+                block.block_hash = None
+            index.clear()
+        return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(index) for index in self.cached_blocks)
+
+    # -- checks ----------------------------------------------------------------------
+
+    def check_integrity(self) -> IntegrityReport:
+        """Walks every structure and reports broken invariants (O(num_blocks)).
+
+        Checked: the free queue's links and count; free blocks have ref_cnt 0
+        and every block with ref_cnt 0 is free; the null block is never free;
+        free + used == usable; every index entry points at a block carrying
+        that hash and group, and every block carrying a hash is indexed.
+        Holder counts are checked by the ``KVCacheManager``, which knows them.
+        """
+        errors: list[str] = []
+        seen: set[int] = set()
+        prev = self.free_block_queue._head
+        for block in self.free_block_queue:
+            if block.prev_free is not prev:
+                errors.append(f"free queue: broken back link at block {block.block_id}")
+            if block.block_id in seen:
+                errors.append(f"free queue: block {block.block_id} appears twice")
+                break
+            seen.add(block.block_id)
+            prev = block
+        num_free = len(seen)
+        if num_free != self.free_block_queue.num_free_blocks:
+            errors.append(
+                f"free queue: counts {self.free_block_queue.num_free_blocks}, holds {num_free}"
+            )
+        if NULL_BLOCK_ID in seen:
+            errors.append("the null block is in the free queue")
+        num_used = 0
+        for block in self.blocks[1:]:
+            if block.ref_cnt < 0:
+                errors.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}")
+            free = block.block_id in seen
+            if free and block.ref_cnt:
+                errors.append(f"block {block.block_id}: free with ref_cnt {block.ref_cnt}")
+            if not free and not block.ref_cnt:
+                errors.append(f"block {block.block_id}: ref_cnt 0 but not free (leaked)")
+            if block.ref_cnt:
+                num_used += 1
+            if block.block_hash is not None:
+                index = self.cached_blocks[block.group_id]
+                if index.get(block.block_hash) is not block:
+                    errors.append(f"block {block.block_id}: carries a hash the index lacks")
+        if num_free + num_used != self.num_blocks - 1:
+            errors.append(f"free {num_free} + used {num_used} != usable {self.num_blocks - 1}")
+        for group_id, index in enumerate(self.cached_blocks):
+            for block_hash, block in index.items():
+                if block.block_hash != block_hash or block.group_id != group_id:
+                    errors.append(f"index entry {block_hash.hex()[:8]}: block {block.block_id} differs")
+                if block.is_null:
+                    errors.append("the null block is in the prefix-cache index")
+        return IntegrityReport(
+            num_blocks=self.num_blocks,
+            num_free=num_free,
+            num_used=num_used,
+            num_cached=self.num_cached_blocks,
+            errors=tuple(errors),
+        )

@@ -1,0 +1,359 @@
+"""The scheduler's view of one executor's KV cache: who holds which blocks.
+
+``KVCacheManager`` drives one ``SingleTypeKVCacheManager`` per KV-cache group
+over a shared ``BlockPool``: prefix-cache lookups consistent across groups,
+all-or-nothing allocation, freeing, copy-on-write forks, stats and the
+integrity audit. It never touches KV data: the executor applies the table
+updates and copy ops it produces.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pagedkv.common.ids import BlockId, RequestId
+from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.scheduler.block_hash import root_hash
+from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport, KVCacheBlock
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.single_type_kv_cache_manager import (
+    SingleTypeKVCacheManager,
+    make_manager,
+)
+
+
+class ComputedBlocks(NamedTuple):
+    """A prefix-cache hit: per group, the cached blocks; and the tokens they hold."""
+
+    blocks: tuple[tuple[KVCacheBlock, ...], ...]
+    num_tokens: int
+
+
+class TableUpdate(NamedTuple):
+    """One group's block-table change: entries from ``start`` on are ``block_ids``."""
+
+    start: int
+    block_ids: tuple[BlockId, ...]
+
+
+class Allocation(NamedTuple):
+    """What ``allocate_slots`` changed: one ``TableUpdate`` per group, or none.
+
+    ``updates`` is empty when no table changed (the common decode step).
+    """
+
+    updates: tuple[TableUpdate, ...]
+
+
+class BlockCopy(NamedTuple):
+    """A copy-on-write copy of one block for the executor: ``src`` into ``dst``."""
+
+    src: BlockId
+    dst: BlockId
+
+
+class PrefixCacheStats(NamedTuple):
+    """Prefix-cache lookups since start: requests looked up, tokens asked, tokens hit."""
+
+    requests: int
+    queries: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+NO_TABLE_CHANGE = Allocation(())
+
+
+class KVCacheManager:
+    """Block accounting for one executor: every group's tables over one pool.
+
+    All groups must share one block size. ``model_id`` keys the root of every
+    block hash (see ``root_hash``), so that only requests of this model share
+    cached blocks.
+
+    Contract with the scheduler: call ``get_computed_blocks`` for a request
+    with no blocks yet, then ``allocate_slots`` with the result before anything
+    else allocates; ``allocate_slots`` returns None (and changes nothing) when
+    the pool cannot hold the tokens. The scheduler advances
+    ``request.num_computed_tokens`` itself once a step's tokens are computed.
+    """
+
+    def __init__(
+        self,
+        kv_cache_specs: Sequence[KVCacheSpec],
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        model_id: str = "",
+    ) -> None:
+        if not kv_cache_specs:
+            raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
+        block_sizes = {spec.block_size for spec in kv_cache_specs}
+        if len(block_sizes) != 1:
+            raise ValueError(f"kv_cache_specs: groups must share one block size, got {block_sizes}")
+        self.block_size = block_sizes.pop()
+        self.model_id = model_id
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching, num_groups=len(kv_cache_specs))
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            make_manager(spec, self.pool, group_id) for group_id, spec in enumerate(kv_cache_specs)
+        )
+        self._copy_ops: list[BlockCopy] = []
+        self._num_requests = 0
+        self._num_queries = 0
+        self._num_hits = 0
+        self._empty_hit = ComputedBlocks(tuple(() for _ in self.managers), 0)
+        # The decode hot path: one full-attention group.
+        only = self.managers[0]
+        self._single_full: SingleTypeKVCacheManager | None = (
+            only if len(self.managers) == 1 and type(only) is SingleTypeKVCacheManager else None
+        )
+
+    # -- requests ----------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """A ``Request`` whose block hashes are keyed for this manager's cache."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            block_size=self.block_size,
+            root_hash=root_hash(self.model_id, self.block_size, cache_salt),
+            max_tokens=max_tokens,
+            priority=priority,
+        )
+
+    # -- prefix cache ------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of ``request`` that every group can use.
+
+        Only whole blocks within the first ``num_tokens - 1`` tokens count: a
+        full hit still recomputes the last token, whose logits are needed.
+        Takes no reference (``allocate_slots`` does). Counts one lookup.
+        """
+        if not self.enable_caching:
+            return self._empty_hit
+        max_length = request.num_tokens - 1
+        hashes = request.block_hashes
+        managers = self.managers
+        if len(managers) == 1:
+            hits = managers[0].find_longest_cache_hit(hashes, max_length)
+            num_tokens = len(hits) * self.block_size
+            result = ComputedBlocks((tuple(hits),), num_tokens)
+        else:
+            # Shrink the candidate length until every group accepts it.
+            length = max_length
+            while True:
+                per_group = [m.find_longest_cache_hit(hashes, length) for m in managers]
+                agreed = min(len(h) for h in per_group) * self.block_size
+                if all(len(h) * self.block_size == agreed for h in per_group):
+                    break
+                length = agreed
+            num_tokens = agreed
+            result = ComputedBlocks(tuple(tuple(h) for h in per_group), num_tokens)
+        self._num_requests += 1
+        self._num_queries += request.num_tokens
+        self._num_hits += num_tokens
+        return result
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._num_requests, self._num_queries, self._num_hits)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; refused (False) while any block is held."""
+        return self.pool.reset_prefix_cache()
+
+    # -- allocation --------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> Allocation | None:
+        """Gives ``request`` slots for its next ``num_new_tokens`` tokens.
+
+        Mutates, only when every group fits: the request's tables (prefix hits
+        from ``computed`` first, then fresh blocks for tokens up to
+        ``num_computed + num_new_tokens + num_lookahead_tokens``), the pool's
+        ref counts and free queue, the prefix-cache index (blocks these tokens
+        fill are entered), ``request.num_computed_tokens`` (set to
+        ``computed.num_tokens`` on a hit) and the copy-op queue (copy-on-write
+        of a shared block about to be written). Blocks that fell out of a
+        sliding window go back to the pool.
+
+        Returns None when the blocks cannot be had; then nothing has changed.
+        """
+        fast = self._single_full
+        if fast is not None and computed is None and not num_lookahead_tokens:
+            # Decode hot path: the request's last block has room and is its own.
+            blocks = fast.req_to_blocks.get(request.request_id)
+            if blocks is not None:
+                num_computed = request.num_computed_tokens
+                num_tokens = num_computed + num_new_tokens
+                block_size = self.block_size
+                if (
+                    num_computed < num_tokens <= len(blocks) * block_size
+                    and blocks[num_computed // block_size].ref_cnt == 1
+                ):
+                    if self.enable_caching and num_tokens // block_size > fast.num_cached_blocks[
+                        request.request_id
+                    ]:
+                        fast.cache_blocks(request.request_id, request.block_hashes, num_tokens)
+                    return NO_TABLE_CHANGE
+        return self._allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None,
+        num_lookahead_tokens: int,
+    ) -> Allocation | None:
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_tokens and num_lookahead_tokens must not be negative")
+        request_id = request.request_id
+        managers = self.managers
+        if computed is None or not computed.num_tokens:
+            computed = self._empty_hit
+            num_computed = request.num_computed_tokens
+        else:
+            if request.num_computed_tokens or any(
+                m.req_to_blocks.get(request_id) for m in managers
+            ):
+                raise ValueError(f"{request_id}: prefix hits are for a request with no blocks")
+            num_computed = computed.num_tokens
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > request.num_tokens:
+            raise ValueError(
+                f"{request_id}: {num_tokens} tokens scheduled, the request has {request.num_tokens}"
+            )
+        num_slots = num_tokens + num_lookahead_tokens
+
+        pool = self.pool
+        num_needed = 0
+        for manager, hits in zip(managers, computed.blocks, strict=True):
+            num_needed += manager.get_num_blocks_to_allocate(
+                request_id, num_computed, num_slots, hits
+            )
+            # Hits sitting in the free queue leave it when touched.
+            num_needed += sum(1 for b in hits if not b.ref_cnt and not b.is_null)
+        num_free = pool.get_num_free_blocks()
+        if num_needed > num_free:
+            num_free += sum(
+                m.get_num_releasable_blocks(request_id, num_computed) for m in managers
+            )
+            if num_needed > num_free:
+                return None
+
+        copy_ops: list[tuple[BlockId, BlockId]] = []
+        updates: list[TableUpdate] = []
+        write_index = num_computed // self.block_size
+        for manager, hits in zip(managers, computed.blocks, strict=True):
+            start = len(manager.req_to_blocks.get(request_id, ()))
+            if hits:
+                pool.touch(hits)
+                manager.save_new_computed_blocks(request_id, hits)
+            manager.remove_skipped_blocks(request_id, num_computed)
+            num_copies = len(copy_ops)
+            manager.allocate_new_blocks(request_id, num_computed, num_slots, copy_ops)
+            if len(copy_ops) > num_copies:
+                start = min(start, write_index)
+            if self.enable_caching:
+                manager.cache_blocks(request_id, request.block_hashes, num_tokens)
+            blocks = manager.req_to_blocks[request_id]
+            updates.append(TableUpdate(start, tuple(b.block_id for b in blocks[start:])))
+        if computed.num_tokens:
+            request.num_computed_tokens = num_computed
+        self._copy_ops.extend(BlockCopy(src, dst) for src, dst in copy_ops)
+        if all(not u.block_ids for u in updates):
+            return NO_TABLE_CHANGE
+        return Allocation(tuple(updates))
+
+    def take_copy_ops(self) -> list[BlockCopy]:
+        """Drains the copy-on-write copies queued since the last call, in order."""
+        ops, self._copy_ops = self._copy_ops, []
+        return ops
+
+    # -- ending and sharing ------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Returns all of the request's blocks to the pool, tail block first.
+
+        Full blocks stay in the prefix-cache index until reused, so a
+        preempted request re-admitted later hits them. Freeing a request with
+        no blocks is a no-op.
+        """
+        for manager in self.managers:
+            manager.free(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Makes ``child`` share every block of ``parent`` that holds computed tokens.
+
+        ``child`` is new to this manager and starts with the parent's tokens.
+        Nothing is copied now: whichever of the two next writes into a shared,
+        partly filled block gets a fresh block and a queued ``BlockCopy``.
+        """
+        num_computed = parent.num_computed_tokens
+        if child.num_tokens < num_computed or child.token_ids[:num_computed] != (
+            parent.token_ids[:num_computed]
+        ):
+            raise ValueError(f"{child.request_id}: a fork must start with the parent's tokens")
+        for manager in self.managers:
+            manager.fork(parent.request_id, child.request_id, num_computed)
+        child.num_computed_tokens = num_computed
+
+    # -- views and checks --------------------------------------------------------------
+
+    def get_block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
+        """The request's block table in every group (null placeholders are 0)."""
+        return tuple(
+            [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers
+        )
+
+    def num_blocks_held(self, request_id: RequestId) -> int:
+        """Real (non-null) blocks in the request's tables, shared ones included."""
+        return sum(
+            1 for m in self.managers for b in m.req_to_blocks.get(request_id, ()) if not b.is_null
+        )
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return self.pool.usage
+
+    def check_integrity(self) -> IntegrityReport:
+        """The pool's audit plus holder counts: each ref_cnt equals its tables."""
+        report = self.pool.check_integrity()
+        errors = list(report.errors)
+        holders: Counter[int] = Counter()
+        for manager in self.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                for block in blocks:
+                    if not block.is_null:
+                        holders[block.block_id] += 1
+                num_cached = manager.num_cached_blocks.get(request_id)
+                if num_cached is None or num_cached > len(blocks):
+                    errors.append(f"{request_id}: cached-block count {num_cached} of {len(blocks)}")
+        for block in self.pool.blocks[1:]:
+            if block.ref_cnt != holders.get(block.block_id, 0):
+                errors.append(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                    f"{holders.get(block.block_id, 0)} holders"
+                )
+        return report._replace(errors=tuple(errors))

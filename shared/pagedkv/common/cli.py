@@ -1,0 +1,59 @@
+"""The `pagedkv` command.
+
+Each part contributes its subcommands through the ``pagedkv.commands`` entry
+point group, so the CLI offers exactly what is installed (a scheduler image has
+no executor commands). An entry point's name is the command path with dots
+(``bench.blocks`` is ``pagedkv bench blocks``); its value is a function
+``register(subparsers, name)`` that adds a parser called ``name`` to the given
+argparse subparsers, with its arguments and help, and sets ``handler`` (a
+function of the parsed namespace returning an exit code) with
+``parser.set_defaults``. Register functions must import nothing heavy:
+the command's own module is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from pagedkv.common.logging import configure_logging
+
+ENTRY_POINT_GROUP = "pagedkv.commands"
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every installed subcommand."""
+    parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
+    parser.add_argument("--log-level", default="INFO", help="log level (default: INFO)")
+    groups: dict[tuple[str, ...], Any] = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        path = tuple(ep.name.split("."))
+        for depth in range(1, len(path)):
+            prefix = path[:depth]
+            if prefix not in groups:
+                sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
+                groups[prefix] = sub.add_subparsers(dest="_".join(prefix), metavar="COMMAND")
+        register = ep.load()
+        register(groups[path[:-1]], path[-1])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pagedkv` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    configure_logging("console", args.log_level)
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Distinct types for ids, so that a slot number never passes for a block id."""
+
+from __future__ import annotations
+
+from typing import NewType
+
+BlockId = NewType("BlockId", int)
+"""Index of a physical KV block in an executor's pool; 0 is the null block."""
+
+BlockHash = NewType("BlockHash", bytes)
+"""Stable 128-bit hash of a full block and its whole prefix (16 bytes)."""
+
+RequestId = NewType("RequestId", str)
+"""A request's id, unique among the requests a scheduler holds."""
+
+NULL_BLOCK_ID = BlockId(0)
+"""The null block: a placeholder in block tables, never handed out."""
