@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every installed subcommand."""
     parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
     parser.add_argument("--log-level", default="INFO", help="log level (default: INFO)")
-    groups: dict[tuple[str, ...], Any] = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    groups: dict[tuple[str, ...], Any] = {
+        (): parser.add_subparsers(dest="command", metavar="COMMAND")
+    }
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         path = tuple(ep.name.split("."))
         for depth in range(1, len(path)):

@@ -38,7 +38,9 @@ class KVCacheSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive")
         if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"KVCacheSpec.dtype {self.dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+            raise ValueError(
+                f"KVCacheSpec.dtype {self.dtype!r} is not one of {sorted(_DTYPE_BYTES)}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError("KVCacheSpec.sliding_window must be positive or None")
 

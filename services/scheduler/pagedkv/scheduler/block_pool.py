@@ -30,7 +30,15 @@ class KVCacheBlock:
     the block is in the prefix-cache index of that KV-cache group.
     """
 
-    __slots__ = ("block_hash", "block_id", "group_id", "is_null", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "group_id",
+        "is_null",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = BlockId(block_id)
@@ -197,6 +205,15 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def get_new_block(self) -> KVCacheBlock:
+        """``get_new_blocks(1)`` without the list: the head of the free queue."""
+        block = self.free_block_queue.popleft()
+        assert block.ref_cnt == 0, block
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on each block (a prefix-cache hit or a fork).
 
@@ -331,7 +348,9 @@ class BlockPool:
         for group_id, index in enumerate(self.cached_blocks):
             for block_hash, block in index.items():
                 if block.block_hash != block_hash or block.group_id != group_id:
-                    errors.append(f"index entry {block_hash.hex()[:8]}: block {block.block_id} differs")
+                    errors.append(
+                        f"index entry {block_hash.hex()[:8]}: block {block.block_id} differs"
+                    )
                 if block.is_null:
                     errors.append("the null block is in the prefix-cache index")
         return IntegrityReport(

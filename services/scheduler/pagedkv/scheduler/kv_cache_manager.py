@@ -47,6 +47,18 @@ class Allocation(NamedTuple):
     updates: tuple[TableUpdate, ...]
 
 
+class DecodeAllocation(NamedTuple):
+    """What ``allocate_decode_slots`` did.
+
+    ``num_allocated``: requests of the list, from ``start`` on, that got their
+    slot (the rest did not, from the first one that could not). ``updates``:
+    (index in the list, Allocation) for those whose tables changed.
+    """
+
+    num_allocated: int
+    updates: list[tuple[int, Allocation]]
+
+
 class BlockCopy(NamedTuple):
     """A copy-on-write copy of one block for the executor: ``src`` into ``dst``."""
 
@@ -104,6 +116,9 @@ class KVCacheManager:
             make_manager(spec, self.pool, group_id) for group_id, spec in enumerate(kv_cache_specs)
         )
         self._copy_ops: list[BlockCopy] = []
+        # Requests that took part in a fork: only their tables can hold a
+        # shared block that is written next (copy-on-write).
+        self._forked: set[RequestId] = set()
         self._num_requests = 0
         self._num_queries = 0
         self._num_hits = 0
@@ -211,9 +226,10 @@ class KVCacheManager:
                     num_computed < num_tokens <= len(blocks) * block_size
                     and blocks[num_computed // block_size].ref_cnt == 1
                 ):
-                    if self.enable_caching and num_tokens // block_size > fast.num_cached_blocks[
-                        request.request_id
-                    ]:
+                    if (
+                        self.enable_caching
+                        and num_tokens // block_size > fast.num_cached_blocks[request.request_id]
+                    ):
                         fast.cache_blocks(request.request_id, request.block_hashes, num_tokens)
                     return NO_TABLE_CHANGE
         return self._allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
@@ -255,9 +271,7 @@ class KVCacheManager:
             num_needed += sum(1 for b in hits if not b.ref_cnt and not b.is_null)
         num_free = pool.get_num_free_blocks()
         if num_needed > num_free:
-            num_free += sum(
-                m.get_num_releasable_blocks(request_id, num_computed) for m in managers
-            )
+            num_free += sum(m.get_num_releasable_blocks(request_id, num_computed) for m in managers)
             if num_needed > num_free:
                 return None
 
@@ -285,6 +299,69 @@ class KVCacheManager:
             return NO_TABLE_CHANGE
         return Allocation(tuple(updates))
 
+    def allocate_decode_slots(
+        self, requests: Sequence[Request], start: int = 0
+    ) -> DecodeAllocation:
+        """Gives each of ``requests[start:]`` a slot for one more token, in order.
+
+        The decode hot path: for each request, slots up to
+        ``num_computed_tokens + 1`` (the next token may still be on the
+        executor, not yet appended: async stepping). Same effects as
+        ``allocate_slots`` per request; stops at the first request that cannot
+        get a block (``num_allocated`` says where) so that the caller can
+        preempt and call again from there. Requests whose last block has room
+        and is their own cost a few attribute reads.
+        """
+        fast = self._single_full
+        updates: list[tuple[int, Allocation]] = []
+        if fast is None:
+            for i in range(start, len(requests)):
+                allocation = self._allocate_one_more(requests[i])
+                if allocation is None:
+                    return DecodeAllocation(i - start, updates)
+                if allocation.updates:
+                    updates.append((i, allocation))
+            return DecodeAllocation(len(requests) - start, updates)
+        tables = fast.req_to_blocks
+        block_size = self.block_size
+        caching = self.enable_caching
+        pool = self.pool
+        forked = self._forked
+        for i in range(start, len(requests)):
+            request = requests[i]
+            request_id = request.request_id
+            blocks = tables[request_id]
+            num_computed = request.num_computed_tokens
+            num_slots = len(blocks) * block_size
+            if num_computed < num_slots and not (
+                forked and request_id in forked and blocks[num_computed // block_size].ref_cnt > 1
+            ):
+                # Room in its own last block: only a block that fills needs work.
+                # (A block whose last token is not known yet, in async stepping,
+                # is entered at the next one that fills.)
+                if caching and not (num_computed + 1) % block_size:
+                    fast.cache_blocks(request_id, request.block_hashes, num_computed + 1)
+                continue
+            if num_computed == num_slots and pool.free_block_queue.num_free_blocks:
+                # The next token starts a new block: append one.
+                block = pool.get_new_block()
+                blocks.append(block)
+                update = TableUpdate(len(blocks) - 1, (block.block_id,))
+                updates.append((i, Allocation((update,))))
+                if caching and block_size == 1:
+                    fast.cache_blocks(request_id, request.block_hashes, num_computed + 1)
+                continue
+            allocation = self._allocate_one_more(request)
+            if allocation is None:
+                return DecodeAllocation(i - start, updates)
+            if allocation.updates:
+                updates.append((i, allocation))
+        return DecodeAllocation(len(requests) - start, updates)
+
+    def _allocate_one_more(self, request: Request) -> Allocation | None:
+        num_new = 1 if request.num_tokens > request.num_computed_tokens else 0
+        return self._allocate_slots(request, num_new, None, 1 - num_new)
+
     def take_copy_ops(self) -> list[BlockCopy]:
         """Drains the copy-on-write copies queued since the last call, in order."""
         ops, self._copy_ops = self._copy_ops, []
@@ -301,6 +378,7 @@ class KVCacheManager:
         """
         for manager in self.managers:
             manager.free(request.request_id)
+        self._forked.discard(request.request_id)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Makes ``child`` share every block of ``parent`` that holds computed tokens.
@@ -310,13 +388,16 @@ class KVCacheManager:
         partly filled block gets a fresh block and a queued ``BlockCopy``.
         """
         num_computed = parent.num_computed_tokens
-        if child.num_tokens < num_computed or child.token_ids[:num_computed] != (
-            parent.token_ids[:num_computed]
+        if (
+            child.num_tokens < num_computed
+            or child.token_ids[:num_computed] != (parent.token_ids[:num_computed])
         ):
             raise ValueError(f"{child.request_id}: a fork must start with the parent's tokens")
         for manager in self.managers:
             manager.fork(parent.request_id, child.request_id, num_computed)
         child.num_computed_tokens = num_computed
+        self._forked.add(parent.request_id)
+        self._forked.add(child.request_id)
 
     # -- views and checks --------------------------------------------------------------
 

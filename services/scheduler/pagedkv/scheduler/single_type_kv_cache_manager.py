@@ -131,7 +131,9 @@ class SingleTypeKVCacheManager:
         shared = self.req_to_blocks.get(parent_id, [])[: cdiv(num_computed_tokens, self.block_size)]
         self.pool.touch(shared)
         self.req_to_blocks[child_id] = list(shared)
-        self.num_cached_blocks[child_id] = min(self.num_cached_blocks.get(parent_id, 0), len(shared))
+        self.num_cached_blocks[child_id] = min(
+            self.num_cached_blocks.get(parent_id, 0), len(shared)
+        )
 
     def free(self, request_id: RequestId) -> None:
         """Returns every block of the request, tail block first (evicted first)."""

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of the trace: its prompt and the outputs it will 'sample'."""
+    """One request of the trace: its prompt and how many tokens it generates."""
 
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    num_output_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,5 +51,5 @@ def build_trace(config: TraceConfig) -> list[TraceRequest]:
         if rng.random() < config.system_prompt_fraction:
             prompt = (rng.choice(system_prompts) + prompt)[: config.max_len]
         output_len = _lognormal_len(rng, config.mean_output_len, config.sigma, config.max_len)
-        trace.append(TraceRequest(f"req-{i}", prompt, rng.choices(vocab, k=output_len)))
+        trace.append(TraceRequest(f"req-{i}", prompt, output_len))
     return trace

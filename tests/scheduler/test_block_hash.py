@@ -1,0 +1,110 @@
+"""Block hashes: stable bytes, chained, keyed by model, block size and salt."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from array import array
+
+import pytest
+from xxhash import xxh3_128_digest
+
+from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash
+from pagedkv.scheduler.request import Request
+
+# The first block hash of tokens 0..15 under model "m", block size 16, no salt.
+# Fixed bytes: a change here breaks every cache index mirrored across processes.
+EXPECTED_FIRST = "5c1f311245f16a067f8fd432acc3884c"
+
+
+def test_hash_is_the_same_in_another_interpreter() -> None:
+    code = (
+        "from array import array\n"
+        "from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash\n"
+        "print(hash_full_blocks(root_hash('m', 16), array('I', range(32)), 16, 0, 2)[1].hex())\n"
+    )
+    env_hashes = set()
+    for seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        )
+        env_hashes.add(out.stdout.strip())
+    here = hash_full_blocks(root_hash("m", 16), array("I", range(32)), 16, 0, 2)[1].hex()
+    assert env_hashes == {here}
+
+
+def test_hash_is_128_bits_and_follows_the_documented_encoding() -> None:
+    (first,) = hash_full_blocks(root_hash("m", 16), array("I", range(16)), 16, 0, 1)
+    root = xxh3_128_digest(
+        b"pagedkv/block-hash/v1\x00"
+        + struct.pack("<I", 1)
+        + b"m"
+        + struct.pack("<I", 16)
+        + struct.pack("<I", 0)
+    )
+    assert first == xxh3_128_digest(root + struct.pack("<16I", *range(16)))
+    assert first.hex() == EXPECTED_FIRST
+
+
+def test_hash_chains_over_the_whole_prefix() -> None:
+    root = root_hash("m", 4)
+    a = hash_full_blocks(root, array("I", [1, 2, 3, 4, 5, 6, 7, 8]), 4, 0, 2)
+    b = hash_full_blocks(root, array("I", [9, 2, 3, 4, 5, 6, 7, 8]), 4, 0, 2)
+    assert a[1] != b[1]  # same second block, different first block
+
+
+def test_incremental_hashing_equals_hashing_all_at_once() -> None:
+    root = root_hash("m", 4)
+    tokens = array("I", range(12))
+    whole = hash_full_blocks(root, tokens, 4, 0, 3)
+    first = hash_full_blocks(root, tokens, 4, 0, 1)
+    rest = hash_full_blocks(first[-1], tokens, 4, 1, 3)
+    assert whole == first + rest
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (("m", 4, None), ("n", 4, None)),
+        (("m", 4, None), ("m", 8, None)),
+        (("m", 4, None), ("m", 4, "tenant-a")),
+        (("m", 4, "tenant-a"), ("m", 4, "tenant-b")),
+    ],
+)
+def test_root_is_keyed_by_model_block_size_and_salt(
+    a: tuple[str, int, str | None], b: tuple[str, int, str | None]
+) -> None:
+    assert root_hash(*a) != root_hash(*b)
+
+
+def test_empty_salt_is_no_salt() -> None:
+    assert root_hash("m", 4, "") == root_hash("m", 4, None)
+
+
+def test_request_hashes_only_blocks_that_became_full() -> None:
+    request = Request("r", range(6), block_size=4, root_hash=root_hash("m", 4))
+    assert len(request.block_hashes) == 1
+    request.append_output_token_ids(6)
+    assert len(request.block_hashes) == 1
+    request.append_output_token_ids(7)
+    assert len(request.block_hashes) == 2
+    assert request.block_hashes == hash_full_blocks(
+        root_hash("m", 4), array("I", range(8)), 4, 0, 2
+    )
+    request.extend_output_token_ids([8, 9, 10, 11, 12])
+    assert len(request.block_hashes) == 3
+
+
+def test_request_rejects_an_empty_prompt_and_out_of_range_ids() -> None:
+    root = root_hash("m", 4)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("r", [], block_size=4, root_hash=root)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("r", [-1], block_size=4, root_hash=root)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("r", [2**32], block_size=4, root_hash=root)
