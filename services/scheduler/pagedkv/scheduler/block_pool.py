@@ -199,7 +199,6 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            assert block.ref_cnt == 0, block
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
@@ -207,8 +206,17 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """``get_new_blocks(1)`` without the list: the head of the free queue."""
-        block = self.free_block_queue.popleft()
-        assert block.ref_cnt == 0, block
+        queue = self.free_block_queue
+        head = queue._head
+        block = head.next_free
+        if block is None or block is queue._tail:
+            raise ValueError("cannot get a block: none is free")
+        nxt = block.next_free
+        assert nxt is not None and block.ref_cnt == 0, block
+        head.next_free = nxt
+        nxt.prev_free = head
+        block.prev_free = block.next_free = None
+        queue.num_free_blocks -= 1
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
@@ -235,14 +243,14 @@ class BlockPool:
         order (first given = evicted first). Null blocks are skipped. Cached
         blocks keep their hash until they are popped for reuse.
         """
-        queue = self.free_block_queue
+        released = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, block
             if not block.ref_cnt:
-                queue.append(block)
+                released.append(block)
+        self.free_block_queue.append_n(released)
 
     # -- prefix cache ----------------------------------------------------------------
 
@@ -268,13 +276,22 @@ class BlockPool:
         if not self.enable_caching:
             return
         index = self.cached_blocks[group_id]
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.block_hash is not None or block.is_null:
-                continue
-            block_hash = block_hashes[i]
-            if block_hash in index:
-                continue
+        for block, block_hash in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            block_hashes[num_cached_blocks:num_full_blocks],
+            strict=True,
+        ):
+            if block.block_hash is None and not block.is_null and block_hash not in index:
+                block.block_hash = block_hash
+                block.group_id = group_id
+                index[block_hash] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int = 0) -> None:
+        """``cache_full_blocks`` for one block (the decode path's common case)."""
+        if not self.enable_caching or block.block_hash is not None or block.is_null:
+            return
+        index = self.cached_blocks[group_id]
+        if block_hash not in index:
             block.block_hash = block_hash
             block.group_id = group_id
             index[block_hash] = block

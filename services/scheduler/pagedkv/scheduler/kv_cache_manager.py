@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 from pagedkv.common.ids import BlockId, RequestId
@@ -79,6 +80,8 @@ class PrefixCacheStats(NamedTuple):
 
 
 NO_TABLE_CHANGE = Allocation(())
+
+_block_id = attrgetter("block_id")
 
 
 class KVCacheManager:
@@ -291,7 +294,7 @@ class KVCacheManager:
             if self.enable_caching:
                 manager.cache_blocks(request_id, request.block_hashes, num_tokens)
             blocks = manager.req_to_blocks[request_id]
-            updates.append(TableUpdate(start, tuple(b.block_id for b in blocks[start:])))
+            updates.append(TableUpdate(start, tuple(map(_block_id, blocks[start:]))))
         if computed.num_tokens:
             request.num_computed_tokens = num_computed
         self._copy_ops.extend(BlockCopy(src, dst) for src, dst in copy_ops)
@@ -372,13 +375,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Returns all of the request's blocks to the pool, tail block first.
 
-        Full blocks stay in the prefix-cache index until reused, so a
-        preempted request re-admitted later hits them. Freeing a request with
-        no blocks is a no-op.
+        Every full block of computed tokens (up to
+        ``request.num_computed_tokens``) is first entered into the
+        prefix-cache index if it is not there yet (``DecodeBatch`` leaves the
+        blocks its requests generate to this point), and stays there until
+        reused, so a preempted request re-admitted later, or a next turn that
+        repeats the conversation, hits them. Freeing a request with no blocks
+        is a no-op.
         """
+        request_id = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
         for manager in self.managers:
-            manager.free(request.request_id)
-        self._forked.discard(request.request_id)
+            if self.enable_caching and num_full > manager.num_cached_blocks.get(
+                request_id, num_full
+            ):
+                manager.cache_blocks(request_id, request.block_hashes, num_full * self.block_size)
+            manager.free(request_id)
+        self._forked.discard(request_id)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Makes ``child`` share every block of ``parent`` that holds computed tokens.
@@ -405,6 +418,21 @@ class KVCacheManager:
         """The request's block table in every group (null placeholders are 0)."""
         return tuple(
             [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers
+        )
+
+    @property
+    def has_single_full_attention_group(self) -> bool:
+        """One full-attention group: the case the decode hot path is built for."""
+        return self._single_full is not None
+
+    def is_forked(self, request_id: RequestId) -> bool:
+        """Whether the request took part in a fork (its writes may need copy-on-write)."""
+        return request_id in self._forked
+
+    def num_slots(self, request_id: RequestId) -> int:
+        """Tokens the request's tables have slots for (the shortest group's table)."""
+        return min(len(m.req_to_blocks.get(request_id, ())) for m in self.managers) * (
+            self.block_size
         )
 
     def num_blocks_held(self, request_id: RequestId) -> int:

@@ -7,7 +7,12 @@ from array import array
 from collections.abc import Iterable
 
 from pagedkv.common.ids import BlockHash, RequestId
-from pagedkv.scheduler.block_hash import TOKEN_TYPECODE, hash_full_blocks
+from pagedkv.scheduler.block_hash import (
+    TOKEN_TYPECODE,
+    hash_block_tokens,
+    hash_full_blocks,
+    token_bytes,
+)
 
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -32,10 +37,11 @@ class Request:
     """Token ids, computed-token count and block hashes of one sequence.
 
     Token ids are stored as a uint32 ``array`` (prompt then outputs). The
-    request hashes its blocks incrementally: every time a block becomes full
-    (at construction for the prompt, then in ``append_output_token_ids``) its
-    hash is appended to ``block_hashes``, chained from ``root_hash`` (see
-    ``block_hash.root_hash``: the model id, block size and cache salt).
+    request hashes each full block once, incrementally, chained from
+    ``root_hash`` (see ``block_hash.root_hash``: the model id, block size and
+    cache salt): the prompt's full blocks at construction (on arrival, off the
+    scheduling path), output blocks when ``block_hashes`` is next read after
+    they filled (appending a token costs no hashing).
 
     ``num_computed_tokens`` counts tokens whose KV exists in the cache; the
     scheduler advances it, ``KVCacheManager.allocate_slots`` sets it on a
@@ -43,8 +49,8 @@ class Request:
     """
 
     __slots__ = (
+        "_block_hashes",
         "_token_ids",
-        "block_hashes",
         "block_size",
         "max_tokens",
         "num_computed_tokens",
@@ -82,7 +88,7 @@ class Request:
         self.priority = priority
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.block_hashes: list[BlockHash] = hash_full_blocks(
+        self._block_hashes: list[BlockHash] = hash_full_blocks(
             root_hash, token_ids, block_size, 0, len(token_ids) // block_size
         )
 
@@ -99,26 +105,38 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self._token_ids) - self.num_prompt_tokens
 
-    def append_output_token_ids(self, token_id: int) -> None:
-        """Appends one sampled token; hashes the block it completes, if any."""
-        token_ids = self._token_ids
-        token_ids.append(token_id)
-        if not len(token_ids) % self.block_size:
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Hashes of every full block, in order; blocks filled since the last
+        read are hashed now. Read it; do not mutate it."""
+        hashes = self._block_hashes
+        if len(self._token_ids) // self.block_size > len(hashes):
             self._hash_new_full_blocks()
+        return hashes
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Appends one sampled token."""
+        self._token_ids.append(token_id)
 
     def extend_output_token_ids(self, token_ids: Iterable[int]) -> None:
-        """Appends several sampled tokens; hashes the blocks they complete."""
+        """Appends several sampled tokens."""
         self._token_ids.extend(token_ids)
-        self._hash_new_full_blocks()
+
+    def extend_output_token_bytes(self, data: bytes) -> None:
+        """Appends sampled tokens given as native uint32 bytes."""
+        self._token_ids.frombytes(data)
 
     def _hash_new_full_blocks(self) -> None:
-        start = len(self.block_hashes)
+        hashes = self._block_hashes
+        start = len(hashes)
         end = len(self._token_ids) // self.block_size
-        if end > start:
-            parent = self.block_hashes[-1] if start else self.root_hash
-            self.block_hashes += hash_full_blocks(
-                parent, self._token_ids, self.block_size, start, end
-            )
+        if end == start + 1:  # the common case, without the general loop
+            step = 4 * self.block_size
+            data = token_bytes(self._token_ids)[start * step : end * step]
+            hashes.append(hash_block_tokens(hashes[-1] if start else self.root_hash, data))
+        else:
+            parent = hashes[-1] if start else self.root_hash
+            hashes += hash_full_blocks(parent, self._token_ids, self.block_size, start, end)
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,7 @@ from typing import Any
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.bench.trace import TraceConfig, build_trace
 from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash
+from pagedkv.scheduler.decode_batch import DecodeBatch
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 
@@ -81,13 +82,12 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
     max_running = args.max_running
     max_batched = args.max_num_batched_tokens
     allocate_slots = kv.allocate_slots
-    allocate_decode_slots = kv.allocate_decode_slots
     get_computed_blocks = kv.get_computed_blocks
     free = kv.free
     pool = kv.pool
     num_usable = args.num_blocks - 1
     waiting: deque[Request] = deque(requests)
-    decoding: list[Request] = []  # running, prompt done: one token per step
+    decoding = DecodeBatch(kv, max_running)  # running, prompt done: one token per step
     prefilling: list[Request] = []  # running, prompt partly computed (chunked prefill)
     step_ns: list[int] = []
     num_running_per_step: list[int] = []
@@ -106,6 +106,10 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
         waiting.appendleft(victim)
         num_preemptions += 1
 
+    def sample(request: Request) -> int:
+        # Any id will do: the outputs are never shared.
+        return request.num_tokens * 40503 % vocab_size
+
     gc.collect()
     gc.freeze()  # the trace's objects live all run long; keep them out of GC passes
     perf_counter_ns = time.perf_counter_ns
@@ -113,12 +117,10 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
         start = perf_counter_ns()
         num_preempted = num_preemptions
         # 1. Running requests first: one token for each decoding request ...
-        i = 0
-        while i < len(decoding):
-            i += allocate_decode_slots(decoding, i).num_allocated
-            if i < len(decoding):
-                preempt_newest()
-        budget = max_batched - len(decoding)
+        while not decoding.allocate()[0]:
+            preempt_newest()
+        num_decoding = len(decoding)
+        budget = max_batched - num_decoding
         # ... then the next chunk of each partly computed prompt.
         chunks: list[tuple[Request, int]] = []
         for request in prefilling:
@@ -128,7 +130,7 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
             chunks.append((request, num_new))
             budget -= num_new
         # 2. Admission, with a prefix-cache lookup, unless this step preempted.
-        num_running = len(decoding) + len(prefilling)
+        num_running = num_decoding + len(prefilling)
         while (
             num_preempted == num_preemptions
             and waiting
@@ -146,35 +148,28 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
             chunks.append((request, num_new))
             budget -= num_new
             num_running += 1
-        # 3. After the forward: progress, sampled tokens, finished requests.
-        finished = False
-        for request in decoding:
-            num_computed = request.num_computed_tokens + 1
-            request.num_computed_tokens = num_computed
-            # The "sampled" token: any id will do, the outputs are never shared.
-            request.append_output_token_ids(num_computed * 40503 % vocab_size)
-            if num_computed + 1 - request.num_prompt_tokens == request.max_tokens:
+        # 3. After the forward: sampled tokens, finished requests, finished prompts.
+        if num_decoding:
+            sampled = decoding.num_tokens[:num_decoding] * 40503 % vocab_size
+            done = decoding.append(sampled)
+            num_output_tokens += num_decoding
+            for request in decoding.remove(done):
                 request.status = RequestStatus.FINISHED_LENGTH
                 free(request)
-                finished = True
-        num_output_tokens += len(decoding)
-        if finished:
-            kept = [r for r in decoding if r.status is RequestStatus.RUNNING]
-            num_finished += len(decoding) - len(kept)
-            decoding = kept
+            num_finished += len(done)
         for request, num_new in chunks:
             num_computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = num_computed
             if num_computed == request.num_tokens:  # the prompt is done: first sample
                 prefilling.remove(request)
-                request.append_output_token_ids(num_computed * 40503 % vocab_size)
+                request.append_output_token_ids(sample(request))
                 num_output_tokens += 1
-                if num_computed + 1 - request.num_prompt_tokens == request.max_tokens:
+                if request.num_output_tokens == request.max_tokens:
                     request.status = RequestStatus.FINISHED_LENGTH
                     free(request)
                     num_finished += 1
                 else:
-                    decoding.append(request)
+                    decoding.add(request)
         step_ns.append(perf_counter_ns() - start)
         num_running_per_step.append(num_running)
         usage_per_step.append(1.0 - pool.free_block_queue.num_free_blocks / num_usable)
