@@ -199,9 +199,9 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
+            block.ref_cnt = 1
             if block.block_hash is not None:
                 self._evict(block)
-            block.ref_cnt = 1
         return blocks
 
     def get_new_block(self) -> KVCacheBlock:
@@ -281,10 +281,13 @@ class BlockPool:
             block_hashes[num_cached_blocks:num_full_blocks],
             strict=True,
         ):
-            if block.block_hash is None and not block.is_null and block_hash not in index:
+            if (
+                block.block_hash is None
+                and not block.is_null
+                and index.setdefault(block_hash, block) is block
+            ):
                 block.block_hash = block_hash
                 block.group_id = group_id
-                index[block_hash] = block
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int = 0) -> None:
         """``cache_full_blocks`` for one block (the decode path's common case)."""

@@ -177,16 +177,11 @@ class DecodeBatch:
             rows = list(range(n))
         flagged = self._sync_rows(rows)
         result = self.kv.allocate_decode_slots(flagged)
-        block_size = self.block_size
-        updates: list[tuple[Request, Allocation]] = []
-        for j, allocation in result.updates:
-            i = rows[j]
-            if len(allocation.updates) == 1:
-                (update,) = allocation.updates
-                self.num_slots[i] = (update.start + len(update.block_ids)) * block_size
-            else:
-                self.num_slots[i] = self.kv.num_slots(flagged[j].request_id)
-            updates.append((flagged[j], allocation))
+        updates = [(flagged[j], allocation) for j, allocation in result.updates]
+        if updates:
+            changed = [rows[j] for j, _ in result.updates]
+            num_slots = self.kv.num_slots
+            self.num_slots[changed] = [num_slots(request.request_id) for request, _ in updates]
         return result.num_allocated == len(rows), updates
 
     def append(self, sampled_token_ids: npt.ArrayLike) -> list[int]:

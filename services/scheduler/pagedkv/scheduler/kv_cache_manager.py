@@ -431,6 +431,8 @@ class KVCacheManager:
 
     def num_slots(self, request_id: RequestId) -> int:
         """Tokens the request's tables have slots for (the shortest group's table)."""
+        if self._single_full is not None:
+            return len(self._single_full.req_to_blocks.get(request_id, ())) * self.block_size
         return min(len(m.req_to_blocks.get(request_id, ())) for m in self.managers) * (
             self.block_size
         )

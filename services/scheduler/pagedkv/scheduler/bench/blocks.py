@@ -141,6 +141,11 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
             computed = get_computed_blocks(request)
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             if allocate_slots(request, num_new, computed) is None:
+                if not num_running:
+                    raise RuntimeError(
+                        f"{request.request_id} needs more blocks than the pool has; "
+                        "raise --num-blocks"
+                    )
                 break
             waiting.popleft()
             request.status = RequestStatus.RUNNING
