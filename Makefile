@@ -18,7 +18,6 @@ setup: $(STAMP)
 
 $(STAMP): $(PART_FILES) constraints.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -r requirements-dev.txt \
 		$(foreach p,$(PARTS),-e ./$(p))
 	touch $@

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.scheduler.decode_batch import DecodeBatch
-from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager, TableUpdate
+from pagedkv.scheduler.kv_cache_manager import Allocation, BlockCopy, KVCacheManager, TableUpdate
 from pagedkv.scheduler.request import Request
 from tests.scheduler.factories import admit, decode, manager, window_spec
 
@@ -137,4 +137,36 @@ def test_sliding_window_rows_release_blocks_every_step() -> None:
     batch.add(request)
     assert batch.allocate()[0]
     assert kv.get_block_ids("a") == ([0, 2, 3],)
+    assert kv.check_integrity().ok
+
+
+def test_pending_tokens_go_into_the_request_once_the_buffer_is_full() -> None:
+    kv = manager(20)
+    request = prefilled(kv, "a", range(4), 50)
+    batch = DecodeBatch(kv, 2, pending_width=3)
+    batch.add(request)
+    for token in (10, 11):
+        assert batch.allocate()[0]
+        batch.append([token])
+    assert request.num_tokens == 5  # still waiting in the batch
+    assert batch.allocate()[0]
+    batch.append([12])
+    assert list(request.token_ids)[-3:] == [10, 11, 12]
+
+
+def test_forked_requests_take_the_copy_on_write_path() -> None:
+    kv = manager(20)
+    parent = prefilled(kv, "p", range(6), 50)
+    child = kv.make_request("c", parent.token_ids, max_tokens=50)
+    kv.fork(parent, child)
+    batch = DecodeBatch(kv, 4)
+    batch.add(parent)
+    batch.add(child)
+    ok, updates = batch.allocate()
+    assert ok
+    # The parent writes first into the shared partial block and gets a copy.
+    assert updates == [(parent, Allocation((TableUpdate(1, (3,)),)))]
+    assert kv.take_copy_ops() == [BlockCopy(2, 3)]
+    batch.append([7, 8])
+    assert batch.allocate() == (True, [])
     assert kv.check_integrity().ok

@@ -5,18 +5,21 @@ time in Python, the bookkeeping of that step (a slot for the token, the
 sampled token appended, the stop check) costs about a microsecond per request
 on a small CPU, although a request needs block work only once per block.
 ``DecodeBatch`` keeps the per-request counters as numpy columns, finds the
-requests that start a new block (or took part in a fork) with a few vector
-operations, and touches only those in Python: once per ``block_size`` steps
-per request.
+requests whose next token starts a new block with one vector comparison, and
+gives all of them their block in one ``KVCacheManager.append_blocks`` call.
 
 Ownership: while a request is in the batch, the batch owns its progress. Its
-newest sampled tokens (less than one block) wait in the batch and are written
-into the ``Request`` when it starts a new block or leaves the batch;
-``request.num_computed_tokens`` is written before every ``KVCacheManager``
-call that reads it and when the request leaves. Read a request only after
-taking it out (``pop``, ``remove``) or after ``sync``. Blocks a request fills
-while in the batch are hashed and entered into the prefix cache when it is
-freed (``KVCacheManager.free``), not block by block.
+newest sampled tokens wait in the batch (up to ``pending_width`` of them) and
+are written into the ``Request`` in one piece when that many have gathered or
+when it leaves; ``request.num_computed_tokens`` is written before every
+``KVCacheManager`` call that reads it and when the request leaves. Read a
+request only after taking it out (``pop``, ``remove``) or after ``sync``.
+Blocks a request fills while in the batch are hashed and entered into the
+prefix cache when it is freed (``KVCacheManager.free``), not block by block.
+
+Requests that took part in a fork (copy-on-write) and managers with
+sliding-window groups (which release blocks as the window moves) take the
+per-request path, ``KVCacheManager.allocate_decode_slots``, every step.
 
 Rows are not kept in admission order (removal moves the last row into the
 hole); ``pop`` takes the most recently added request.
@@ -33,7 +36,7 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
+from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager, TableUpdate
 from pagedkv.scheduler.request import Request
 
 IntArray = npt.NDArray[np.int64]
@@ -44,10 +47,11 @@ _NO_LIMIT = 2**62
 class DecodeBatch:
     """Up to ``capacity`` decoding requests of one ``KVCacheManager``."""
 
-    def __init__(self, kv: KVCacheManager, capacity: int) -> None:
+    def __init__(self, kv: KVCacheManager, capacity: int, pending_width: int = 64) -> None:
         self.kv = kv
         self.capacity = capacity
         self.block_size = kv.block_size
+        self.pending_width = pending_width
         self.requests: list[Request] = []
         # Tokens known: the request's array plus the pending ones.
         self.num_tokens: IntArray = np.zeros(capacity, np.int64)
@@ -59,22 +63,23 @@ class DecodeBatch:
         self.max_num_tokens: IntArray = np.zeros(capacity, np.int64)
         # Order of admission (for ``pop``).
         self.added_at: IntArray = np.zeros(capacity, np.int64)
-        # Requests that took part in a fork: checked every step (copy-on-write).
-        self.forked = np.zeros(capacity, np.bool_)
+        # Rows that take the per-request path (forked requests).
+        self.per_request = np.zeros(capacity, np.bool_)
         # Sampled tokens not yet written into the request, as uint32 (the
         # request's own storage type, so they go over as bytes).
-        self.pending = np.zeros((capacity, self.block_size), np.uint32)
+        self.pending = np.zeros((capacity, pending_width), np.uint32)
         self._columns = (
             self.num_tokens,
             self.num_synced,
             self.num_slots,
             self.max_num_tokens,
             self.added_at,
-            self.forked,
+            self.per_request,
             self.pending,
         )
         self._num_added = 0
-        self._num_forked = 0
+        self._num_per_request = 0
+        self._all_per_request = not kv.has_single_full_attention_group
         self._rows = np.arange(capacity)
 
     def __len__(self) -> int:
@@ -102,23 +107,23 @@ class DecodeBatch:
         )
         self.added_at[i] = self._num_added
         self._num_added += 1
-        forked = self.kv.is_forked(request.request_id)
-        self.forked[i] = forked
-        self._num_forked += forked
+        per_request = self.kv.is_forked(request.request_id)
+        self.per_request[i] = per_request
+        self._num_per_request += per_request
 
     def sync(self, i: int) -> Request:
         """Writes row ``i``'s pending tokens and computed count into its request."""
-        return self._sync_rows([i])[0]
+        return self._sync_rows(np.array([i]))[0]
 
-    def _sync_rows(self, rows: list[int]) -> list[Request]:
+    def _sync_rows(self, rows: IntArray) -> list[Request]:
         requests = self.requests
         num_tokens = self.num_tokens[rows]
         num_pending = (num_tokens - self.num_synced[rows]).tolist()
         pending = self.pending[rows].tobytes()
-        row_bytes = 4 * self.block_size
+        row_bytes = 4 * self.pending_width
         synced = []
         offset = 0
-        for i, count, total in zip(rows, num_pending, num_tokens.tolist(), strict=True):
+        for i, count, total in zip(rows.tolist(), num_pending, num_tokens.tolist(), strict=True):
             request = requests[i]
             if count:
                 request.extend_output_token_bytes(pending[offset : offset + 4 * count])
@@ -140,11 +145,13 @@ class DecodeBatch:
         The last rows move into the holes, so row numbers change.
         """
         rows = sorted(rows, reverse=True)
-        removed = {i: self.sync(i) for i in rows}
+        if not rows:
+            return []
+        removed = dict(zip(rows, self._sync_rows(np.array(rows, np.int64)), strict=True))
         requests = self.requests
         for i in rows:
             last = len(requests) - 1
-            self._num_forked -= bool(self.forked[i])
+            self._num_per_request -= bool(self.per_request[i])
             if i != last:
                 requests[i] = requests[last]
                 for column in self._columns:
@@ -158,43 +165,63 @@ class DecodeBatch:
         """Gives every row a slot for its next token.
 
         Returns (whether every row got one; (request, Allocation) for the
-        requests whose tables changed). When a block could not be had, the
-        rows after the first one that failed were not tried: preempt (e.g.
-        ``pop``) and call again; rows that got their slot are not changed
-        again. Only rows that start a new block or took part in a fork reach
-        the ``KVCacheManager``, in one call; with sliding-window groups
-        (which release blocks as the window moves) every row does.
+        requests whose tables changed). When a block could not be had, some
+        rows were not served: preempt (e.g. ``pop``) and call again; rows that
+        got their slot are not changed again.
         """
         n = len(self.requests)
-        if self.kv.has_single_full_attention_group:
-            needs_work = self.num_tokens[:n] > self.num_slots[:n]
-            if self._num_forked:
-                needs_work |= self.forked[:n]
-            rows = np.flatnonzero(needs_work).tolist()
-            if not rows:
-                return True, []
-        else:
-            rows = list(range(n))
-        flagged = self._sync_rows(rows)
-        result = self.kv.allocate_decode_slots(flagged)
-        updates = [(flagged[j], allocation) for j, allocation in result.updates]
+        if self._all_per_request:
+            return self._allocate_per_request(self._rows[:n])
+        needs_block = self.num_tokens[:n] > self.num_slots[:n]
+        if self._num_per_request:
+            needs_block &= ~self.per_request[:n]
+        rows = np.flatnonzero(needs_block)
+        updates: list[tuple[Request, Allocation]] = []
+        if len(rows):
+            requests = self.requests
+            appending = [requests[i] for i in rows.tolist()]
+            block_ids = self.kv.append_blocks(appending)
+            if block_ids is None:  # short of blocks: request by request, up to the first miss
+                return self._allocate_per_request(
+                    np.flatnonzero(needs_block | self.per_request[:n])
+                )
+            starts = (self.num_slots[rows] // self.block_size).tolist()
+            self.num_slots[rows] += self.block_size
+            updates = [
+                (request, Allocation((TableUpdate(start, (block_id,)),)))
+                for request, start, block_id in zip(appending, starts, block_ids, strict=True)
+            ]
+        if self._num_per_request:
+            ok, more = self._allocate_per_request(np.flatnonzero(self.per_request[:n]))
+            return ok, updates + more
+        return True, updates
+
+    def _allocate_per_request(
+        self, rows: IntArray
+    ) -> tuple[bool, list[tuple[Request, Allocation]]]:
+        if not len(rows):
+            return True, []
+        synced = self._sync_rows(rows)
+        result = self.kv.allocate_decode_slots(synced)
+        updates = [(synced[j], allocation) for j, allocation in result.updates]
         if updates:
-            changed = [rows[j] for j, _ in result.updates]
+            changed = rows[[j for j, _ in result.updates]]
             num_slots = self.kv.num_slots
             self.num_slots[changed] = [num_slots(request.request_id) for request, _ in updates]
         return result.num_allocated == len(rows), updates
 
     def append(self, sampled_token_ids: npt.ArrayLike) -> list[int]:
-        """Appends one sampled token to every row; returns the rows that reached max_tokens.
-
-        The tokens wait in the batch until the row starts a new block.
-        """
+        """Appends one sampled token to every row; returns the rows that reached max_tokens."""
         n = len(self.requests)
         sampled = np.asarray(sampled_token_ids)
         if sampled.shape != (n,):
             raise ValueError(f"sampled_token_ids: {sampled.shape} for {n} rows")
         num_tokens = self.num_tokens[:n]
-        self.pending[self._rows[:n], num_tokens - self.num_synced[:n]] = sampled
+        num_pending = num_tokens - self.num_synced[:n]
+        self.pending[self._rows[:n], num_pending] = sampled
         num_tokens += 1
+        full = np.flatnonzero(num_pending == self.pending_width - 1)
+        if len(full):
+            self._sync_rows(full)
         done: list[int] = np.flatnonzero(num_tokens >= self.max_num_tokens[:n]).tolist()
         return done

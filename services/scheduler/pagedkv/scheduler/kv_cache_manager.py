@@ -218,10 +218,12 @@ class KVCacheManager:
         Returns None when the blocks cannot be had; then nothing has changed.
         """
         fast = self._single_full
-        if fast is not None and computed is None and not num_lookahead_tokens:
-            # Decode hot path: the request's last block has room and is its own.
+        if fast is not None and not num_lookahead_tokens:
             blocks = fast.req_to_blocks.get(request.request_id)
-            if blocks is not None:
+            if blocks is None:
+                return self._admit_single(fast, request, num_new_tokens, computed)
+            if computed is None:
+                # Decode hot path: the request's last block has room and is its own.
                 num_computed = request.num_computed_tokens
                 num_tokens = num_computed + num_new_tokens
                 block_size = self.block_size
@@ -236,6 +238,45 @@ class KVCacheManager:
                         fast.cache_blocks(request.request_id, request.block_hashes, num_tokens)
                     return NO_TABLE_CHANGE
         return self._allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
+
+    def _admit_single(
+        self,
+        manager: SingleTypeKVCacheManager,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None,
+    ) -> Allocation | None:
+        """``allocate_slots`` for a request new to a single full-attention group."""
+        if computed is not None and computed.num_tokens:
+            if request.num_computed_tokens:
+                raise ValueError(
+                    f"{request.request_id}: prefix hits are for a request with no blocks"
+                )
+            hits = computed.blocks[0]
+            num_computed = computed.num_tokens
+        else:
+            hits = ()
+            num_computed = request.num_computed_tokens
+        num_tokens = num_computed + num_new_tokens
+        if num_new_tokens < 0 or num_tokens > request.num_tokens:
+            raise ValueError(
+                f"{request.request_id}: {num_tokens} tokens scheduled, "
+                f"the request has {request.num_tokens}"
+            )
+        num_new_blocks = -(-num_tokens // self.block_size) - len(hits)
+        num_evictable = sum(1 for block in hits if not block.ref_cnt)
+        pool = self.pool
+        if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
+            return None
+        pool.touch(hits)
+        blocks = [*hits, *pool.get_new_blocks(num_new_blocks)]
+        request_id = request.request_id
+        manager.req_to_blocks[request_id] = blocks
+        manager.num_cached_blocks[request_id] = len(hits)
+        if self.enable_caching:
+            manager.cache_blocks(request_id, request.block_hashes, num_tokens)
+        request.num_computed_tokens = num_computed
+        return Allocation((TableUpdate(0, tuple(map(_block_id, blocks))),))
 
     def _allocate_slots(
         self,
@@ -360,6 +401,25 @@ class KVCacheManager:
             if allocation.updates:
                 updates.append((i, allocation))
         return DecodeAllocation(len(requests) - start, updates)
+
+    def append_blocks(self, requests: Sequence[Request]) -> list[BlockId] | None:
+        """Appends one fresh block to the end of each request's table.
+
+        For callers that know each request's next token starts a new block
+        (``DecodeBatch``): a single full-attention group, requests not forked.
+        All or nothing: None, and no change, when fewer blocks are free.
+        Returns the new block ids, in the order of ``requests``.
+        """
+        fast = self._single_full
+        if fast is None:
+            raise ValueError("append_blocks needs a single full-attention group")
+        if len(requests) > self.pool.free_block_queue.num_free_blocks:
+            return None
+        tables = fast.req_to_blocks
+        blocks = self.pool.get_new_blocks(len(requests))
+        for request, block in zip(requests, blocks, strict=True):
+            tables[request.request_id].append(block)
+        return list(map(_block_id, blocks))
 
     def _allocate_one_more(self, request: Request) -> Allocation | None:
         num_new = 1 if request.num_tokens > request.num_computed_tokens else 0
