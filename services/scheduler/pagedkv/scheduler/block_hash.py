@@ -53,17 +53,17 @@ def root_hash(model_id: str, block_size: int, cache_salt: str | None = None) -> 
     return BlockHash(xxh3_128_digest(data))
 
 
-def token_bytes(token_ids: array[int]) -> bytes | memoryview:
-    """The token ids as little-endian uint32 bytes (a view where possible)."""
+def token_bytes(token_ids: array[int]) -> bytes:
+    """The token ids as little-endian uint32 bytes."""
     if _LITTLE_ENDIAN:
-        return memoryview(token_ids).cast("B")
+        return token_ids.tobytes()
     swapped = array(TOKEN_TYPECODE, token_ids)  # pragma: no cover - big-endian hosts
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
 
 
 def hash_block_tokens(
-    parent: BlockHash, block_token_bytes: bytes | memoryview, extra_keys: bytes = b""
+    parent: BlockHash, block_token_bytes: bytes, extra_keys: bytes = b""
 ) -> BlockHash:
     """The hash of one full block given its parent's hash."""
     return BlockHash(xxh3_128_digest(parent + block_token_bytes + extra_keys))

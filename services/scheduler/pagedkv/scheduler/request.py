@@ -131,8 +131,8 @@ class Request:
         start = len(hashes)
         end = len(self._token_ids) // self.block_size
         if end == start + 1:  # the common case, without the general loop
-            step = 4 * self.block_size
-            data = token_bytes(self._token_ids)[start * step : end * step]
+            block_size = self.block_size
+            data = token_bytes(self._token_ids[start * block_size : end * block_size])
             hashes.append(hash_block_tokens(hashes[-1] if start else self.root_hash, data))
         else:
             parent = hashes[-1] if start else self.root_hash
