@@ -29,7 +29,7 @@ def _bench(tmp_path: Path, *args: str) -> dict:  # type: ignore[type-arg]
 
 
 def test_small_trace_finishes_every_request_with_no_leak(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--num-requests", "300")
+    results = _bench(tmp_path, "--num-requests", "300", "--repeat", "1")
     trace = results["trace"]
     assert trace["num_finished"] == 300
     assert trace["leaked_blocks"] == 0
@@ -40,7 +40,7 @@ def test_small_trace_finishes_every_request_with_no_leak(tmp_path: Path) -> None
 
 
 def test_small_pool_preempts_and_still_finishes_everything(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--num-requests", "300", "--num-blocks", "400")
+    results = _bench(tmp_path, "--num-requests", "300", "--num-blocks", "400", "--repeat", "2")
     trace = results["trace"]
     assert trace["num_preemptions"] > 0
     assert trace["num_finished"] == 300

@@ -22,6 +22,9 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="trace runs; the fastest is reported (default 3)"
+    )
     parser.add_argument("--output", help="write the results as JSON to this file")
     parser.set_defaults(handler=_run)
 
