@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.scheduler.decode_batch import DecodeBatch
+from pagedkv.scheduler.decode_batch import BlockAppends, DecodeBatch, DecodeBatchAllocation
 from pagedkv.scheduler.kv_cache_manager import Allocation, BlockCopy, KVCacheManager, TableUpdate
 from pagedkv.scheduler.request import Request
 from tests.scheduler.factories import admit, decode, manager, window_spec
@@ -24,9 +24,8 @@ def test_only_rows_that_start_a_block_reach_the_manager() -> None:
     batch = DecodeBatch(kv, 4)
     batch.add(a)
     batch.add(b)
-    ok, updates = batch.allocate()
-    assert ok
-    assert updates == [(b, Allocation((TableUpdate(1, (3,)),)))]
+    result = batch.allocate()
+    assert result == DecodeBatchAllocation(True, BlockAppends([b], [1], [3]), [])
     assert kv.get_block_ids("b") == ([2, 3],)
     assert batch.append([7, 8]) == []
     # Tokens wait in the batch until a request leaves or starts a block.
@@ -45,7 +44,7 @@ def test_batch_and_per_request_decoding_build_the_same_tables_and_cache() -> Non
     for step in range(21):
         for request in singles:
             decode(per_request, request, 2000 + step)
-        assert batch.allocate()[0]
+        assert batch.allocate().ok
         assert batch.append([2000 + step] * len(batch)) == []
     for rid in prompts:
         assert per_request.get_block_ids(rid) == batched.get_block_ids(rid)
@@ -69,7 +68,7 @@ def test_blocks_filled_in_the_batch_are_cached_when_the_request_is_freed() -> No
     batch = DecodeBatch(kv, 2)
     batch.add(request)
     for token in range(100, 108):
-        assert batch.allocate()[0]
+        assert batch.allocate().ok
         batch.append([token])
     (done,) = batch.remove([0])
     assert done.num_computed_tokens == 12
@@ -85,7 +84,7 @@ def test_append_reports_rows_that_reach_max_tokens() -> None:
     long = prefilled(kv, "long", range(4), 5)
     batch.add(long)
     batch.add(short)
-    assert batch.allocate()[0]
+    assert batch.allocate().ok
     assert batch.append([1, 2]) == [1]
     assert batch.remove([1]) == [short]
     assert short.num_output_tokens == 2
@@ -100,13 +99,13 @@ def test_allocate_reports_a_missing_block_and_pop_takes_the_newest() -> None:
     batch.add(first)
     batch.add(second)
     assert kv.pool.get_num_free_blocks() == 1
-    ok, updates = batch.allocate()
-    assert not ok  # first took the last block, second found none
-    assert updates == [(first, Allocation((TableUpdate(1, (3,)),)))]
+    result = batch.allocate()
+    assert not result.ok  # first took the last block, second found none
+    assert result.updates == [(first, Allocation((TableUpdate(1, (3,)),)))]
     victim = batch.pop()
     assert victim is second
     kv.free(victim)
-    assert batch.allocate() == (True, [])
+    assert batch.allocate() == DecodeBatchAllocation(True, BlockAppends([], [], []), [])
     assert kv.check_integrity().ok
 
 
@@ -135,7 +134,7 @@ def test_sliding_window_rows_release_blocks_every_step() -> None:
     request = prefilled(kv, "a", range(8), 50)
     batch = DecodeBatch(kv, 2)
     batch.add(request)
-    assert batch.allocate()[0]
+    assert batch.allocate().ok
     assert kv.get_block_ids("a") == ([0, 2, 3],)
     assert kv.check_integrity().ok
 
@@ -146,10 +145,10 @@ def test_pending_tokens_go_into_the_request_once_the_buffer_is_full() -> None:
     batch = DecodeBatch(kv, 2, pending_width=3)
     batch.add(request)
     for token in (10, 11):
-        assert batch.allocate()[0]
+        assert batch.allocate().ok
         batch.append([token])
     assert request.num_tokens == 5  # still waiting in the batch
-    assert batch.allocate()[0]
+    assert batch.allocate().ok
     batch.append([12])
     assert list(request.token_ids)[-3:] == [10, 11, 12]
 
@@ -162,11 +161,11 @@ def test_forked_requests_take_the_copy_on_write_path() -> None:
     batch = DecodeBatch(kv, 4)
     batch.add(parent)
     batch.add(child)
-    ok, updates = batch.allocate()
-    assert ok
+    result = batch.allocate()
+    assert result.ok and not result.appends.requests
     # The parent writes first into the shared partial block and gets a copy.
-    assert updates == [(parent, Allocation((TableUpdate(1, (3,)),)))]
+    assert result.updates == [(parent, Allocation((TableUpdate(1, (3,)),)))]
     assert kv.take_copy_ops() == [BlockCopy(2, 3)]
     batch.append([7, 8])
-    assert batch.allocate() == (True, [])
+    assert batch.allocate() == DecodeBatchAllocation(True, BlockAppends([], [], []), [])
     assert kv.check_integrity().ok

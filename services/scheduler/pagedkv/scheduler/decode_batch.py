@@ -9,10 +9,12 @@ requests whose next token starts a new block with one vector comparison, and
 gives all of them their block in one ``KVCacheManager.append_blocks`` call.
 
 Ownership: while a request is in the batch, the batch owns its progress. Its
-newest sampled tokens wait in the batch (up to ``pending_width`` of them) and
-are written into the ``Request`` in one piece when that many have gathered or
-when it leaves; ``request.num_computed_tokens`` is written before every
-``KVCacheManager`` call that reads it and when the request leaves. Read a
+newest sampled tokens wait in the batch, in a ring of the last
+``pending_width`` steps (one contiguous write per step), and are written into
+the ``Request`` in one piece: every ``pending_width`` steps for all rows, and
+when a request leaves or takes the per-request path.
+``request.num_computed_tokens`` is written before every ``KVCacheManager``
+call that reads it and when the request leaves. Read a
 request only after taking it out (``pop``, ``remove``) or after ``sync``.
 Blocks a request fills while in the batch are hashed and entered into the
 prefix cache when it is freed (``KVCacheManager.free``), not block by block.
@@ -32,16 +34,43 @@ computed but the last one (a sampled token not yet run):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager, TableUpdate
+from pagedkv.common.ids import BlockId
+from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedkv.scheduler.request import Request
 
 IntArray = npt.NDArray[np.int64]
 
 _NO_LIMIT = 2**62
+
+
+class BlockAppends(NamedTuple):
+    """Requests whose tables each got one block appended, as parallel lists:
+    ``block_ids[k]`` is now entry ``starts[k]`` of ``requests[k]``'s table."""
+
+    requests: list[Request]
+    starts: list[int]
+    block_ids: list[BlockId]
+
+
+_NO_APPENDS = BlockAppends([], [], [])
+
+
+class DecodeBatchAllocation(NamedTuple):
+    """What ``DecodeBatch.allocate`` did.
+
+    ``ok``: every row got a slot. ``appends``: the rows that got a block
+    appended (the common case). ``updates``: (request, Allocation) for rows
+    that took the per-request path and whose tables changed.
+    """
+
+    ok: bool
+    appends: BlockAppends
+    updates: list[tuple[Request, Allocation]]
 
 
 class DecodeBatch:
@@ -65,9 +94,11 @@ class DecodeBatch:
         self.added_at: IntArray = np.zeros(capacity, np.int64)
         # Rows that take the per-request path (forked requests).
         self.per_request = np.zeros(capacity, np.bool_)
-        # Sampled tokens not yet written into the request, as uint32 (the
-        # request's own storage type, so they go over as bytes).
-        self.pending = np.zeros((capacity, pending_width), np.uint32)
+        # The tokens sampled in the last ``pending_width`` steps, by step
+        # (ring) and row, as uint32 (the request's own storage type, so they
+        # go over as bytes).
+        self.history = np.zeros((pending_width, capacity), np.uint32)
+        self._num_steps = 0
         self._columns = (
             self.num_tokens,
             self.num_synced,
@@ -75,7 +106,6 @@ class DecodeBatch:
             self.max_num_tokens,
             self.added_at,
             self.per_request,
-            self.pending,
         )
         self._num_added = 0
         self._num_per_request = 0
@@ -119,17 +149,22 @@ class DecodeBatch:
         requests = self.requests
         num_tokens = self.num_tokens[rows]
         num_pending = (num_tokens - self.num_synced[rows]).tolist()
-        pending = self.pending[rows].tobytes()
-        row_bytes = 4 * self.pending_width
+        width = self.pending_width
+        history = b""
+        if any(num_pending):
+            # Each row's last ``width`` tokens, oldest first, row after row.
+            oldest = self._num_steps % width
+            history = np.roll(self.history[:, rows], -oldest, axis=0).T.tobytes()
+        row_bytes = 4 * width
         synced = []
-        offset = 0
+        end = 0
         for i, count, total in zip(rows.tolist(), num_pending, num_tokens.tolist(), strict=True):
+            end += row_bytes
             request = requests[i]
             if count:
-                request.extend_output_token_bytes(pending[offset : offset + 4 * count])
+                request.extend_output_token_bytes(history[end - 4 * count : end])
             request.num_computed_tokens = total - 1
             synced.append(request)
-            offset += row_bytes
         self.num_synced[rows] = num_tokens
         return synced
 
@@ -156,18 +191,20 @@ class DecodeBatch:
                 requests[i] = requests[last]
                 for column in self._columns:
                     column[i] = column[last]
+                self.history[:, i] = self.history[:, last]
             requests.pop()
         return [removed[i] for i in rows]
 
     # -- stepping ----------------------------------------------------------------------
 
-    def allocate(self) -> tuple[bool, list[tuple[Request, Allocation]]]:
+    def allocate(self) -> DecodeBatchAllocation:
         """Gives every row a slot for its next token.
 
-        Returns (whether every row got one; (request, Allocation) for the
-        requests whose tables changed). When a block could not be had, some
-        rows were not served: preempt (e.g. ``pop``) and call again; rows that
-        got their slot are not changed again.
+        When a block could not be had (``ok`` is False), some rows were not
+        served: preempt (e.g. ``pop``) and call again; rows that got their
+        slot are not changed again. Table changes come back columnar for the
+        rows that got a block appended, and as ``Allocation`` for rows that
+        took the per-request path.
         """
         n = len(self.requests)
         if self._all_per_request:
@@ -176,7 +213,7 @@ class DecodeBatch:
         if self._num_per_request:
             needs_block &= ~self.per_request[:n]
         rows = np.flatnonzero(needs_block)
-        updates: list[tuple[Request, Allocation]] = []
+        appends = _NO_APPENDS
         if len(rows):
             requests = self.requests
             appending = [requests[i] for i in rows.tolist()]
@@ -187,20 +224,15 @@ class DecodeBatch:
                 )
             starts = (self.num_slots[rows] // self.block_size).tolist()
             self.num_slots[rows] += self.block_size
-            updates = [
-                (request, Allocation((TableUpdate(start, (block_id,)),)))
-                for request, start, block_id in zip(appending, starts, block_ids, strict=True)
-            ]
+            appends = BlockAppends(appending, starts, block_ids)
         if self._num_per_request:
-            ok, more = self._allocate_per_request(np.flatnonzero(self.per_request[:n]))
-            return ok, updates + more
-        return True, updates
+            result = self._allocate_per_request(np.flatnonzero(self.per_request[:n]))
+            return result._replace(appends=appends)
+        return DecodeBatchAllocation(True, appends, [])
 
-    def _allocate_per_request(
-        self, rows: IntArray
-    ) -> tuple[bool, list[tuple[Request, Allocation]]]:
+    def _allocate_per_request(self, rows: IntArray) -> DecodeBatchAllocation:
         if not len(rows):
-            return True, []
+            return DecodeBatchAllocation(True, _NO_APPENDS, [])
         synced = self._sync_rows(rows)
         result = self.kv.allocate_decode_slots(synced)
         updates = [(synced[j], allocation) for j, allocation in result.updates]
@@ -208,7 +240,7 @@ class DecodeBatch:
             changed = rows[[j for j, _ in result.updates]]
             num_slots = self.kv.num_slots
             self.num_slots[changed] = [num_slots(request.request_id) for request, _ in updates]
-        return result.num_allocated == len(rows), updates
+        return DecodeBatchAllocation(result.num_allocated == len(rows), _NO_APPENDS, updates)
 
     def append(self, sampled_token_ids: npt.ArrayLike) -> list[int]:
         """Appends one sampled token to every row; returns the rows that reached max_tokens."""
@@ -216,12 +248,12 @@ class DecodeBatch:
         sampled = np.asarray(sampled_token_ids)
         if sampled.shape != (n,):
             raise ValueError(f"sampled_token_ids: {sampled.shape} for {n} rows")
+        width = self.pending_width
+        self.history[self._num_steps % width, :n] = sampled
+        self._num_steps += 1
         num_tokens = self.num_tokens[:n]
-        num_pending = num_tokens - self.num_synced[:n]
-        self.pending[self._rows[:n], num_pending] = sampled
         num_tokens += 1
-        full = np.flatnonzero(num_pending == self.pending_width - 1)
-        if len(full):
-            self._sync_rows(full)
+        if not self._num_steps % width:  # the ring is full: the oldest slot is next
+            self._sync_rows(self._rows[:n])
         done: list[int] = np.flatnonzero(num_tokens >= self.max_num_tokens[:n]).tolist()
         return done

@@ -117,7 +117,7 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
         start = perf_counter_ns()
         num_preempted = num_preemptions
         # 1. Running requests first: one token for each decoding request ...
-        while not decoding.allocate()[0]:
+        while not decoding.allocate().ok:
             preempt_newest()
         num_decoding = len(decoding)
         budget = max_batched - num_decoding
