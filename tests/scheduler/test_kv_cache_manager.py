@@ -298,3 +298,51 @@ def test_allocate_decode_slots_stops_at_the_first_request_without_a_block() -> N
 def test_kv_cache_specs_must_share_one_block_size() -> None:
     with pytest.raises(ValueError, match="block size"):
         manager(10, [full_spec(4), full_spec(8)])
+
+
+# Two groups (full attention first, then a sliding window; block size 2, window
+# 3) over 8 usable blocks: every group takes its hits and releases what left
+# its window before any group takes fresh blocks.
+
+
+def test_hybrid_allocation_that_fits_after_window_release_succeeds() -> None:
+    kv = manager(9, [full_spec(2), window_spec(window=3, block_size=2)])
+    request = kv.make_request("a", list(range(12)))
+    assert kv.allocate_slots(request, 8, kv.get_computed_blocks(request)) is not None
+    request.num_computed_tokens = 8
+    assert kv.pool.get_num_free_blocks() == 0
+    # Tokens 8-9 need one block per group; keys 0-5 left the window: 3 blocks.
+    assert kv.allocate_slots(request, 2) is not None
+    assert kv.check_integrity().ok
+    assert kv.get_block_ids("a")[1][:3] == [0, 0, 0]
+
+
+def test_hybrid_prefix_hit_blocks_stay_out_of_the_other_groups_tables() -> None:
+    kv = manager(9, [full_spec(2), window_spec(window=3, block_size=2)])
+    first = kv.make_request("a", list(range(8)))
+    assert kv.allocate_slots(first, 8, kv.get_computed_blocks(first)) is not None
+    first.num_computed_tokens = 8
+    kv.free(first)  # free queue: the full group's 4 3 2 1, then the window group's 8 7 6 5
+    second = kv.make_request("b", [*range(8), 99])
+    hit = kv.get_computed_blocks(second)
+    assert hit.num_tokens == 8
+    window_hit = hit.blocks[1][3]
+    assert kv.allocate_slots(second, 1, hit) is not None
+    full_table, window_table = kv.get_block_ids("b")
+    assert window_table[3] == window_hit.block_id
+    assert window_hit.block_id not in full_table
+    assert kv.pool.get_cached_block(second.block_hashes[3], group_id=1) is window_hit
+    assert kv.check_integrity().ok
+
+
+def test_integrity_check_reports_a_block_held_at_two_places() -> None:
+    kv = manager(10)
+    request = kv.make_request("a", range(8))
+    admit(kv, request)
+    table = kv.managers[0].req_to_blocks["a"]
+    table[1] = table[0]  # one block at two logical indices
+    table[0].ref_cnt += 1
+    kv.pool.blocks[2].ref_cnt -= 1
+    kv.pool.free_block_queue.append(kv.pool.blocks[2])
+    report = kv.check_integrity()
+    assert any("held at" in e for e in report.errors)

@@ -319,15 +319,19 @@ class KVCacheManager:
             if num_needed > num_free:
                 return None
 
-        copy_ops: list[tuple[BlockId, BlockId]] = []
-        updates: list[TableUpdate] = []
-        write_index = num_computed // self.block_size
+        # First every group takes its hits and releases what left its window,
+        # so that no group's fresh blocks come from another group's hits and
+        # every released block is free before any group allocates.
+        starts = [len(m.req_to_blocks.get(request_id, ())) for m in managers]
         for manager, hits in zip(managers, computed.blocks, strict=True):
-            start = len(manager.req_to_blocks.get(request_id, ()))
             if hits:
                 pool.touch(hits)
                 manager.save_new_computed_blocks(request_id, hits)
             manager.remove_skipped_blocks(request_id, num_computed)
+        copy_ops: list[tuple[BlockId, BlockId]] = []
+        updates: list[TableUpdate] = []
+        write_index = num_computed // self.block_size
+        for manager, start in zip(managers, starts, strict=True):
             num_copies = len(copy_ops)
             manager.allocate_new_blocks(request_id, num_computed, num_slots, copy_ops)
             if len(copy_ops) > num_copies:
@@ -512,12 +516,20 @@ class KVCacheManager:
         """The pool's audit plus holder counts: each ref_cnt equals its tables."""
         report = self.pool.check_integrity()
         errors = list(report.errors)
+        # A block holds one logical block's KV: one (group, index) in every table.
+        places: dict[int, tuple[int, int]] = {}
         holders: Counter[int] = Counter()
         for manager in self.managers:
             for request_id, blocks in manager.req_to_blocks.items():
-                for block in blocks:
+                for index, block in enumerate(blocks):
                     if not block.is_null:
                         holders[block.block_id] += 1
+                        place = (manager.group_id, index)
+                        if places.setdefault(block.block_id, place) != place:
+                            errors.append(
+                                f"block {block.block_id}: held at (group, index) "
+                                f"{places[block.block_id]} and {place}"
+                            )
                 num_cached = manager.num_cached_blocks.get(request_id)
                 if num_cached is None or num_cached > len(blocks):
                     errors.append(f"{request_id}: cached-block count {num_cached} of {len(blocks)}")
