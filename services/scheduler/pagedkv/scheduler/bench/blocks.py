@@ -247,6 +247,7 @@ def _machine() -> dict[str, Any]:
         "system": platform.platform(),
         "python": sys.version.split()[0],
         "xxhash": version("xxhash"),
+        "numpy": version("numpy"),
         "pagedkv_scheduler": version("pagedkv-scheduler"),
     }
 
@@ -281,15 +282,18 @@ def main(args: argparse.Namespace) -> int:
             "hash_2048_tokens_us": TARGET_HASH_US,
         },
     }
-    _print_table(results)
+    rows = table_rows(results)
+    print(format_table(rows))
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results written to {args.output}")
+        output = Path(args.output)
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        output.with_suffix(".md").write_text(format_markdown(results, rows))
+        print(f"results written to {output} and {output.with_suffix('.md')}")
     clean = all(run.leaked_blocks == 0 and run.integrity_ok for run in runs)
     return 0 if clean else 1
 
 
-def _print_table(results: dict[str, Any]) -> None:
+def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     t = results["trace"]
     rows = [
         ("steps", f"{t['num_steps']}", ""),
@@ -332,9 +336,34 @@ def _print_table(results: dict[str, Any]) -> None:
             f"≤ {TARGET_LOOKUP_US:.0f}",
         ),
     ]
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, str]]) -> str:
+    """The rows as an aligned plain-text table."""
     width = max(len(r[0]) for r in rows)
     value_width = max(len(r[1]) for r in rows)
-    print(f"{'metric':<{width}}  {'value':>{value_width}}  target")
-    print("-" * (width + value_width + 10))
-    for name, value, target in rows:
-        print(f"{name:<{width}}  {value:>{value_width}}  {target}")
+    lines = [f"{'metric':<{width}}  {'value':>{value_width}}  target"]
+    lines.append("-" * (width + value_width + 10))
+    lines += [f"{name:<{width}}  {value:>{value_width}}  {target}" for name, value, target in rows]
+    return "\n".join(lines)
+
+
+def format_markdown(results: dict[str, Any], rows: list[tuple[str, str, str]]) -> str:
+    """A short report: the machine, the configuration and the table."""
+    machine = results["machine"]
+    lines = [
+        "# Block-core benchmark (`pagedkv bench blocks`)",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['system']}; "
+        f"Python {machine['python']}, xxhash {machine['xxhash']}, numpy {machine['numpy']}.",
+        "",
+        "Trace: {num_requests} requests, {num_blocks} blocks of {block_size} tokens, up to "
+        "{max_running} running, {max_num_batched_tokens} tokens per step, prefix caching "
+        "{prefix_caching}; best of the trace runs listed.".format(**results["config"]),
+        "",
+        "| metric | value | target |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {value} | {target} |" for name, value, target in rows]
+    return "\n".join(lines) + "\n"
