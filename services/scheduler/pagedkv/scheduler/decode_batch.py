@@ -111,6 +111,7 @@ class DecodeBatch:
         self._num_per_request = 0
         self._all_per_request = not kv.has_single_full_attention_group
         self._rows = np.arange(capacity)
+        self._slots = np.arange(pending_width)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -154,7 +155,8 @@ class DecodeBatch:
         if any(num_pending):
             # Each row's last ``width`` tokens, oldest first, row after row.
             oldest = self._num_steps % width
-            history = np.roll(self.history[:, rows], -oldest, axis=0).T.tobytes()
+            steps = (self._slots + oldest) % width  # ring slots, oldest first
+            history = self.history[steps[:, None], rows].T.tobytes()
         row_bytes = 4 * width
         synced = []
         end = 0
