@@ -5,6 +5,8 @@ over a shared ``BlockPool``: prefix-cache lookups consistent across groups,
 all-or-nothing allocation, freeing, copy-on-write forks, stats and the
 integrity audit. It never touches KV data: the executor applies the table
 updates and copy ops it produces.
+
+The result types live in ``kv_cache_types`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,74 +14,37 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import NamedTuple
 
 from pagedkv.common.ids import BlockId, RequestId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_hash import root_hash
-from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport, KVCacheBlock
+from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
+from pagedkv.scheduler.kv_cache_types import (
+    NO_TABLE_CHANGE,
+    Allocation,
+    BlockCopy,
+    ComputedBlocks,
+    DecodeAllocation,
+    PrefixCacheStats,
+    TableUpdate,
+)
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     make_manager,
 )
 
+__all__ = [
+    "NO_TABLE_CHANGE",
+    "Allocation",
+    "BlockCopy",
+    "ComputedBlocks",
+    "DecodeAllocation",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "TableUpdate",
+]
 
-class ComputedBlocks(NamedTuple):
-    """A prefix-cache hit: per group, the cached blocks; and the tokens they hold."""
-
-    blocks: tuple[tuple[KVCacheBlock, ...], ...]
-    num_tokens: int
-
-
-class TableUpdate(NamedTuple):
-    """One group's block-table change: entries from ``start`` on are ``block_ids``."""
-
-    start: int
-    block_ids: tuple[BlockId, ...]
-
-
-class Allocation(NamedTuple):
-    """What ``allocate_slots`` changed: one ``TableUpdate`` per group, or none.
-
-    ``updates`` is empty when no table changed (the common decode step).
-    """
-
-    updates: tuple[TableUpdate, ...]
-
-
-class DecodeAllocation(NamedTuple):
-    """What ``allocate_decode_slots`` did.
-
-    ``num_allocated``: requests of the list, from ``start`` on, that got their
-    slot (the rest did not, from the first one that could not). ``updates``:
-    (index in the list, Allocation) for those whose tables changed.
-    """
-
-    num_allocated: int
-    updates: list[tuple[int, Allocation]]
-
-
-class BlockCopy(NamedTuple):
-    """A copy-on-write copy of one block for the executor: ``src`` into ``dst``."""
-
-    src: BlockId
-    dst: BlockId
-
-
-class PrefixCacheStats(NamedTuple):
-    """Prefix-cache lookups since start: requests looked up, tokens asked, tokens hit."""
-
-    requests: int
-    queries: int
-    hits: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-NO_TABLE_CHANGE = Allocation(())
 
 _block_id = attrgetter("block_id")
 
