@@ -31,6 +31,7 @@ from pagedkv.scheduler.kv_cache_types import (
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
+    cdiv,
     make_manager,
 )
 
@@ -228,7 +229,7 @@ class KVCacheManager:
                 f"{request.request_id}: {num_tokens} tokens scheduled, "
                 f"the request has {request.num_tokens}"
             )
-        num_new_blocks = -(-num_tokens // self.block_size) - len(hits)
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(hits)
         num_evictable = sum(1 for block in hits if not block.ref_cnt)
         pool = self.pool
         if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
@@ -317,7 +318,8 @@ class KVCacheManager:
     ) -> DecodeAllocation:
         """Gives each of ``requests[start:]`` a slot for one more token, in order.
 
-        The decode hot path: for each request, slots up to
+        The per-request decode path (``DecodeBatch`` serves most rows with
+        ``append_blocks``): for each request, slots up to
         ``num_computed_tokens + 1`` (the next token may still be on the
         executor, not yet appended: async stepping). Same effects as
         ``allocate_slots`` per request; stops at the first request that cannot
@@ -351,7 +353,7 @@ class KVCacheManager:
             ):
                 # Room in its own last block: only a block that fills needs work.
                 # (A block whose last token is not known yet, in async stepping,
-                # is entered at the next one that fills.)
+                # is entered when the next one fills, or by free().)
                 if caching and not (num_computed + 1) % block_size:
                     fast.cache_blocks(request_id, request.block_hashes, num_computed + 1)
                 continue
