@@ -47,7 +47,7 @@ run: setup
 
 # Refreshes the committed block-core results.
 bench-blocks: setup
-	$(BIN)/pagedkv bench blocks --output tests/benchmarks/results/blocks-cpu.json
+	$(BIN)/pagedkv bench blocks --repeat 5 --output tests/benchmarks/results/blocks-cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

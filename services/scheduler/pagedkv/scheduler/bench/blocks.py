@@ -268,6 +268,7 @@ def main(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "prefix_caching": not args.no_prefix_caching,
             "seed": args.seed,
+            "repeat": args.repeat,
             "trace": asdict(TraceConfig(num_requests=args.num_requests, seed=args.seed)),
         },
         "trace": asdict(trace),
