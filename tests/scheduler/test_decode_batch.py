@@ -169,3 +169,23 @@ def test_forked_requests_take_the_copy_on_write_path() -> None:
     batch.append([7, 8])
     assert batch.allocate() == DecodeBatchAllocation(True, BlockAppends([], [], []), [])
     assert kv.check_integrity().ok
+
+
+def test_short_pool_serves_every_row_in_row_order_forked_ones_included() -> None:
+    kv = manager(6)  # 5 usable blocks
+    parent = prefilled(kv, "p", range(20, 24), 50)
+    child = kv.make_request("c", parent.token_ids, max_tokens=50)
+    kv.fork(parent, child)
+    a = prefilled(kv, "a", range(4), 50)
+    b = prefilled(kv, "b", range(10, 14), 50)
+    admit(kv, kv.make_request("filler", range(30, 34)))
+    assert kv.pool.get_num_free_blocks() == 1
+    batch = DecodeBatch(kv, 4)
+    for request in (parent, child, a, b):
+        batch.add(request)  # every row's next token starts a block
+    result = batch.allocate()
+    # Too few blocks for a and b together: row by row, the forked parent first.
+    assert not result.ok
+    assert result.appends == BlockAppends([], [], [])
+    assert result.updates == [(parent, Allocation((TableUpdate(1, (5,)),)))]
+    assert kv.check_integrity().ok
