@@ -10,6 +10,11 @@ from pagedkv.scheduler.request import Request
 
 BLOCK_SIZE = 4
 
+# KV-cache group layouts the state machines draw from.
+FULL = "full_attention"
+SLIDING = "sliding_window"
+HYBRID = "full_and_sliding_window"
+
 
 def full_spec(block_size: int = BLOCK_SIZE) -> KVCacheSpec:
     return KVCacheSpec(block_size, num_layers=2, num_kv_heads=2, head_size=8, dtype="float16")
@@ -24,6 +29,17 @@ def window_spec(window: int, block_size: int = BLOCK_SIZE) -> KVCacheSpec:
         dtype="float16",
         sliding_window=window,
     )
+
+
+def layout_specs(layout: str, block_size: int, window: int) -> list[KVCacheSpec]:
+    """The groups of a layout: full attention, a sliding window, or both (full first)."""
+    full, sliding = full_spec(block_size), window_spec(window, block_size)
+    return {FULL: [full], SLIDING: [sliding], HYBRID: [full, sliding]}[layout]
+
+
+def max_request_len(specs: Sequence[KVCacheSpec], num_blocks: int) -> int:
+    """Tokens a request may reach so that it fits the pool alone."""
+    return (num_blocks - 1) // len(specs) * specs[0].block_size
 
 
 def manager(

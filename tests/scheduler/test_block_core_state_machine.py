@@ -38,10 +38,8 @@ from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId, RequestId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
-
-FULL = "full_attention"
-SLIDING = "sliding_window"
-HYBRID = "full_and_sliding_window"
+from pagedkv.scheduler.single_type_kv_cache_manager import cdiv
+from tests.scheduler.factories import FULL, HYBRID, SLIDING, layout_specs, max_request_len
 
 VOCAB = 4  # few token ids: different prompts often share blocks
 NUM_FAMILIES = 3  # fresh prompts start with a prefix of one of these
@@ -51,14 +49,6 @@ GARBAGE = -1  # what a lookahead (draft) slot holds until its token is computed
 
 STEPS: Counter[str] = Counter()  # rules run, per machine class
 SEEN: Counter[tuple[str, str]] = Counter()  # (machine class, event): what a run exercised
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def spec(block_size: int, sliding_window: int | None = None) -> KVCacheSpec:
-    return KVCacheSpec(block_size, 2, 2, 8, "float16", sliding_window=sliding_window)
 
 
 @dataclass(frozen=True)
@@ -71,13 +61,12 @@ class Config:
 
     @property
     def specs(self) -> list[KVCacheSpec]:
-        full, sliding = spec(self.block_size), spec(self.block_size, self.window)
-        return {FULL: [full], SLIDING: [sliding], HYBRID: [full, sliding]}[self.layout]
+        return layout_specs(self.layout, self.block_size, self.window)
 
     @property
     def max_len(self) -> int:
         """Tokens (lookahead slots included) a request may reach: it fits the pool alone."""
-        return (self.num_blocks - 1) // len(self.specs) * self.block_size
+        return max_request_len(self.specs, self.num_blocks)
 
 
 @dataclass

@@ -61,10 +61,7 @@ from pagedkv.scheduler.block_pool import KVCacheBlock
 from pagedkv.scheduler.decode_batch import DecodeBatch, DecodeBatchAllocation
 from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedkv.scheduler.request import Request
-
-FULL = "full_attention"
-SLIDING = "sliding_window"
-HYBRID = "full_and_sliding_window"
+from tests.scheduler.factories import FULL, HYBRID, SLIDING, layout_specs, max_request_len
 
 VOCAB = 4  # prompt and later sampled tokens: different requests often share blocks
 FIRST_TOKEN = 1000  # first sampled token of a prefill: FIRST_TOKEN + a counter, unique
@@ -78,10 +75,6 @@ SEEN: Counter[tuple[str, str]] = Counter()  # (machine class, event)
 Tables = list[list[BlockId]]
 
 
-def spec(block_size: int, sliding_window: int | None = None) -> KVCacheSpec:
-    return KVCacheSpec(block_size, 2, 2, 8, "float16", sliding_window=sliding_window)
-
-
 @dataclass(frozen=True)
 class Config:
     layout: str
@@ -93,13 +86,12 @@ class Config:
 
     @property
     def specs(self) -> list[KVCacheSpec]:
-        full, sliding = spec(self.block_size), spec(self.block_size, self.window)
-        return {FULL: [full], SLIDING: [sliding], HYBRID: [full, sliding]}[self.layout]
+        return layout_specs(self.layout, self.block_size, self.window)
 
     @property
     def max_len(self) -> int:
         """Tokens a request may reach: it fits the pool alone."""
-        return (self.num_blocks - 1) // len(self.specs) * self.block_size
+        return max_request_len(self.specs, self.num_blocks)
 
 
 @dataclass
