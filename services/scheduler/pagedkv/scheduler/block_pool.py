@@ -206,17 +206,9 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """``get_new_blocks(1)`` without the list: the head of the free queue."""
-        queue = self.free_block_queue
-        head = queue._head
-        block = head.next_free
-        if block is None or block is queue._tail:
+        if not self.free_block_queue.num_free_blocks:
             raise ValueError("cannot get a block: none is free")
-        nxt = block.next_free
-        assert nxt is not None and block.ref_cnt == 0, block
-        head.next_free = nxt
-        nxt.prev_free = head
-        block.prev_free = block.next_free = None
-        queue.num_free_blocks -= 1
+        block = self.free_block_queue.popleft()
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
