@@ -281,16 +281,6 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.group_id = group_id
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int = 0) -> None:
-        """``cache_full_blocks`` for one block (the decode path's common case)."""
-        if not self.enable_caching or block.block_hash is not None or block.is_null:
-            return
-        index = self.cached_blocks[group_id]
-        if block_hash not in index:
-            block.block_hash = block_hash
-            block.group_id = group_id
-            index[block_hash] = block
-
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None

@@ -119,12 +119,7 @@ class SingleTypeKVCacheManager:
         """Enters the request's blocks that ``num_tokens`` tokens fill into the index."""
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         num_cached = self.num_cached_blocks[request_id]
-        if num_full == num_cached + 1:
-            self.pool.cache_block(
-                self.req_to_blocks[request_id][num_cached], block_hashes[num_cached], self.group_id
-            )
-            self.num_cached_blocks[request_id] = num_full
-        elif num_full > num_cached:
+        if num_full > num_cached:
             self.pool.cache_full_blocks(
                 self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.group_id
             )
