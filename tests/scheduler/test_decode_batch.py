@@ -189,3 +189,15 @@ def test_short_pool_serves_every_row_in_row_order_forked_ones_included() -> None
     assert result.appends == BlockAppends([], [], [])
     assert result.updates == [(parent, Allocation((TableUpdate(1, (5,)),)))]
     assert kv.check_integrity().ok
+
+
+def test_remove_returns_requests_in_the_order_asked_and_pop_needs_a_row() -> None:
+    kv = manager(20)
+    batch = DecodeBatch(kv, 4)
+    requests = [prefilled(kv, rid, range(i, i + 3), 50) for i, rid in enumerate("abc")]
+    for request in requests:
+        batch.add(request)
+    assert batch.remove([0, 2]) == [requests[0], requests[2]]
+    assert batch.pop() is requests[1]
+    with pytest.raises(IndexError, match="empty"):
+        batch.pop()

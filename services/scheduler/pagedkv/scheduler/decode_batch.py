@@ -173,6 +173,8 @@ class DecodeBatch:
     def pop(self) -> Request:
         """Takes out the most recently added request (the one to preempt), synced."""
         n = len(self.requests)
+        if not n:
+            raise IndexError("pop from an empty decode batch")
         (request,) = self.remove([int(np.argmax(self.added_at[:n]))])
         return request
 
@@ -181,12 +183,12 @@ class DecodeBatch:
 
         The last rows move into the holes, so row numbers change.
         """
-        rows = sorted(rows, reverse=True)
-        if not rows:
+        given = list(rows)
+        if not given:
             return []
-        removed = dict(zip(rows, self._sync_rows(np.array(rows, np.int64)), strict=True))
+        removed = dict(zip(given, self._sync_rows(np.array(given, np.int64)), strict=True))
         requests = self.requests
-        for i in rows:
+        for i in sorted(removed, reverse=True):
             last = len(requests) - 1
             self._num_per_request -= bool(self.per_request[i])
             if i != last:
@@ -195,7 +197,7 @@ class DecodeBatch:
                     column[i] = column[last]
                 self.history[:, i] = self.history[:, last]
             requests.pop()
-        return [removed[i] for i in rows]
+        return [removed[i] for i in given]
 
     # -- stepping ----------------------------------------------------------------------
 
