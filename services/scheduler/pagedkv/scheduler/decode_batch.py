@@ -186,6 +186,8 @@ class DecodeBatch:
         given = list(rows)
         if not given:
             return []
+        if len(set(given)) != len(given):
+            raise ValueError(f"rows: {given} names a row twice")
         removed = dict(zip(given, self._sync_rows(np.array(given, np.int64)), strict=True))
         requests = self.requests
         for i in sorted(removed, reverse=True):
