@@ -252,8 +252,28 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def calibration_ns() -> float:
+    """ns per iteration of a fixed pure-Python loop: how fast the machine is now.
+
+    Shared 2-core machines change speed from minute to minute; this figure,
+    taken before each trace run, tells a slow run from a slow machine.
+    """
+
+    def loop() -> int:
+        total = 0
+        for i in range(100_000):
+            total += i & 7
+        return total
+
+    return min(timeit.repeat(loop, number=1, repeat=5)) / 100_000 * 1e9
+
+
 def main(args: argparse.Namespace) -> int:
-    runs = [run_trace(args) for _ in range(args.repeat)]
+    calibrations = []
+    runs = []
+    for _ in range(args.repeat):
+        calibrations.append(calibration_ns())
+        runs.append(run_trace(args))
     trace = min(runs, key=lambda run: run.ns_per_running_request_per_step)
     hash_us = measure_hash_2048(args.block_size)
     lookup_us = measure_lookup_2048(args.block_size)
@@ -275,6 +295,7 @@ def main(args: argparse.Namespace) -> int:
         "trace_runs_ns_per_running_request_per_step": [
             run.ns_per_running_request_per_step for run in runs
         ],
+        "trace_runs_calibration_ns_per_loop_iteration": calibrations,
         "hash_2048_tokens_us": hash_us,
         "lookup_2048_tokens_1024_cached_us": lookup_us,
         "targets": {
@@ -302,6 +323,13 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
             "runs: ns per running request per step",
             " / ".join(f"{ns:.0f}" for ns in results["trace_runs_ns_per_running_request_per_step"]),
             "best shown below",
+        ),
+        (
+            "runs: machine speed, ns per loop iteration",
+            " / ".join(
+                f"{ns:.1f}" for ns in results["trace_runs_calibration_ns_per_loop_iteration"]
+            ),
+            "lower is faster",
         ),
         (
             "µs per step (mean / median / p99)",
