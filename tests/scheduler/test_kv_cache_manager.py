@@ -8,8 +8,10 @@ from pagedkv.scheduler.kv_cache_manager import (
     NO_TABLE_CHANGE,
     Allocation,
     BlockCopy,
+    KVCacheManager,
     TableUpdate,
 )
+from pagedkv.scheduler.request import Request
 from tests.scheduler.factories import admit, decode, free_ids, full_spec, manager, window_spec
 
 
@@ -99,16 +101,14 @@ def test_partial_blocks_are_never_cached() -> None:
 def test_cache_salt_and_model_keep_prefixes_apart() -> None:
     kv = manager(20)
     admit(kv, kv.make_request("a", range(9), cache_salt="tenant-a"))
-    assert (
-        kv.get_computed_blocks(kv.make_request("b", range(9), cache_salt="tenant-b")).num_tokens
-        == 0
-    )
-    assert (
-        kv.get_computed_blocks(kv.make_request("c", range(9), cache_salt="tenant-a")).num_tokens
-        == 8
-    )
-    other_model = manager(20)
-    assert other_model.get_computed_blocks(other_model.make_request("d", range(9))).num_tokens == 0
+    other_tenant = kv.make_request("b", range(9), cache_salt="tenant-b")
+    same_tenant = kv.make_request("c", range(9), cache_salt="tenant-a")
+    assert kv.get_computed_blocks(other_tenant).num_tokens == 0
+    assert kv.get_computed_blocks(same_tenant).num_tokens == 8
+    # Another model's requests hash the same tokens to other blocks.
+    other_model = KVCacheManager([full_spec()], 20, model_id="another-model")
+    unsalted = kv.make_request("d", range(9))
+    assert other_model.make_request("e", range(9)).block_hashes[0] != unsalted.block_hashes[0]
 
 
 def test_caching_disabled_never_hits() -> None:
@@ -159,13 +159,19 @@ def test_scheduling_more_tokens_than_the_request_has_is_an_error() -> None:
         kv.allocate_slots(request, 5)
 
 
-def test_fork_shares_blocks_and_copies_the_partial_block_on_first_write() -> None:
-    kv = manager(12)
-    parent = kv.make_request("p", range(6))
+def forked_pair(kv: KVCacheManager, prompt_len: int) -> tuple[Request, Request]:
+    """A prefilled parent with one sampled token, and a child forked from it."""
+    parent = kv.make_request("p", range(prompt_len))
     admit(kv, parent)
-    parent.append_output_token_ids(60)
+    parent.append_output_token_ids(100)
     child = kv.make_request("c", parent.token_ids)
     kv.fork(parent, child)
+    return parent, child
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_first_write() -> None:
+    kv = manager(12)
+    parent, child = forked_pair(kv, 6)
     assert kv.get_block_ids("c") == kv.get_block_ids("p") == ([1, 2],)
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2)] == [2, 2]
     assert child.num_computed_tokens == 6
@@ -184,11 +190,7 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_first_write() -> Non
 
 def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     kv = manager(12)
-    parent = kv.make_request("p", range(8))
-    admit(kv, parent)
-    parent.append_output_token_ids(80)
-    child = kv.make_request("c", parent.token_ids)
-    kv.fork(parent, child)
+    parent, child = forked_pair(kv, 8)
     assert kv.allocate_slots(child, 1) == Allocation((TableUpdate(2, (3,)),))
     assert kv.allocate_slots(parent, 1) == Allocation((TableUpdate(2, (4,)),))
     assert kv.take_copy_ops() == []
@@ -204,11 +206,7 @@ def test_fork_rejects_a_child_with_other_tokens() -> None:
 
 def test_freeing_both_sides_of_a_fork_returns_every_block() -> None:
     kv = manager(12)
-    parent = kv.make_request("p", range(6))
-    admit(kv, parent)
-    parent.append_output_token_ids(60)
-    child = kv.make_request("c", parent.token_ids)
-    kv.fork(parent, child)
+    parent, child = forked_pair(kv, 6)
     decode(kv, child, 61)
     kv.free(parent)
     kv.free(child)
