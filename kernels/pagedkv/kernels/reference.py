@@ -1,0 +1,118 @@
+"""Torch oracles of the paged-attention kernels: plain, slow and obviously right.
+
+Every Triton kernel in this package is tested against the function of the same
+name here. Layouts (per layer):
+
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``;
+- ``slot = block_id * block_size + offset``; a negative slot means "no slot"
+  (padding) and is skipped;
+- a batch of sequences is packed: the new (query) tokens of sequence ``i`` are
+  rows ``query_start_loc[i] : query_start_loc[i + 1]``;
+- ``seq_lens[i]`` counts all of sequence ``i``'s tokens whose K/V are in the
+  cache after this step (cached context plus its new tokens), so its queries
+  sit at the last positions (bottom-right aligned causal attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens], int
+) -> None:
+    """Writes each token's K and V at its slot; negative slots are skipped."""
+    block_size = key_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        key_cache[block, offset] = key[token]
+        value_cache[block, offset] = value[token]
+
+
+def compute_slot_mapping(
+    query_start_loc: torch.Tensor,  # [num_seqs + 1], int
+    positions: torch.Tensor,  # [num_tokens], int
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int
+    block_size: int,
+) -> torch.Tensor:
+    """The slot of every packed token: its sequence's block at ``position // block_size``."""
+    slots = torch.empty_like(positions, dtype=torch.int64)
+    starts = query_start_loc.tolist()
+    for seq in range(len(starts) - 1):
+        for token in range(starts[seq], starts[seq + 1]):
+            position = int(positions[token])
+            block = int(block_table[seq, position // block_size])
+            slots[token] = block * block_size + position % block_size
+    return slots
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int
+    seq_lens: torch.Tensor,  # [num_seqs], int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1], int
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
+    """Causal attention of each sequence's new tokens over its paged K/V.
+
+    Query token j of a sequence with ``seq_len`` tokens and ``q_len`` new ones
+    is at position ``p = seq_len - q_len + j`` and reads keys ``0 .. p``, or
+    only ``p - sliding_window + 1 .. p`` with a window. Scores are
+    ``scale * q·k``, soft-capped as ``softcap * tanh(score / softcap)`` when
+    given. Computed in float32.
+    """
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: {num_q_heads} heads is not a multiple of {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[seq] : starts[seq + 1]].float()  # [q_len, Hq, D]
+        q_len = q.shape[0]
+        if not q_len:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[seq, :num_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        allowed = key_pos <= query_pos
+        if sliding_window is not None:
+            allowed &= key_pos > query_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[seq] : starts[seq + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def copy_blocks(
+    key_caches: Sequence[
+        torch.Tensor
+    ],  # per layer [num_blocks, block_size, num_kv_heads, head_size]
+    value_caches: Sequence[torch.Tensor],  # per layer, same shape
+    src_dst: torch.Tensor,  # [num_copies, 2], int: (src block, dst block)
+) -> None:
+    """Copies block ``src`` into block ``dst`` in every layer, K and V (copy-on-write)."""
+    for src, dst in src_dst.tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst] = cache[src]
