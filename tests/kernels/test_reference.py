@@ -20,6 +20,7 @@ def build_batch(
     num_kv_heads: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    head_size: int = HEAD_SIZE,
 ) -> dict[str, object]:
     """Random sequences written into a paged cache through shuffled block tables."""
     gen = torch.Generator().manual_seed(seed)
@@ -31,9 +32,9 @@ def build_batch(
     block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     for seq, n in enumerate(blocks_per_seq):
         block_table[seq, :n] = torch.tensor([block_ids.pop() for _ in range(n)])
-    keys = [torch.randn(n, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for n in seq_lens]
-    values = [torch.randn(n, num_kv_heads, HEAD_SIZE, generator=gen).to(dtype) for n in seq_lens]
-    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE, dtype=dtype)
+    keys = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
+    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype)
     value_cache = torch.zeros_like(key_cache)
     for seq, n in enumerate(seq_lens):
         for pos in range(n):
@@ -41,7 +42,7 @@ def build_batch(
             key_cache[block, pos % BLOCK_SIZE] = keys[seq][pos]
             value_cache[block, pos % BLOCK_SIZE] = values[seq][pos]
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
-    query = torch.randn(sum(query_lens), num_q_heads, HEAD_SIZE, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_q_heads, head_size, generator=gen).to(dtype)
     return {
         "query": query,
         "key_cache": key_cache,

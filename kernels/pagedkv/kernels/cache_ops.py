@@ -1,0 +1,138 @@
+"""Triton kernels that move K/V into and within the paged cache.
+
+``reshape_and_cache`` writes a step's new K/V at their slots; ``copy_blocks``
+runs copy-on-write copies. Oracles: ``pagedkv.kernels.reference``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.checks import check_cache, check_int_vector
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_size]
+    value_ptr,  # [num_tokens, num_kv_heads, head_size]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping_ptr,  # [num_tokens]
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_size,
+    num_kv_heads,
+    head_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = valid & (heads < num_kv_heads) & (dims < head_size)
+    key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
+    value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
+    dst = block * cache_stride_b + offset * cache_stride_s + heads * cache_stride_h + dims
+    tl.store(key_cache_ptr + dst, key, mask=mask)
+    tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes each token's K and V at its slot; negative slots are skipped."""
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache, like=key_cache)
+    num_tokens, num_kv_heads, head_size = key.shape
+    if key.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(
+            f"key: {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
+        )
+    if value.shape != key.shape or key.dtype != key_cache.dtype or value.dtype != key.dtype:
+        raise ValueError("value: must match key in shape, and both the cache dtype")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key, value: the last dimension must be contiguous")
+    check_int_vector("slot_mapping", slot_mapping, num_tokens)
+    if not num_tokens:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.shape[1],
+        num_kv_heads,
+        head_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptr,  # [num_blocks, block_numel] (one layer's K or V, flattened per block)
+    src_dst_ptr,  # [num_copies, 2]
+    block_numel,
+    BLOCK: tl.constexpr,
+):
+    copy = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    src = tl.load(src_dst_ptr + 2 * copy).to(tl.int64)
+    dst = tl.load(src_dst_ptr + 2 * copy + 1).to(tl.int64)
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < block_numel
+    data = tl.load(cache_ptr + src * block_numel + offsets, mask=mask)
+    tl.store(cache_ptr + dst * block_numel + offsets, data, mask=mask)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    src_dst: torch.Tensor,
+) -> None:
+    """Copies block ``src`` into block ``dst`` in every layer, K and V."""
+    if (
+        src_dst.ndim != 2
+        or src_dst.shape[1] != 2
+        or src_dst.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"src_dst: expected an int [num_copies, 2] tensor, got {tuple(src_dst.shape)}"
+        )
+    if not len(src_dst):
+        return
+    src_dst = src_dst.contiguous()
+    for i, cache in enumerate((*key_caches, *value_caches)):
+        check_cache(f"caches[{i}]", cache)
+        if not cache.is_contiguous():
+            raise ValueError(f"caches[{i}]: must be contiguous")
+        block_numel = cache[0].numel()
+        block = min(4096, triton.next_power_of_2(block_numel))
+        grid = (len(src_dst), triton.cdiv(block_numel, block))
+        _copy_blocks_kernel[grid](cache, src_dst, block_numel, BLOCK=block)

@@ -1,0 +1,198 @@
+"""Triton paged attention over a packed varlen batch (prefill chunks and decodes).
+
+One program computes ``BLOCK_M`` query tokens of one sequence for one query
+head, streaming that sequence's K/V page by page through its block table with
+an online softmax (flash-attention tiling). Causal masking is bottom-right
+aligned: query token j of a sequence with ``seq_len`` tokens and ``q_len``
+new ones is at position ``seq_len - q_len + j``. Oracle:
+``reference.paged_attention``.
+
+This is the first, correct version: the split-K decode path and the tuning
+for the H200 targets come next.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.checks import FLOAT_DTYPES, check_cache, check_int_vector
+
+_MASKED = -1.0e30  # a score no real one reaches; finite so that exp() never sees inf - inf
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_size]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    out_ptr,  # [num_tokens, num_q_heads, head_size]
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    scale,
+    softcap,
+    sliding_window,
+    block_size,
+    head_size,
+    num_queries_per_kv,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    kv_head = head // num_queries_per_kv
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    context = seq_len - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    q_pos = context + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    q_offsets = (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Keys this tile reads: up to its last query's position, from the first
+    # key its first query's window reaches (a multiple of BLOCK_N).
+    kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
+    kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
+    kv_start = kv_end * 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context + tile * BLOCK_M - sliding_window + 1, 0)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_end
+        pages = tl.load(
+            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
+        ).to(tl.int64)
+        kv_offsets = (
+            pages * cache_stride_b
+            + (k_pos % block_size) * cache_stride_s
+            + kv_head * cache_stride_h
+        )
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        if USE_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(allowed, scores, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
+    out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
+    tl.store(
+        out_ptr + out_offsets,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged K/V.
+
+    Same contract as ``reference.paged_attention``. ``max_query_len`` (the
+    most new tokens of any sequence) sizes the launch; it is computed, with a
+    device sync, when not given.
+    """
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache, like=key_cache)
+    if query.ndim != 3 or query.dtype not in FLOAT_DTYPES or query.stride(-1) != 1:
+        raise ValueError(
+            "query: expected [num_tokens, num_q_heads, head_size], last dim contiguous"
+        )
+    num_tokens, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if head_size != key_cache.shape[3]:
+        raise ValueError(f"query: head size {head_size}, the cache has {key_cache.shape[3]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: {num_q_heads} heads is not a multiple of {num_kv_heads}")
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query: dtype {query.dtype}, the cache has {key_cache.dtype}")
+    check_int_vector("seq_lens", seq_lens)
+    check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
+    if block_table.ndim != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_table: expected an int [num_seqs, max_blocks_per_seq] tensor")
+    if block_table.stride(1) != 1 or block_table.shape[0] < len(seq_lens):
+        raise ValueError("block_table: one contiguous row per sequence")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError("sliding_window: must be positive")
+    if softcap is not None and softcap <= 0:
+        raise ValueError("softcap: must be positive")
+    out = torch.empty_like(query)
+    if not num_tokens or not len(seq_lens):
+        return out
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max())
+    block_m = 16
+    grid = (len(seq_lens), triton.cdiv(max_query_len, block_m), num_q_heads)
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        out,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        scale,
+        softcap or 1.0,
+        sliding_window or 0,
+        key_cache.shape[1],
+        head_size,
+        num_q_heads // num_kv_heads,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=16,
+        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+    )
+    return out

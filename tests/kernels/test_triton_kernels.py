@@ -1,0 +1,83 @@
+"""The Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the torch oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels import cache_ops, paged_attention, reference, slot_mapping
+from tests.kernels.test_reference import BLOCK_SIZE, MIXED, build_batch
+
+NAMES = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])  # GQA ratios 1 and 4
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+def test_paged_attention_matches_the_oracle(
+    dtype: torch.dtype, num_kv_heads: int, sliding_window: int | None, softcap: float | None
+) -> None:
+    batch = build_batch(*MIXED, num_q_heads=4, num_kv_heads=num_kv_heads, dtype=dtype)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -> None:
+    batch = build_batch([0, 17], [3, 1], num_q_heads=8, num_kv_heads=1, head_size=80)
+    args = [batch[name] for name in NAMES]
+    expected = reference.paged_attention(*args, scale=0.1)  # type: ignore[arg-type]
+    out = paged_attention.paged_attention(*args, scale=0.1)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_attention_names_a_bad_argument() -> None:
+    batch = build_batch([0], [2], num_q_heads=3, num_kv_heads=2)
+    args = [batch[name] for name in NAMES]
+    with pytest.raises(ValueError, match="query"):
+        paged_attention.paged_attention(*args, scale=1.0)  # type: ignore[arg-type]
+
+
+def test_slot_mapping_matches_the_oracle() -> None:
+    batch = build_batch(*MIXED, num_q_heads=2, num_kv_heads=2, seed=5)
+    starts = batch["query_start_loc"]
+    seq_lens = batch["seq_lens"]
+    assert isinstance(starts, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+    positions = torch.cat(
+        [
+            torch.arange(int(n) - int(q), int(n))
+            for n, q in zip(seq_lens, starts.diff(), strict=True)
+        ]
+    )
+    block_table = batch["block_table"]
+    assert isinstance(block_table, torch.Tensor)
+    expected = reference.compute_slot_mapping(starts, positions, block_table, BLOCK_SIZE)
+    out = slot_mapping.compute_slot_mapping(starts, positions, block_table, BLOCK_SIZE)
+    assert torch.equal(out, expected)
+
+
+def test_reshape_and_cache_matches_the_oracle_and_skips_padding() -> None:
+    key_cache = torch.randn(6, BLOCK_SIZE, 2, 64)
+    value_cache = torch.randn_like(key_cache)
+    key, value = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    slots = torch.tensor([17, -1, 3, 95, 40])
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+def test_copy_blocks_matches_the_oracle() -> None:
+    keys = [torch.randn(5, BLOCK_SIZE, 2, 8) for _ in range(2)]
+    values = [torch.randn(5, BLOCK_SIZE, 2, 8) for _ in range(2)]
+    expected_keys = [k.clone() for k in keys]
+    expected_values = [v.clone() for v in values]
+    src_dst = torch.tensor([[1, 4], [2, 3]])
+    reference.copy_blocks(expected_keys, expected_values, src_dst)
+    cache_ops.copy_blocks(keys, values, src_dst)
+    for got, want in zip(keys + values, expected_keys + expected_values, strict=True):
+        assert torch.equal(got, want)
