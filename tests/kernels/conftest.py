@@ -1,10 +1,11 @@
-"""Kernel tests run Triton kernels on the CPU through its interpreter.
-
-The variable must be set before any Triton kernel module is imported.
-"""
+"""Kernel tests run Triton kernels on the CPU through its interpreter when no
+GPU is there; the variable must be set before any kernel module is imported."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

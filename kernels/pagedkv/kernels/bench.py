@@ -1,0 +1,229 @@
+"""``pagedkv bench kernels``: the paged-attention kernels on a GPU.
+
+Measures, in one run: the device-to-device copy bandwidth (the ceiling), then
+decode and prefill attention through ``paged_attention`` on shuffled block
+tables against torch SDPA (the best of its cuDNN and flash backends) on the
+same K/V laid out contiguously, and small-batch decode latency under CUDA
+graph replay. Times are medians of CUDA-event timings with the L2 flushed
+before each call. Writes a JSON file of rows and a markdown summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from pagedkv.kernels.paged_attention import paged_attention
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def time_us(fn: Callable[[], object], iters: int = 20, flush: bool = True) -> float:
+    """Median µs of ``fn`` over ``iters`` calls, the L2 flushed before each."""
+    cache = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    fn()
+    times = []
+    for _ in range(iters):
+        if flush:
+            cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return float(statistics.median(times))
+
+
+def copy_ceiling_gbps(num_bytes: int = 4 * 1024**3) -> float:
+    """Device-to-device copy bandwidth, bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), iters=10, flush=False)
+    return 2 * num_bytes / us / 1e3
+
+
+class Case:
+    """One batch: paged K/V behind shuffled block tables, and the same K/V contiguous."""
+
+    def __init__(self, batch: int, context: int, new_tokens: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.batch, self.context, self.new_tokens = batch, context, new_tokens
+        seq_len = context + new_tokens
+        blocks_per_seq = triton.cdiv(seq_len, BLOCK_SIZE)
+        num_blocks = 1 + batch * blocks_per_seq
+        perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
+        self.block_table = perm.view(batch, blocks_per_seq).to(torch.int32)
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+        self.key_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+        self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+        self.query = torch.randn(
+            batch * new_tokens, NUM_Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE, generator=gen
+        )
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        self.query_start_loc = torch.arange(
+            0, (batch + 1) * new_tokens, new_tokens, dtype=torch.int32, device="cuda"
+        )
+
+        # Contiguous [batch, heads, seq_len, head_size] copies for SDPA.
+        def contiguous(cache: torch.Tensor) -> torch.Tensor:
+            pages = cache[self.block_table.long()]  # [B, blocks, bs, H, D]
+            flat = pages.reshape(batch, blocks_per_seq * BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+            return flat[:, :seq_len].transpose(1, 2).contiguous()
+
+        self.k, self.v = contiguous(self.key_cache), contiguous(self.value_cache)
+        self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, HEAD_SIZE).transpose(1, 2)
+        self.scale = HEAD_SIZE**-0.5
+
+    def ours(self) -> torch.Tensor:
+        return paged_attention(
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            max_query_len=self.new_tokens,
+        )
+
+    def sdpa(self, backend: SDPBackend) -> torch.Tensor:
+        mask = None
+        if self.new_tokens > 1:
+            mask = causal_lower_right(self.new_tokens, self.context + self.new_tokens)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(
+                self.q, self.k, self.v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+
+    def best_sdpa_us(self) -> tuple[float, str]:
+        best = (float("inf"), "none")
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            try:
+                us = time_us(lambda: self.sdpa(backend))  # noqa: B023 - called at once
+            except RuntimeError:
+                continue  # the backend does not take this shape
+            best = min(best, (us, backend.name))
+        return best
+
+    def max_error_vs_sdpa(self) -> float:
+        ours = self.ours().view(self.batch, self.new_tokens, NUM_Q_HEADS, HEAD_SIZE)
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+            ref = self.sdpa(SDPBackend.FLASH_ATTENTION).transpose(1, 2)
+        return float((ours.float() - ref.float()).abs().max())
+
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * (self.context + self.new_tokens) * NUM_KV_HEADS * HEAD_SIZE * 2
+
+    def flops(self) -> float:
+        q, ctx = self.new_tokens, self.context
+        return 4 * self.batch * NUM_Q_HEADS * HEAD_SIZE * (q * ctx + q * q / 2)
+
+
+def measure(case: Case, kind: str, ceiling: float) -> dict[str, Any]:
+    ours_us = time_us(case.ours)
+    sdpa_us, backend = case.best_sdpa_us()
+    row: dict[str, Any] = {
+        "kind": kind,
+        "batch": case.batch,
+        "context": case.context,
+        "new_tokens": case.new_tokens,
+        "us": ours_us,
+        "sdpa_us": sdpa_us,
+        "sdpa_backend": backend,
+        "ratio_vs_sdpa": ours_us / sdpa_us,
+        "max_abs_error_vs_sdpa": case.max_error_vs_sdpa(),
+    }
+    if kind == "decode":
+        row["gbps"] = case.kv_bytes() / ours_us / 1e3
+        row["pct_ceiling"] = 100 * row["gbps"] / ceiling
+    else:
+        row["tflops"] = case.flops() / ours_us / 1e6
+    return row
+
+
+def graph_latency_us(batch: int, context: int) -> float:
+    """Decode latency replaying a captured CUDA graph (L2 warm: back-to-back steps)."""
+    case = Case(batch, context, 1)
+    case.ours()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        case.ours()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.ours()
+    return time_us(graph.replay, iters=50, flush=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedkv bench kernels")
+    parser.add_argument("--output", default="kernels-h200.json")
+    parser.add_argument("--quick", action="store_true", help="small shapes only")
+    args = parser.parse_args(argv)
+    ceiling = copy_ceiling_gbps()
+    rows = []
+    batches, contexts = ((1, 32), (1024,)) if args.quick else ((1, 32, 128), (1024, 8192, 32768))
+    for batch in batches:
+        for context in contexts:
+            rows.append(measure(Case(batch, context, 1), "decode", ceiling))
+            torch.cuda.empty_cache()
+    prefill = [(8, 0, 2048), (8, 4096, 512)] if not args.quick else [(2, 0, 256)]
+    for batch, context, new_tokens in prefill:
+        rows.append(measure(Case(batch, context, new_tokens), "prefill", ceiling))
+        torch.cuda.empty_cache()
+    graphs = [{"batch": b, "context": 1024, "us": graph_latency_us(b, 1024)} for b in (1, 8)]
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "copy_ceiling_gbps": ceiling,
+        "shape": {
+            "q_heads": NUM_Q_HEADS,
+            "kv_heads": NUM_KV_HEADS,
+            "head_size": HEAD_SIZE,
+            "block_size": BLOCK_SIZE,
+            "dtype": "bfloat16",
+        },
+        "rows": rows,
+        "cuda_graph_decode": graphs,
+    }
+    Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    lines = [f"copy ceiling: {ceiling:.0f} GB/s on {results['gpu']}"]
+    for row in rows:
+        speed = (
+            f"{row['gbps']:.0f} GB/s ({row['pct_ceiling']:.0f}% of ceiling)"
+            if row["kind"] == "decode"
+            else f"{row['tflops']:.1f} TFLOP/s"
+        )
+        lines.append(
+            f"{row['kind']:7} b={row['batch']:<4} ctx={row['context']:<6} q={row['new_tokens']:<5}"
+            f" {row['us']:9.1f} us  {speed}  x{row['ratio_vs_sdpa']:.2f}"
+            f" vs SDPA {row['sdpa_backend']}"
+            f"  err {row['max_abs_error_vs_sdpa']:.3g}"
+        )
+    lines += [f"graph decode b={g['batch']} ctx={g['context']}: {g['us']:.1f} us" for g in graphs]
+    text = "\n".join(lines)
+    print(text)
+    Path(args.output).with_suffix(".md").write_text(
+        "# Paged-attention kernels (`pagedkv bench kernels`)\n\n```\n" + text + "\n```\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
