@@ -19,7 +19,8 @@ import triton.language as tl
 
 from pagedkv.kernels.checks import FLOAT_DTYPES, check_cache, check_int_vector
 
-_MASKED = -1.0e30  # a score no real one reaches; finite so that exp() never sees inf - inf
+# A score no real one reaches; finite so that exp() never sees inf - inf.
+_MASKED = tl.constexpr(-1.0e30)
 
 
 @triton.jit

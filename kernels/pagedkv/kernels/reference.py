@@ -94,8 +94,8 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        key_pos = torch.arange(seq_len)[None, :]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
         allowed = key_pos <= query_pos
         if sliding_window is not None:
             allowed &= key_pos > query_pos - sliding_window
