@@ -81,3 +81,31 @@ def test_copy_blocks_matches_the_oracle() -> None:
     cache_ops.copy_blocks(keys, values, src_dst)
     for got, want in zip(keys + values, expected_keys + expected_values, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (20, None), (None, 5.0)])
+def test_decode_path_matches_the_oracle(
+    num_kv_heads: int, sliding_window: int | None, softcap: float | None
+) -> None:
+    # Decodes only: contexts at and around block boundaries, a long one split many ways.
+    batch = build_batch(
+        [0, 15, 16, 31, 300], [1, 1, 1, 1, 1], num_q_heads=4, num_kv_heads=num_kv_heads
+    )
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_decode_path_merges_many_context_splits(sliding_window: int | None) -> None:
+    # One long sequence: its context is split across programs; with a window,
+    # the splits before the window hold no key and must weigh nothing.
+    batch = build_batch([2000], [1], num_q_heads=2, num_kv_heads=1)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

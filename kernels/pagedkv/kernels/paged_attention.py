@@ -7,8 +7,8 @@ aligned: query token j of a sequence with ``seq_len`` tokens and ``q_len``
 new ones is at position ``seq_len - q_len + j``. Oracle:
 ``reference.paged_attention``.
 
-This is the first, correct version: the split-K decode path and the tuning
-for the H200 targets come next.
+Batches of decodes take a flash-decoding path (split-K over the context,
+query heads of a KV head together). Tuning for the H200 targets is next.
 """
 
 from __future__ import annotations
@@ -119,6 +119,224 @@ def _paged_attention_kernel(
     )
 
 
+@triton.jit
+def _decode_split_kernel(
+    query_ptr,  # [num_seqs, num_q_heads, head_size] (one new token per sequence)
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
+    query_stride_t,
+    query_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    scale,
+    softcap,
+    sliding_window,
+    block_size,
+    head_size,
+    num_q_heads,
+    num_queries_per_kv,
+    num_splits,
+    split_size,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding, first pass: one (sequence, KV head, split of the context)
+    per program; the query heads sharing the KV head are the rows, so each K/V
+    byte is read once for all of them."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    q_pos = seq_len - 1
+
+    groups = tl.arange(0, BLOCK_G)
+    group_valid = groups < num_queries_per_kv
+    heads = kv_head * num_queries_per_kv + groups
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    q = tl.load(
+        query_ptr + seq * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
+        mask=group_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    start = split * split_size
+    end = tl.minimum(start + split_size, seq_len)
+    if USE_WINDOW:
+        first = tl.maximum(q_pos - sliding_window + 1, 0)
+        start = tl.maximum(start, (first // BLOCK_N) * BLOCK_N)
+
+    m_i = tl.full([BLOCK_G], _MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for block_start in range(start, end, BLOCK_N):
+        k_pos = block_start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < end
+        pages = tl.load(
+            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
+        ).to(tl.int64)
+        kv_offsets = (
+            pages * cache_stride_b
+            + (k_pos % block_size) * cache_stride_s
+            + kv_head * cache_stride_h
+        )
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        if USE_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        allowed = k_valid[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos - sliding_window)
+        scores = tl.where(allowed, scores, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # An empty split (past the sequence, or before its window) has l_i == 0.
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), _MASKED)
+    row = (seq * num_q_heads + heads) * num_splits + split
+    tl.store(
+        partial_out_ptr + row[:, None] * head_size + dims[None, :],
+        out,
+        mask=group_valid[:, None] & dim_valid[None, :],
+    )
+    tl.store(partial_lse_ptr + row, lse, mask=group_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
+    out_ptr,  # [num_seqs, num_q_heads, head_size]
+    out_stride_t,
+    out_stride_h,
+    num_q_heads,
+    num_splits,
+    head_size,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding, second pass: the splits' outputs weighted by their sums."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    row = (seq * num_q_heads + head) * num_splits
+    lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
+    weights = tl.exp(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    parts = tl.load(
+        partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(
+        out_ptr + seq * out_stride_t + head * out_stride_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
+    """Enough splits of the context to give every multiprocessor about two programs."""
+    target = 2 * (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available()
+        else 8
+    )
+    wanted = triton.cdiv(target, num_seqs * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), 64))
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_seq_len: int,
+) -> None:
+    num_seqs, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    block_n = 64
+    num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
+    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    partial_out = torch.empty(
+        num_seqs, num_q_heads, num_splits, head_size, dtype=torch.float32, device=query.device
+    )
+    partial_lse = torch.empty(
+        num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device
+    )
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        scale,
+        softcap or 1.0,
+        sliding_window or 0,
+        key_cache.shape[1],
+        head_size,
+        num_q_heads,
+        num_queries_per_kv,
+        num_splits,
+        split_size,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        BLOCK_G=max(16, triton.next_power_of_2(num_queries_per_kv)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=4,
+        num_stages=3,
+    )
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_q_heads,
+        num_splits,
+        head_size,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -130,12 +348,17 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
-    Same contract as ``reference.paged_attention``. ``max_query_len`` (the
-    most new tokens of any sequence) sizes the launch; it is computed, with a
-    device sync, when not given.
+    Same contract as ``reference.paged_attention``. A batch of decodes only
+    (one new token per sequence) takes the flash-decoding path: the context
+    is split across programs, each reading every K/V byte once for all the
+    query heads that share it, and a second pass merges the splits. Other
+    batches take the tiled prefill kernel. ``max_query_len`` and
+    ``max_seq_len`` size the launch; they are computed, with a device sync,
+    when not given.
     """
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache, like=key_cache)
@@ -166,6 +389,22 @@ def paged_attention(
         return out
     if max_query_len is None:
         max_query_len = int(query_start_loc.diff().max())
+    if max_query_len == 1 and num_tokens == len(seq_lens):
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        _decode(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            out,
+            scale,
+            sliding_window,
+            softcap,
+            max_seq_len,
+        )
+        return out
     block_m = 16
     grid = (len(seq_lens), triton.cdiv(max_query_len, block_m), num_q_heads)
     _paged_attention_kernel[grid](
