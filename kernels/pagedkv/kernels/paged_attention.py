@@ -264,7 +264,7 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
         else 8
     )
     wanted = triton.cdiv(target, num_seqs * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), 64))
+    return int(max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), 64)))
 
 
 def _decode(
