@@ -98,6 +98,7 @@ class Case:
             self.query_start_loc,
             self.scale,
             max_query_len=self.new_tokens,
+            max_seq_len=self.context + self.new_tokens,
         )
 
     def sdpa(self, backend: SDPBackend) -> torch.Tensor:
