@@ -256,15 +256,22 @@ def _decode_reduce_kernel(
     )
 
 
+# Decode tuning: programs per multiprocessor the context splits aim for, the
+# most splits, and the tokens one program reads per step.
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MAX_SPLITS = 64
+DECODE_BLOCK_N = 64
+
+
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
-    """Enough splits of the context to give every multiprocessor about two programs."""
-    target = 2 * (
+    """Enough splits of the context to give every multiprocessor its programs."""
+    num_sms = (
         torch.cuda.get_device_properties(0).multi_processor_count
         if torch.cuda.is_available()
         else 8
     )
-    wanted = triton.cdiv(target, num_seqs * num_kv_heads)
-    return int(max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), 64)))
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    return int(max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), DECODE_MAX_SPLITS)))
 
 
 def _decode(
@@ -281,7 +288,7 @@ def _decode(
 ) -> None:
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    block_n = 64
+    block_n = DECODE_BLOCK_N
     num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     partial_out = torch.empty(
