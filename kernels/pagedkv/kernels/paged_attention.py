@@ -256,11 +256,14 @@ def _decode_reduce_kernel(
     )
 
 
-# Decode tuning: programs per multiprocessor the context splits aim for, the
-# most splits, and the tokens one program reads per step.
+# Decode tuning (a first sweep on the H200): programs per multiprocessor the
+# context splits aim for, the most splits, and the tokens one program reads
+# per step: more when there are few (sequence, KV head) pairs, so that each
+# program keeps more bytes in flight.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MAX_SPLITS = 64
-DECODE_BLOCK_N = 64
+DECODE_BLOCK_N_FEW, DECODE_BLOCK_N_MANY = 128, 64
+DECODE_MANY_PAIRS_PER_SM = 4
 
 
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
@@ -288,7 +291,13 @@ def _decode(
 ) -> None:
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    block_n = DECODE_BLOCK_N
+    num_sms = (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available()
+        else 8
+    )
+    many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
+    block_n = DECODE_BLOCK_N_MANY if many else DECODE_BLOCK_N_FEW
     num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     partial_out = torch.empty(
