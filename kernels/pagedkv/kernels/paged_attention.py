@@ -21,6 +21,7 @@ from pagedkv.kernels.checks import FLOAT_DTYPES, check_cache, check_int_vector
 
 # A score no real one reaches; finite so that exp() never sees inf - inf.
 _MASKED = tl.constexpr(-1.0e30)
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -98,13 +99,14 @@ def _paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k)) * scale
         if USE_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = scores * _LOG2E  # softmax in base 2: exp2 is one instruction
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(allowed, scores, _MASKED)
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -421,7 +423,9 @@ def paged_attention(
             max_seq_len,
         )
         return out
-    block_m = 16
+    # Small tiles for short chunks; large ones where prefill is compute-bound.
+    block_m = 16 if max_query_len <= 16 else (64 if head_size <= 128 else 32)
+    block_n = 16 if max_query_len <= 16 else 64
     grid = (len(seq_lens), triton.cdiv(max_query_len, block_m), num_q_heads)
     _paged_attention_kernel[grid](
         query,
@@ -448,7 +452,9 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_M=block_m,
-        BLOCK_N=16,
+        BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        num_warps=4,
+        num_stages=2,
     )
     return out
