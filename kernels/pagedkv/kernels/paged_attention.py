@@ -258,6 +258,9 @@ def _decode_reduce_kernel(
     )
 
 
+# Prefill tiling: (query rows, keys per step, warps, pipeline stages).
+PREFILL_TILE = (64, 64, 4, 2)
+
 # Decode tuning (a first sweep on the H200): programs per multiprocessor the
 # context splits aim for, the most splits, and the tokens one program reads
 # per step: more when there are few (sequence, KV head) pairs, so that each
@@ -424,8 +427,12 @@ def paged_attention(
         )
         return out
     # Small tiles for short chunks; large ones where prefill is compute-bound.
-    block_m = 16 if max_query_len <= 16 else (64 if head_size <= 128 else 32)
-    block_n = 16 if max_query_len <= 16 else 64
+    if max_query_len <= 16:
+        block_m, block_n, num_warps, num_stages = 16, 16, 4, 2
+    else:
+        block_m, block_n, num_warps, num_stages = PREFILL_TILE
+        if head_size > 128:
+            block_m = min(block_m, 32)
     grid = (len(seq_lens), triton.cdiv(max_query_len, block_m), num_q_heads)
     _paged_attention_kernel[grid](
         query,
@@ -454,7 +461,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
