@@ -1,0 +1,24 @@
+"""Registers ``pagedkv bench kernels`` (imports nothing heavy until it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="paged-attention kernels on a CUDA GPU against torch SDPA",
+        description="Copy ceiling, decode and prefill attention, CUDA-graph decode latency.",
+    )
+    parser.add_argument("--output", default="kernels-h200.json")
+    parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pagedkv.kernels.bench import main
+
+    argv = ["--output", args.output] + (["--quick"] if args.quick else [])
+    return main(argv)
