@@ -25,6 +25,68 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _attend(
+    q,  # [ROWS, BLOCK_D] query rows
+    q_pos,  # [ROWS] position of each row
+    m_i,  # [ROWS] running max score (base 2)
+    l_i,  # [ROWS] running sum of exp2(score - m_i)
+    acc,  # [ROWS, BLOCK_D] running weighted sum of values, float32
+    kv_start,
+    kv_end,
+    seq,
+    kv_head,
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    scale,
+    softcap,
+    sliding_window,
+    block_size,
+    dims,  # [BLOCK_D]
+    dim_valid,  # [BLOCK_D]
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
+    sequence's KV head, read ``BLOCK_N`` at a time through its block table.
+    Causal and window masks are per row; scores are kept in base 2."""
+    for start in range(kv_start, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_end
+        pages = tl.load(
+            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
+        ).to(tl.int64)
+        kv_offsets = (
+            pages * cache_stride_b
+            + (k_pos % block_size) * cache_stride_s
+            + kv_head * cache_stride_h
+        )
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        if USE_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = scores * _LOG2E  # softmax in base 2: exp2 is one instruction
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(allowed, scores, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -83,34 +145,33 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(kv_start, kv_end, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_valid = k_pos < kv_end
-        pages = tl.load(
-            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
-        ).to(tl.int64)
-        kv_offsets = (
-            pages * cache_stride_b
-            + (k_pos % block_size) * cache_stride_s
-            + kv_head * cache_stride_h
-        )
-        kv_mask = k_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
-        if USE_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        scores = scores * _LOG2E  # softmax in base 2: exp2 is one instruction
-        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        scores = tl.where(allowed, scores, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend(
+        q,
+        q_pos,
+        m_i,
+        l_i,
+        acc,
+        kv_start,
+        kv_end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        block_size,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_N,
+    )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
     out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
@@ -129,7 +190,7 @@ def _decode_split_kernel(
     block_table_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # [num_seqs]
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
-    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32, base-2 log-sum-exp
     query_stride_t,
     query_stride_h,
     cache_stride_b,
@@ -180,38 +241,38 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for block_start in range(start, end, BLOCK_N):
-        k_pos = block_start + tl.arange(0, BLOCK_N)
-        k_valid = k_pos < end
-        pages = tl.load(
-            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
-        ).to(tl.int64)
-        kv_offsets = (
-            pages * cache_stride_b
-            + (k_pos % block_size) * cache_stride_s
-            + kv_head * cache_stride_h
-        )
-        kv_mask = k_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
-        if USE_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        allowed = k_valid[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos - sliding_window)
-        scores = tl.where(allowed, scores, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend(
+        q,
+        tl.zeros([BLOCK_G], dtype=tl.int64) + q_pos,
+        m_i,
+        l_i,
+        acc,
+        start,
+        end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        block_size,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_N,
+    )
 
     # An empty split (past the sequence, or before its window) has l_i == 0.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), _MASKED)
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _MASKED)  # base 2
     row = (seq * num_q_heads + heads) * num_splits + split
     tl.store(
         partial_out_ptr + row[:, None] * head_size + dims[None, :],
@@ -243,7 +304,7 @@ def _decode_reduce_kernel(
     dim_valid = dims < head_size
     row = (seq * num_q_heads + head) * num_splits
     lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
-    weights = tl.exp(lse - tl.max(lse, 0))
+    weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     parts = tl.load(
         partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
