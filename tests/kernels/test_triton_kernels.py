@@ -109,3 +109,12 @@ def test_decode_path_merges_many_context_splits(sliding_window: int | None) -> N
     expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
     out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_with_a_window_far_into_a_long_context() -> None:
+    # The tile's first key (rounded down to the key tile) is well past 0.
+    batch = build_batch([300, 5], [20, 40], num_q_heads=2, num_kv_heads=1)
+    args = [batch[name] for name in NAMES]
+    expected = reference.paged_attention(*args, scale=0.125, sliding_window=7)  # type: ignore[arg-type]
+    out = paged_attention.paged_attention(*args, scale=0.125, sliding_window=7)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

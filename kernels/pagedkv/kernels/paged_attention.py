@@ -51,10 +51,11 @@ def _attend(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
-    Causal and window masks are per row; scores are kept in base 2."""
+    Causal and window masks are per row (``MASK``); scores are kept in base 2."""
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
@@ -72,10 +73,11 @@ def _attend(
         if USE_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = scores * _LOG2E  # softmax in base 2: exp2 is one instruction
-        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        scores = tl.where(allowed, scores, _MASKED)
+        if MASK:  # off where every row sees every key (below the causal diagonal)
+            allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            scores = tl.where(allowed, scores, _MASKED)
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -145,6 +147,12 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys before the tile's first query (rounded down to BLOCK_N) are seen by
+    # every row: no mask there. With a window every key is masked (the
+    # unmasked range is empty).
+    diagonal = kv_start
+    if not USE_WINDOW:
+        diagonal = tl.minimum(((context + tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
     m_i, l_i, acc = _attend(
         q,
         q_pos,
@@ -152,6 +160,34 @@ def _paged_attention_kernel(
         l_i,
         acc,
         kv_start,
+        diagonal,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        block_size,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_N,
+        False,
+    )
+    m_i, l_i, acc = _attend(
+        q,
+        q_pos,
+        m_i,
+        l_i,
+        acc,
+        diagonal,
         kv_end,
         seq,
         kv_head,
@@ -171,6 +207,7 @@ def _paged_attention_kernel(
         USE_WINDOW,
         USE_SOFTCAP,
         BLOCK_N,
+        True,
     )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
@@ -267,6 +304,7 @@ def _decode_split_kernel(
         USE_WINDOW,
         USE_SOFTCAP,
         BLOCK_N,
+        True,
     )
 
     # An empty split (past the sequence, or before its window) has l_i == 0.
