@@ -13,6 +13,8 @@ query heads of a KV head together). Tuning for the H200 targets is next.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -373,13 +375,18 @@ DECODE_BLOCK_N_FEW, DECODE_BLOCK_N_MANY = 128, 64
 DECODE_MANY_PAIRS_PER_SM = 4
 
 
-def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (8 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+) -> int:
     """Enough splits of the context to give every multiprocessor its programs."""
-    num_sms = (
-        torch.cuda.get_device_properties(0).multi_processor_count
-        if torch.cuda.is_available()
-        else 8
-    )
     wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
     return int(max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), DECODE_MAX_SPLITS)))
 
@@ -398,14 +405,10 @@ def _decode(
 ) -> None:
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    num_sms = (
-        torch.cuda.get_device_properties(0).multi_processor_count
-        if torch.cuda.is_available()
-        else 8
-    )
+    num_sms = _num_sms(query.device)
     many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
     block_n = DECODE_BLOCK_N_MANY if many else DECODE_BLOCK_N_FEW
-    num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
+    num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     partial_out = torch.empty(
         num_seqs, num_q_heads, num_splits, head_size, dtype=torch.float32, device=query.device
