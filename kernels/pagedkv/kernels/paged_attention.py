@@ -27,6 +27,25 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _load_tile(
+    ptrs,  # [BLOCK_N, BLOCK_D] pointers into a K or V cache
+    row_valid,  # [BLOCK_N]
+    dim_valid,  # [BLOCK_D]
+    ROW_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """One K or V tile; masks only what may be out of range (rows past the
+    keys when ``ROW_MASK``, padded dims unless ``EVEN_D``)."""
+    if ROW_MASK:
+        tile = tl.load(ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    elif EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=dim_valid[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def _attend(
     q,  # [ROWS, BLOCK_D] query rows
     q_pos,  # [ROWS] position of each row
@@ -47,35 +66,42 @@ def _attend(
     scale,
     softcap,
     sliding_window,
-    block_size,
     dims,  # [BLOCK_D]
     dim_valid,  # [BLOCK_D]
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     MASK: tl.constexpr,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
-    Causal and window masks are per row (``MASK``); scores are kept in base 2."""
+    ``MASK`` off promises full tiles that every row sees in whole (below the
+    causal diagonal, no window): no load or score masks then. Scores are kept
+    in base 2."""
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
-        pages = tl.load(
-            block_table_ptr + seq * block_table_stride + k_pos // block_size, mask=k_valid, other=0
-        ).to(tl.int64)
+        table = block_table_ptr + seq * block_table_stride + k_pos // BLOCK_SIZE
+        if MASK:
+            pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
+        else:
+            pages = tl.load(table).to(tl.int64)
         kv_offsets = (
             pages * cache_stride_b
-            + (k_pos % block_size) * cache_stride_s
+            + (k_pos % BLOCK_SIZE) * cache_stride_s
             + kv_head * cache_stride_h
         )
-        kv_mask = k_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        kv_ptrs = kv_offsets[:, None] + dims[None, :]
+        k = _load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
+        qk = tl.dot(q, tl.trans(k))
         if USE_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        scores = scores * _LOG2E  # softmax in base 2: exp2 is one instruction
-        if MASK:  # off where every row sees every key (below the causal diagonal)
+            scores = qk * scale
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * _LOG2E
+        else:
+            scores = qk * (scale * _LOG2E)  # softmax in base 2: exp2 is one instruction
+        if MASK:
             allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -84,8 +110,8 @@ def _attend(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 
@@ -110,18 +136,21 @@ def _paged_attention_kernel(
     scale,
     softcap,
     sliding_window,
-    block_size,
     head_size,
     num_queries_per_kv,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
+    # Heads vary fastest, so the query heads of a KV head run side by side and
+    # share its K/V in L2; the last (longest, causal) tiles start first.
+    head = tl.program_id(0).to(tl.int64)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
     kv_head = head // num_queries_per_kv
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -175,12 +204,13 @@ def _paged_attention_kernel(
         scale,
         softcap,
         sliding_window,
-        block_size,
         dims,
         dim_valid,
         USE_WINDOW,
         USE_SOFTCAP,
+        BLOCK_SIZE,
         BLOCK_N,
+        EVEN_D,
         False,
     )
     m_i, l_i, acc = _attend(
@@ -203,12 +233,13 @@ def _paged_attention_kernel(
         scale,
         softcap,
         sliding_window,
-        block_size,
         dims,
         dim_valid,
         USE_WINDOW,
         USE_SOFTCAP,
+        BLOCK_SIZE,
         BLOCK_N,
+        EVEN_D,
         True,
     )
 
@@ -239,7 +270,6 @@ def _decode_split_kernel(
     scale,
     softcap,
     sliding_window,
-    block_size,
     head_size,
     num_q_heads,
     num_queries_per_kv,
@@ -247,9 +277,11 @@ def _decode_split_kernel(
     split_size,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """Flash-decoding, first pass: one (sequence, KV head, split of the context)
     per program; the query heads sharing the KV head are the rows, so each K/V
@@ -280,13 +312,48 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    q_pos_rows = tl.zeros([BLOCK_G], dtype=tl.int64) + q_pos
+    # Whole tiles need no mask (every key is at or before the query); the
+    # last, partial one does, and so does every tile under a window.
+    full_end = start
+    if not USE_WINDOW:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = _attend(
         q,
-        tl.zeros([BLOCK_G], dtype=tl.int64) + q_pos,
+        q_pos_rows,
         m_i,
         l_i,
         acc,
         start,
+        full_end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_SIZE,
+        BLOCK_N,
+        EVEN_D,
+        False,
+    )
+    m_i, l_i, acc = _attend(
+        q,
+        q_pos_rows,
+        m_i,
+        l_i,
+        acc,
+        full_end,
         end,
         seq,
         kv_head,
@@ -300,12 +367,13 @@ def _decode_split_kernel(
         scale,
         softcap,
         sliding_window,
-        block_size,
         dims,
         dim_valid,
         USE_WINDOW,
         USE_SOFTCAP,
+        BLOCK_SIZE,
         BLOCK_N,
+        EVEN_D,
         True,
     )
 
@@ -335,23 +403,34 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Flash-decoding, second pass: the splits' outputs weighted by their sums."""
+    """Flash-decoding, second pass: the splits' outputs weighted by their sums,
+    ``BLOCK_S`` splits at a time (a first loop finds the largest log-sum-exp)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    splits = tl.arange(0, BLOCK_S)
-    split_valid = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_size
     row = (seq * num_q_heads + head) * num_splits
-    lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    parts = tl.load(
-        partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
-        mask=split_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * weights[:, None], 0)
+    lse_max = tl.full([BLOCK_S], _MASKED, dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        lse = tl.load(partial_lse_ptr + row + splits, mask=splits < num_splits, other=_MASKED)
+        lse_max = tl.maximum(lse_max, lse)
+    top = tl.max(lse_max, 0)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        split_valid = splits < num_splits
+        lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
+        weights = tl.exp2(lse - top)  # 0 for empty splits
+        parts = tl.load(
+            partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
+            mask=split_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(parts * weights[:, None], 0)
+        total += weights
+    out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq * out_stride_t + head * out_stride_h + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -365,14 +444,19 @@ def _decode_reduce_kernel(
 PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 
-# Decode tuning (a first sweep on the H200): programs per multiprocessor the
-# context splits aim for, the most splits, and the tokens one program reads
-# per step: more when there are few (sequence, KV head) pairs, so that each
-# program keeps more bytes in flight.
+# Decode tuning (swept on the H200 with ``python -m pagedkv.kernels.tune``):
+# the programs per multiprocessor that context splits aim for, the most
+# splits, the fewest key steps one split takes, and per regime the keys per
+# step, warps and pipeline stages. "Many" (sequence, KV head) pairs (at least
+# DECODE_MANY_PAIRS_PER_SM per multiprocessor) take smaller steps; few pairs
+# take larger ones so that each program keeps more bytes in flight.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MAX_SPLITS = 64
-DECODE_BLOCK_N_FEW, DECODE_BLOCK_N_MANY = 128, 64
-DECODE_MANY_PAIRS_PER_SM = 4
+DECODE_MIN_STEPS_PER_SPLIT = 4
+DECODE_MANY_PAIRS_PER_SM = 1
+DECODE_FEW = (128, 4, 3)
+DECODE_MANY = (64, 2, 2)
+DECODE_REDUCE_SPLITS = 32
 
 
 @functools.cache
@@ -388,7 +472,8 @@ def _num_splits(
 ) -> int:
     """Enough splits of the context to give every multiprocessor its programs."""
     wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
-    return int(max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n), DECODE_MAX_SPLITS)))
+    longest = triton.cdiv(max_seq_len, DECODE_MIN_STEPS_PER_SPLIT * block_n)
+    return int(max(1, min(wanted, longest, DECODE_MAX_SPLITS)))
 
 
 def _decode(
@@ -407,7 +492,7 @@ def _decode(
     num_kv_heads = key_cache.shape[2]
     num_sms = _num_sms(query.device)
     many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
-    block_n = DECODE_BLOCK_N_MANY if many else DECODE_BLOCK_N_FEW
+    block_n, num_warps, num_stages = DECODE_MANY if many else DECODE_FEW
     num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     partial_out = torch.empty(
@@ -435,7 +520,6 @@ def _decode(
         scale,
         softcap or 1.0,
         sliding_window or 0,
-        key_cache.shape[1],
         head_size,
         num_q_heads,
         num_queries_per_kv,
@@ -443,11 +527,13 @@ def _decode(
         split_size,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
+        BLOCK_SIZE=key_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(num_queries_per_kv)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        num_warps=4,
-        num_stages=3,
+        EVEN_D=block_d == head_size,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         partial_out,
@@ -458,7 +544,7 @@ def _decode(
         num_q_heads,
         num_splits,
         head_size,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=min(DECODE_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
         BLOCK_D=block_d,
     )
 
@@ -538,7 +624,8 @@ def paged_attention(
         block_m, block_n, num_warps, num_stages = (
             PREFILL_TILE if head_size <= 128 else PREFILL_TILE_LARGE_HEAD
         )
-    grid = (len(seq_lens), triton.cdiv(max_query_len, block_m), num_q_heads)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -558,14 +645,15 @@ def paged_attention(
         scale,
         softcap or 1.0,
         sliding_window or 0,
-        key_cache.shape[1],
         head_size,
         num_q_heads // num_kv_heads,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
+        BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_size,
         num_warps=num_warps,
         num_stages=num_stages,
     )
