@@ -28,3 +28,40 @@ def check_int_vector(name: str, tensor: torch.Tensor, length: int | None = None)
         raise ValueError(f"{name}: expected a contiguous 1-D int32/int64 tensor")
     if length is not None and len(tensor) != length:
         raise ValueError(f"{name}: {len(tensor)} entries, expected {length}")
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """The arguments of ``paged_attention``, as every backend needs them."""
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache, like=key_cache)
+    if query.ndim != 3 or query.dtype not in FLOAT_DTYPES or query.stride(-1) != 1:
+        raise ValueError(
+            "query: expected [num_tokens, num_q_heads, head_size], last dim contiguous"
+        )
+    num_q_heads, head_size = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if head_size != key_cache.shape[3]:
+        raise ValueError(f"query: head size {head_size}, the cache has {key_cache.shape[3]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: {num_q_heads} heads is not a multiple of {num_kv_heads}")
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query: dtype {query.dtype}, the cache has {key_cache.dtype}")
+    check_int_vector("seq_lens", seq_lens)
+    check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
+    if block_table.ndim != 2 or block_table.dtype not in INT_DTYPES:
+        raise ValueError("block_table: expected an int [num_seqs, max_blocks_per_seq] tensor")
+    if block_table.stride(1) != 1 or block_table.shape[0] < len(seq_lens):
+        raise ValueError("block_table: one contiguous row per sequence")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError("sliding_window: must be positive")
+    if softcap is not None and softcap <= 0:
+        raise ValueError("softcap: must be positive")

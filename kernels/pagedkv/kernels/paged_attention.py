@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.checks import FLOAT_DTYPES, check_cache, check_int_vector
+from pagedkv.kernels.checks import check_attention_args
 
 # A score no real one reaches; finite so that exp() never sees inf - inf.
 _MASKED = tl.constexpr(-1.0e30)
@@ -572,30 +572,18 @@ def paged_attention(
     ``max_seq_len`` size the launch; they are computed, with a device sync,
     when not given.
     """
-    check_cache("key_cache", key_cache)
-    check_cache("value_cache", value_cache, like=key_cache)
-    if query.ndim != 3 or query.dtype not in FLOAT_DTYPES or query.stride(-1) != 1:
-        raise ValueError(
-            "query: expected [num_tokens, num_q_heads, head_size], last dim contiguous"
-        )
+    check_attention_args(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        sliding_window,
+        softcap,
+    )
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    if head_size != key_cache.shape[3]:
-        raise ValueError(f"query: head size {head_size}, the cache has {key_cache.shape[3]}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"query: {num_q_heads} heads is not a multiple of {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query: dtype {query.dtype}, the cache has {key_cache.dtype}")
-    check_int_vector("seq_lens", seq_lens)
-    check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
-    if block_table.ndim != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError("block_table: expected an int [num_seqs, max_blocks_per_seq] tensor")
-    if block_table.stride(1) != 1 or block_table.shape[0] < len(seq_lens):
-        raise ValueError("block_table: one contiguous row per sequence")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError("sliding_window: must be positive")
-    if softcap is not None and softcap <= 0:
-        raise ValueError("softcap: must be positive")
     out = torch.empty_like(query)
     if not num_tokens or not len(seq_lens):
         return out

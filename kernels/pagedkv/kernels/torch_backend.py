@@ -1,0 +1,237 @@
+"""The paged-attention kernels in batched torch ops: any device, no Triton.
+
+Same names, signatures and contracts as the Triton launchers (``cache_ops``,
+``slot_mapping``, ``paged_attention``) and the oracles in ``reference``, with
+no Python loop over tokens or sequences. Attention gathers every sequence's
+K/V through its block table into a padded ``[num_seqs, max_seq_len, ...]``
+tensor and runs one masked attention over the whole batch: query heads that
+share a KV head are stacked as rows of that head (GQA without repeating K/V).
+fp16/bf16 are computed in float32 on the CPU (its half matmuls are slow and
+inexact); results are in the query's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.kernels.checks import check_attention_args, check_cache, check_int_vector
+
+
+def _check_block_table(block_table: torch.Tensor, num_seqs: int) -> None:
+    if block_table.ndim != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_table: expected an int [num_seqs, max_blocks_per_seq] tensor")
+    if block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows for {num_seqs} sequences")
+
+
+def _seq_of_token(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]`` int64: the sequence each packed token belongs to (no device sync).
+
+    Tokens past ``query_start_loc[-1]`` get ``num_seqs``; callers mask them.
+    """
+    tokens = torch.arange(num_tokens, device=query_start_loc.device)
+    ends = query_start_loc[1:].to(torch.int64)
+    return torch.searchsorted(ends, tokens, right=True)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens], int
+) -> None:
+    """Writes each token's K and V at its slot; negative slots are skipped.
+
+    Mutates ``key_cache`` and ``value_cache`` at the given slots only. Dropping
+    the negative slots is a boolean-mask select: one device sync on a GPU.
+    """
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache, like=key_cache)
+    if key.ndim != 3 or key.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(
+            f"key: {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
+        )
+    if value.shape != key.shape or key.dtype != key_cache.dtype or value.dtype != key.dtype:
+        raise ValueError("value: must match key in shape, and both the cache dtype")
+    check_int_vector("slot_mapping", slot_mapping, key.shape[0])
+    if not key.shape[0]:
+        return
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].to(torch.int64)
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid]
+    value_cache[blocks, offsets] = value[valid]
+
+
+def compute_slot_mapping(
+    query_start_loc: torch.Tensor,  # [num_seqs + 1], int
+    positions: torch.Tensor,  # [num_tokens], int
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int
+    block_size: int,
+    max_query_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens], int64
+    """The slot of every packed token (int64): its sequence's block at ``position // block_size``.
+
+    ``max_query_len`` is accepted for signature parity and unused: nothing
+    here is sized by it, and nothing syncs. Tokens past ``query_start_loc[-1]``
+    (batch padding) get slot -1, which ``reshape_and_cache`` skips.
+    """
+    del max_query_len
+    check_int_vector("query_start_loc", query_start_loc)
+    check_int_vector("positions", positions)
+    num_seqs = len(query_start_loc) - 1
+    _check_block_table(block_table, num_seqs)
+    num_tokens = len(positions)
+    if not num_tokens or num_seqs <= 0:
+        return torch.full((num_tokens,), -1, dtype=torch.int64, device=positions.device)
+    seqs = _seq_of_token(query_start_loc, num_tokens)
+    in_batch = seqs < num_seqs
+    positions = positions.to(torch.int64)
+    columns = torch.where(in_batch, positions // block_size, 0)
+    blocks = block_table[seqs.clamp(max=num_seqs - 1), columns].to(torch.int64)
+    slots = blocks * block_size + positions % block_size
+    return torch.where(in_batch, slots, -1)
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    key_valid: torch.Tensor,  # [num_seqs, max_seq_len], bool
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, max_seq_len, head_size]
+    """Each sequence's K or V in position order; zeros past its ``seq_len``.
+
+    Table entries past a sequence's blocks may be anything: they are clamped
+    into range, and what they point at is zeroed (stale or never written
+    slots may hold NaN, which a mask alone would let through ``probs @ v``).
+    """
+    num_seqs, max_seq_len = key_valid.shape
+    block_size = cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    blocks = block_table[:num_seqs, :num_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
+    context = cache[blocks].flatten(1, 2)[:, :max_seq_len]  # [S, L, Hkv, D]
+    context = torch.where(key_valid[:, :, None, None], context, 0).to(dtype)
+    return context.transpose(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int
+    seq_lens: torch.Tensor,  # [num_seqs], int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1], int
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
+    """Causal attention of each sequence's new tokens over its paged K/V.
+
+    Same contract as ``reference.paged_attention``. ``max_query_len`` and
+    ``max_seq_len`` size the padded batch (upper bounds are fine); each one
+    not given costs a device sync. Without ``softcap`` this is one
+    ``scaled_dot_product_attention`` call; with it, explicit float32 scores.
+    Padding query rows attend to every (zeroed) key so that no row is fully
+    masked; their outputs are dropped. Rows of tokens past
+    ``query_start_loc[-1]`` are left unspecified, as in the oracle.
+    """
+    check_attention_args(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        sliding_window,
+        softcap,
+    )
+    num_tokens, num_q_heads, head_size = query.shape
+    num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if not num_tokens or not num_seqs:
+        return torch.empty_like(query)
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    max_query_len = max(1, min(max_query_len, num_tokens))
+    max_seq_len = max(1, min(max_seq_len, block_table.shape[1] * key_cache.shape[1]))
+    device = query.device
+    compute_dtype = torch.float32 if device.type == "cpu" else query.dtype
+
+    # Masks: query row j of sequence s sits at position seq_len - q_len + j.
+    starts = query_start_loc[:-1].to(torch.int64)[:, None]  # [S, 1]
+    query_lens = query_start_loc.diff().to(torch.int64)[:, None]  # [S, 1]
+    lens = seq_lens.to(torch.int64)[:, None]  # [S, 1]
+    rows = torch.arange(max_query_len, device=device)[None, :]  # [1, Q]
+    keys = torch.arange(max_seq_len, device=device)[None, None, :]  # [1, 1, L]
+    query_pos = (lens - query_lens + rows)[:, :, None]  # [S, Q, 1]
+    allowed = keys <= query_pos
+    if sliding_window is not None:
+        allowed &= keys > query_pos - sliding_window
+    row_valid = (rows < query_lens)[:, :, None]  # [S, Q, 1]
+    allowed |= ~row_valid  # padding rows: never fully masked, dropped below
+    key_valid = keys[:, 0] < lens  # [S, L]
+
+    # Queries [S, Hkv, group * Q, D]: the query heads sharing a KV head are its rows.
+    token_ids = (starts + rows).clamp(max=num_tokens - 1)  # [S, Q]; padding reads any row
+    q = query[token_ids].to(compute_dtype)  # [S, Q, Hq, D]
+    q = q.view(num_seqs, max_query_len, num_kv_heads, group, head_size)
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, -1, head_size)
+    k = _gather_context(key_cache, block_table, key_valid, compute_dtype)  # [S, Hkv, L, D]
+    v = _gather_context(value_cache, block_table, key_valid, compute_dtype)
+    mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G*Q, L]
+
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v.float())
+
+    # Back to packed tokens: token t is row t - start of its sequence.
+    out = out.reshape(num_seqs, num_kv_heads, group, max_query_len, head_size)
+    seqs = _seq_of_token(query_start_loc, num_tokens).clamp(max=num_seqs - 1)
+    token_rows = (torch.arange(num_tokens, device=device) - starts[seqs, 0]).clamp(
+        0, max_query_len - 1
+    )
+    packed = out[seqs, :, :, token_rows]  # [T, Hkv, G, D]
+    return packed.reshape(num_tokens, num_q_heads, head_size).to(query.dtype)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],  # per layer [num_blocks, block_size, Hkv, D]
+    value_caches: Sequence[torch.Tensor],  # per layer, same shape
+    src_dst: torch.Tensor,  # [num_copies, 2], int: (src block, dst block)
+) -> None:
+    """Copies block ``src`` into block ``dst`` in every layer, K and V (copy-on-write).
+
+    Mutates the ``dst`` blocks only. All sources are read before any
+    destination is written, so a block must not be both a source and a
+    destination in one call (the Triton kernel races there, the oracle copies
+    in order).
+    """
+    if (
+        src_dst.ndim != 2
+        or src_dst.shape[1] != 2
+        or src_dst.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"src_dst: expected an int [num_copies, 2] tensor, got {tuple(src_dst.shape)}"
+        )
+    caches = (*key_caches, *value_caches)
+    for i, cache in enumerate(caches):
+        check_cache(f"caches[{i}]", cache)
+    if not len(src_dst):
+        return
+    for cache in caches:
+        pairs = src_dst.to(device=cache.device, dtype=torch.int64)
+        cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
