@@ -444,18 +444,17 @@ def _decode_reduce_kernel(
 PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 
-# Decode tuning (swept on the H200 with ``python -m pagedkv.kernels.tune``):
-# the programs per multiprocessor that context splits aim for, the most
-# splits, the fewest key steps one split takes, and per regime the keys per
-# step, warps and pipeline stages. "Many" (sequence, KV head) pairs (at least
-# DECODE_MANY_PAIRS_PER_SM per multiprocessor) take smaller steps; few pairs
-# take larger ones so that each program keeps more bytes in flight.
-DECODE_PROGRAMS_PER_SM = 2
-DECODE_MAX_SPLITS = 64
-DECODE_MIN_STEPS_PER_SPLIT = 4
+# Decode tuning, from ``python -m pagedkv.kernels.tune`` on the H200 (results
+# in tests/benchmarks/results/kernels-tune-h200.json): per regime, the
+# programs per multiprocessor the context splits aim for, keys per step, warps
+# and pipeline stages. "Many" is at least DECODE_MANY_PAIRS_PER_SM (sequence,
+# KV head) pairs per multiprocessor; with fewer, more and shorter splits keep
+# more bytes in flight. A split takes at least DECODE_MIN_STEPS_PER_SPLIT steps.
+DECODE_FEW = (4, 64, 4, 2)
+DECODE_MANY = (2, 64, 4, 2)
 DECODE_MANY_PAIRS_PER_SM = 1
-DECODE_FEW = (128, 4, 3)
-DECODE_MANY = (64, 2, 2)
+DECODE_MAX_SPLITS = 256
+DECODE_MIN_STEPS_PER_SPLIT = 1
 DECODE_REDUCE_SPLITS = 32
 
 
@@ -468,10 +467,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+    num_pairs: int, max_seq_len: int, programs_per_sm: int, block_n: int, num_sms: int
 ) -> int:
     """Enough splits of the context to give every multiprocessor its programs."""
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(programs_per_sm * num_sms, num_pairs)
     longest = triton.cdiv(max_seq_len, DECODE_MIN_STEPS_PER_SPLIT * block_n)
     return int(max(1, min(wanted, longest, DECODE_MAX_SPLITS)))
 
@@ -491,9 +490,10 @@ def _decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = _num_sms(query.device)
-    many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
-    block_n, num_warps, num_stages = DECODE_MANY if many else DECODE_FEW
-    num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms)
+    num_pairs = num_seqs * num_kv_heads
+    many = num_pairs >= DECODE_MANY_PAIRS_PER_SM * num_sms
+    programs_per_sm, block_n, num_warps, num_stages = DECODE_MANY if many else DECODE_FEW
+    num_splits = _num_splits(num_pairs, max_seq_len, programs_per_sm, block_n, num_sms)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     partial_out = torch.empty(
         num_seqs, num_q_heads, num_splits, head_size, dtype=torch.float32, device=query.device

@@ -47,48 +47,38 @@ def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def sweep_decode(quick: bool) -> list[dict[str, Any]]:
-    """Few (sequence, KV head) pairs: split counts and step sizes; many pairs:
-    step sizes, warps and stages."""
+    """Few (sequence, KV head) pairs: programs per multiprocessor, tiles and
+    split limits; many pairs: programs per multiprocessor and tiles."""
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("DECODE_")}
     few = itertools.product(
         (2, 4, 8, 16),
+        ((64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 2, 2)),
         (64, 128, 256),
         (1, 2, 4),
-        ((64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 8, 3)),
     )
-    many = itertools.product(
-        (1, 2, 4), ((64, 2, 2), (64, 4, 2), (64, 2, 3), (128, 4, 3), (32, 2, 2))
-    )
-    few_list, many_list = list(few), list(many)
+    many = itertools.product((1, 2, 4), ((64, 2, 2), (64, 4, 2), (64, 2, 3), (128, 4, 3)))
+    few_list = [
+        {
+            "DECODE_FEW": (per_sm, *tile),
+            "DECODE_MAX_SPLITS": max_splits,
+            "DECODE_MIN_STEPS_PER_SPLIT": min_steps,
+        }
+        for per_sm, tile, max_splits, min_steps in few
+    ]
+    many_list = [{"DECODE_MANY": (per_sm, *tile)} for per_sm, tile in many]
     if quick:
         few_list, many_list = few_list[:2], many_list[:2]
-    for batch, context in FEW_SHAPES:
-        case = Case(batch, context, 1)
-        for per_sm, max_splits, min_steps, config in few_list:
-            row = _time_decode(
-                case,
-                {
-                    "DECODE_PROGRAMS_PER_SM": per_sm,
-                    "DECODE_MAX_SPLITS": max_splits,
-                    "DECODE_MIN_STEPS_PER_SPLIT": min_steps,
-                    "DECODE_FEW": config,
-                },
-            )
-            rows += [row] if row else []
-        del case
-        torch.cuda.empty_cache()
-    for name, value in defaults.items():
-        setattr(pa, name, value)
-    for batch, context in MANY_SHAPES:
-        case = Case(batch, context, 1)
-        for per_sm, config in many_list:
-            row = _time_decode(case, {"DECODE_PROGRAMS_PER_SM": per_sm, "DECODE_MANY": config})
-            rows += [row] if row else []
-        del case
-        torch.cuda.empty_cache()
-    for name, value in defaults.items():
-        setattr(pa, name, value)
+    for shapes, settings_list in ((FEW_SHAPES, few_list), (MANY_SHAPES, many_list)):
+        for batch, context in shapes:
+            case = Case(batch, context, 1)
+            for settings in settings_list:
+                row = _time_decode(case, settings)
+                rows += [row] if row else []
+            del case
+            torch.cuda.empty_cache()
+        for name, value in defaults.items():
+            setattr(pa, name, value)
     for batch, context in FEW_SHAPES + MANY_SHAPES:
         best = min(
             (r for r in rows if (r["batch"], r["context"]) == (batch, context)),
