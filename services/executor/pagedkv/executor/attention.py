@@ -1,0 +1,87 @@
+"""Our attention inside a transformers model: paged K/V, per-step metadata
+handed down explicitly.
+
+``register()`` adds ``ATTENTION_NAME`` to transformers' attention interface
+(and a mask function that builds no mask: the kernels mask by position). The
+model runner passes one frozen ``AttentionMetadata`` per forward as the
+keyword argument ``pagedkv_metadata``; transformers hands it to every
+attention layer, which writes the step's K/V into its layer's cache and runs
+paged attention over the packed batch. Nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedkv.kernels.backend import KernelBackend
+
+ATTENTION_NAME = "pagedkv"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """One forward's packed batch (tokens of every scheduled entry, in entry order)."""
+
+    backend: KernelBackend
+    key_caches: tuple[torch.Tensor, ...]  # per layer [num_blocks, block_size, Hkv, D]
+    value_caches: tuple[torch.Tensor, ...]
+    layer_groups: tuple[int, ...]  # per layer: its KV cache group
+    group_windows: tuple[int | None, ...]  # per group: sliding window
+    block_tables: tuple[torch.Tensor, ...]  # per group [num_seqs, max_blocks], int32
+    slot_mappings: tuple[torch.Tensor, ...]  # per group [num_tokens], int64
+    seq_lens: torch.Tensor  # [num_seqs] int32: tokens with K/V after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    softcap: float | None
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, num_tokens, D]
+    key: torch.Tensor,  # [1, Hkv, num_tokens, D]
+    value: torch.Tensor,  # [1, Hkv, num_tokens, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The transformers attention function: caches the new K/V, then attends."""
+    meta: AttentionMetadata = kwargs["pagedkv_metadata"]
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    group = meta.layer_groups[layer]
+    key_cache, value_cache = meta.key_caches[layer], meta.value_caches[layer]
+    q = query[0].transpose(0, 1)  # [T, Hq, D], last dim contiguous
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    meta.backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mappings[group])
+    out = meta.backend.paged_attention(
+        q if q.stride(-1) == 1 else q.contiguous(),
+        key_cache,
+        value_cache,
+        meta.block_tables[group],
+        meta.seq_lens,
+        meta.query_start_loc,
+        scaling if scaling is not None else q.shape[-1] ** -0.5,
+        sliding_window=meta.group_windows[group],
+        softcap=meta.softcap,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    return out[None], None  # [1, T, Hq, D]
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def register() -> None:
+    """Registers the attention function and its (empty) mask with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)

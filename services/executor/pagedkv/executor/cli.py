@@ -1,0 +1,49 @@
+"""Registers ``pagedkv executor`` (imports nothing heavy until it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def register(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="serve a model over a paged KV cache (the Executor gRPC API)",
+        description=(
+            "Loads a Hugging Face decoder model on pagedkv attention, sizes its KV cache "
+            "and serves the Executor API. Prints one readiness line with its address."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="model directory (or hub id, if cached)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16")
+    )
+    sizing = parser.add_mutually_exclusive_group()
+    sizing.add_argument("--num-blocks", type=int, help="KV blocks, the null block included")
+    sizing.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU for weights, activations and KV (default: 0.9)",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kernel-backend", default="triton", choices=("triton", "torch"))
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--max-num-rows", type=int, default=256, help="live requests at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's positions")
+    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from pagedkv.executor.server import serve
+
+    return serve(args)

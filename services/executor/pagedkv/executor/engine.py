@@ -1,0 +1,220 @@
+"""The executor's state machine behind the gRPC API: fencing, rows and steps.
+
+One lock serialises every call that reads or changes rows, so the step stream
+and the unary calls see one order. Each call is validated in whole (owner,
+then ``plan_message``) before anything changes; a refused call changes
+nothing.
+
+Fencing: the executor has at most one owner ``(owner_id, epoch)``, set by
+``reset``. Mutating calls must carry exactly the current owner; ``reset``
+takes a higher epoch (a new owner), or the same owner and epoch (a restart of
+its session). Both free every row and end open step streams (their session
+number changes); KV contents are kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from pagedkv.common.logging import get_logger
+from pagedkv.executor.errors import FailedPrecondition, InvalidArgument
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.step_plan import StepPlan, plan_message
+from pagedkv.v1 import common_pb2, executor_pb2
+
+log = get_logger(__name__)
+
+
+class Executor:
+    """One model on one device, driven by one owner at a time."""
+
+    def __init__(self, runner: ModelRunner, model_id: str) -> None:
+        self.runner = runner
+        self.model_id = model_id
+        self.incarnation_id = uuid.uuid4().hex
+        self.owner = common_pb2.Owner()
+        self.session = 0  # bumped by every reset: open streams of older sessions end
+        self.lock = threading.Lock()
+
+    # -- fencing --------------------------------------------------------------
+
+    def check_owner(self, owner: common_pb2.Owner) -> None:
+        """FailedPrecondition unless ``owner`` is the current owner."""
+        if not owner.owner_id:
+            raise InvalidArgument("owner.owner_id: required")
+        if (owner.owner_id, owner.epoch) != (self.owner.owner_id, self.owner.epoch):
+            raise FailedPrecondition(
+                f"owner: {owner.owner_id!r} epoch {owner.epoch} is not the current owner "
+                f"({self.owner.owner_id!r} epoch {self.owner.epoch})"
+            )
+
+    def reset(self, request: executor_pb2.ResetRequest) -> executor_pb2.ResetResponse:
+        owner = request.owner
+        if not owner.owner_id:
+            raise InvalidArgument("owner.owner_id: required")
+        with self.lock:
+            same = (owner.owner_id, owner.epoch) == (self.owner.owner_id, self.owner.epoch)
+            if not same and owner.epoch <= self.owner.epoch:
+                raise FailedPrecondition(
+                    f"owner.epoch: {owner.epoch} is not above the current epoch "
+                    f"{self.owner.epoch} ({self.owner.owner_id!r})"
+                )
+            previous = common_pb2.Owner()
+            previous.CopyFrom(self.owner)
+            self.owner.CopyFrom(owner)
+            self.session += 1
+            freed = self.runner.rows.free_all()
+        log.info(
+            "executor reset",
+            owner=owner.owner_id,
+            epoch=owner.epoch,
+            previous=previous.owner_id,
+            freed_rows=len(freed),
+        )
+        return executor_pb2.ResetResponse(
+            previous_owner=previous, incarnation_id=self.incarnation_id
+        )
+
+    # -- reads ----------------------------------------------------------------
+
+    def get_info(self) -> executor_pb2.GetInfoResponse:
+        runner = self.runner
+        spec = runner.spec
+        return executor_pb2.GetInfoResponse(
+            model_id=self.model_id,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            max_model_len=spec.max_model_len,
+            vocab_size=spec.vocab_size,
+            eos_token_ids=spec.eos_token_ids,
+            block_size=runner.config.block_size,
+            num_blocks=runner.limits.num_blocks,
+            bytes_per_block=runner.bytes_per_block,
+            kv_cache_groups=[group.to_proto() for group in runner.groups],
+            incarnation_id=self.incarnation_id,
+            owner=self.owner,
+            max_num_rows=runner.config.max_num_rows,
+            max_num_batched_tokens=runner.config.max_num_batched_tokens,
+            max_logprobs=runner.config.max_logprobs,
+            device=str(runner.device),
+        )
+
+    # -- mutations ------------------------------------------------------------
+
+    def _apply(self, plan: StepPlan) -> None:
+        rows = self.runner.rows
+        rows.free(plan.freed_rows)
+        for new in plan.new_rows:
+            rows.add(new.row, new.request_id, new.prompt, new.sampling)
+        rows.set_tables(
+            plan.table_groups,
+            plan.table_rows,
+            plan.table_columns,
+            plan.table_block_ids,
+            plan.table_lengths,
+        )
+        if len(plan.continue_rows):
+            index = torch.from_numpy(np.stack([plan.continue_rows, plan.continue_positions]))
+            index = index.to(rows.device)
+            rows.token_ids[index[0], index[1]] = rows.last_sampled[index[0]]
+        rows.write_tokens(plan.token_rows, plan.token_positions, plan.token_values)
+        rows.pending_sample[plan.continue_rows] = False
+        rows.pending_sample[np.unique(plan.token_rows)] = False
+        rows.num_tokens[plan.history_rows] = plan.history_lengths
+
+    def allocate(self, request: executor_pb2.AllocateRequest) -> executor_pb2.AllocateResponse:
+        with self.lock:
+            self.check_owner(request.owner)
+            plan = plan_message(request, self.runner.rows, self.runner.limits)
+            self._apply(plan)
+        return executor_pb2.AllocateResponse()
+
+    def free(self, request: executor_pb2.FreeRequest) -> executor_pb2.FreeResponse:
+        with self.lock:
+            self.check_owner(request.owner)
+            rows = self.runner.rows
+            wanted = {row for row in request.rows if row < rows.max_num_rows and rows.live[row]}
+            wanted |= {
+                rows.row_of_request[r] for r in request.request_ids if r in rows.row_of_request
+            }
+            freed = sorted(wanted)
+            rows.free(freed)
+        return executor_pb2.FreeResponse(freed_rows=freed)
+
+    def copy_blocks(
+        self, request: executor_pb2.CopyBlocksRequest
+    ) -> executor_pb2.CopyBlocksResponse:
+        step = executor_pb2.StepRequest(
+            copy_src_block_ids=request.src_block_ids, copy_dst_block_ids=request.dst_block_ids
+        )
+        with self.lock:
+            self.check_owner(request.owner)
+            plan = plan_message(step, self.runner.rows, self.runner.limits)
+            self.runner.copy_blocks(plan.copies)
+        return executor_pb2.CopyBlocksResponse()
+
+    def step(
+        self, request: executor_pb2.StepRequest, session: int | None = None
+    ) -> executor_pb2.StepResponse:
+        """Validates, applies and runs one step; ``session`` (for streams)
+        must still be current."""
+        received = time.perf_counter()
+        with self.lock:
+            if session is not None and session != self.session:
+                raise FailedPrecondition("the executor was reset: this step stream is over")
+            self.check_owner(request.owner)
+            runner = self.runner
+            plan = plan_message(request, runner.rows, runner.limits)
+            self._apply(plan)
+            device_start = self._device_clock()
+            result = runner.run(plan)
+            response = executor_pb2.StepResponse(step_id=request.step_id)
+            if result is not None:
+                sampled_rows = plan.rows[plan.needs_sample]
+                runner.rows.pending_sample[sampled_rows] = True
+                self._fill_samples(response, sampled_rows, result)
+            response.device_time_us = self._device_elapsed_us(device_start)
+        response.host_time_us = int((time.perf_counter() - received) * 1e6)
+        return response
+
+    def _fill_samples(
+        self, response: executor_pb2.StepResponse, rows: np.ndarray, result: object
+    ) -> None:
+        from pagedkv.executor.sampler import SamplerOutput
+
+        assert isinstance(result, SamplerOutput)
+        token_ids = result.token_ids.tolist()  # the step's one wait for the device
+        response.sampled_rows.extend(rows.tolist())
+        response.sampled_token_ids.extend(token_ids)
+        response.sampled_logprobs.extend(result.logprobs.tolist())
+        if result.top_token_ids.shape[1]:
+            top_ids = result.top_token_ids.tolist()
+            top_logprobs = result.top_logprobs.tolist()
+            for i, row in enumerate(rows.tolist()):
+                sampling = self.runner.rows.sampling[row]
+                k = sampling.num_logprobs if sampling else 0
+                response.num_top_logprobs.append(k)
+                response.top_token_ids.extend(top_ids[i][:k])
+                response.top_logprobs.extend(top_logprobs[i][:k])
+        else:
+            response.num_top_logprobs.extend([0] * len(rows))
+
+    def _device_clock(self) -> object:
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _device_elapsed_us(self, start: object) -> int:
+        if isinstance(start, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return int(start.elapsed_time(end) * 1000)
+        assert isinstance(start, float)
+        return int((time.perf_counter() - start) * 1e6)

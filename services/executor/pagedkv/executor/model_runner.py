@@ -1,0 +1,305 @@
+"""Loads a Hugging Face decoder model on our attention, owns its KV memory and
+rows, and runs one packed forward plus sampling per step.
+
+All scheduled tokens of all entries go through one forward as a batch of one
+sequence of ``num_tokens`` tokens, with their position ids; the attention
+layers get the step's ``AttentionMetadata`` as a keyword argument, and the LM
+head runs only at the last token of each entry that needs a sample
+(``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.common.logging import get_logger
+from pagedkv.executor import attention
+from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
+from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
+from pagedkv.executor.rows import Rows
+from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
+from pagedkv.executor.step_plan import Limits, StepPlan
+from pagedkv.kernels.backend import get_backend
+
+log = get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How to load and size one executor."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: the checkpoint's dtype (float32 on the CPU for halves)
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kernel_backend: str = "triton"
+    load_format: str = "auto"  # auto | dummy (random weights)
+    max_num_rows: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: {self.block_size} is not a positive power of two")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks: {self.num_blocks} < 2 (block 0 is the null block)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: {self.load_format!r} is not auto or dummy")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
+        for name in ("max_num_rows", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+
+
+# CPU fallback when --num-blocks is not given (no device memory to measure).
+DEFAULT_CPU_NUM_BLOCKS = 2048
+
+
+class ModelRunner:
+    """The model, its KV memory and the rows of one executor."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.backend = get_backend(config.kernel_backend)
+        hf_config = AutoConfig.from_pretrained(config.model)
+        self.spec: ModelSpec = model_spec_from_config(hf_config, config.max_model_len)
+        self.dtype = self._resolve_dtype(hf_config)
+        attention.register()
+        kwargs = {"dtype": self.dtype, "attn_implementation": attention.ATTENTION_NAME}
+        if config.load_format == "dummy":
+            with self.device:
+                model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
+        self.model = model.to(self.device).eval()
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.groups: tuple[KVCacheGroup, ...] = self.spec.kv_cache_groups(
+            config.block_size, dtype_name
+        )
+        self.bytes_per_block = bytes_per_block(self.groups)
+        self.max_blocks_per_row = -(-self.spec.max_model_len // config.block_size)
+        self.rows = Rows(
+            len(self.groups),
+            config.max_num_rows,
+            self.max_blocks_per_row,
+            self.spec.max_model_len,
+            self.device,
+        )
+        num_blocks = config.num_blocks or self._measure_num_blocks()
+        self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
+        self.limits = Limits(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.spec.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs,
+            group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
+        )
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def _resolve_dtype(self, hf_config: object) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return DTYPES[self.config.dtype]
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = DTYPES.get(dtype, torch.float32)
+        if self.device.type == "cpu" and dtype != torch.float32:
+            return torch.float32
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    # -- sizing ---------------------------------------------------------------
+
+    def _measure_num_blocks(self) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device after a
+        forward at the largest step (run on a small scratch KV memory)."""
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_NUM_BLOCKS
+        tokens = self.config.max_num_batched_tokens
+        seq_len = min(tokens, self.spec.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.config.block_size)
+        scratch_blocks = 1 + num_seqs * blocks_per_seq
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv = KVMemory(self.groups, scratch_blocks, self.dtype, self.device)
+        scratch_bytes = self.kv.num_bytes
+        self.warm_up(scratch_blocks, profile=True)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        del self.kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - others - peak
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 2:
+            raise ValueError(
+                "gpu_memory_utilization: no room for the KV cache "
+                f"(peak {peak / 2**30:.1f} GiB, others {others / 2**30:.1f} GiB)"
+            )
+        return num_blocks
+
+    def warm_up(self, num_blocks: int | None = None, profile: bool = False) -> None:
+        """Runs a prefill at the largest step and a decode over scratch rows,
+        compiling kernels (and, when profiling, reaching peak activations).
+        Leaves rows, samples and the generator as they were."""
+        num_blocks = num_blocks or self.limits.num_blocks
+        block_size = self.config.block_size
+        tokens = (
+            self.config.max_num_batched_tokens
+            if profile
+            else min(64, self.config.max_num_batched_tokens)
+        )
+        seq_len = min(tokens, self.spec.max_model_len)
+        num_seqs = min(-(-tokens // seq_len), self.config.max_num_rows)
+        blocks_per_seq = -(-seq_len // block_size)
+        if 1 + num_seqs * blocks_per_seq > num_blocks:
+            return
+        rows = np.arange(num_seqs, dtype=np.int64)
+        for g in range(len(self.groups)):
+            ids = 1 + np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq)
+            self.rows.block_tables[g, :num_seqs, :blocks_per_seq] = torch.from_numpy(ids).to(
+                self.device, torch.int32
+            )
+        state = self.generator.get_state()
+        for computed, scheduled in ((0, seq_len - 1), (seq_len - 1, 1)):
+            self.forward(
+                rows,
+                np.full(num_seqs, computed),
+                np.full(num_seqs, scheduled),
+                np.ones(num_seqs, dtype=bool),
+            )
+        self.generator.set_state(state)
+        self.rows.block_tables.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- a step ---------------------------------------------------------------
+
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        if len(copies):
+            self.kv.copy_blocks(self.backend, torch.from_numpy(copies).to(self.device))
+
+    def run(self, plan: StepPlan) -> SamplerOutput | None:
+        """Copies, then the forward and sampling of the plan's entries (rows
+        already updated). Returns None when no entry needs a sample."""
+        self.copy_blocks(plan.copies)
+        if not len(plan.rows):
+            return None
+        return self.forward(plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample)
+
+    def forward(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+    ) -> SamplerOutput | None:
+        """One packed forward over ``rows`` (tokens ``[c, c + s)`` of each,
+        already in the rows' histories) and sampling where asked."""
+        device, block_size = self.device, self.config.block_size
+        num_seqs = len(rows)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        positions = np.repeat(num_computed - query_start_loc[:-1], num_scheduled) + np.arange(
+            num_tokens
+        )
+        seq_lens = num_computed + num_scheduled
+        max_seq_len = int(seq_lens.max())
+        sample_index = query_start_loc[1:][needs_sample] - 1
+        # One host-to-device copy for every index vector of the step.
+        host = np.concatenate(
+            [
+                rows,
+                np.repeat(rows, num_scheduled),
+                positions,
+                seq_lens,
+                query_start_loc,
+                sample_index,
+            ]
+        )
+        packed = torch.from_numpy(host).to(device, non_blocking=True)
+        parts = torch.split(
+            packed, [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1, len(sample_index)]
+        )
+        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t = parts
+        qsl_t = qsl_t.to(torch.int32)
+        num_columns = -(-max_seq_len // block_size)
+        block_tables = tuple(
+            self.rows.block_tables[g, rows_t, :num_columns].contiguous()
+            for g in range(len(self.groups))
+        )
+        max_query_len = int(num_scheduled.max())
+        slot_mappings = tuple(
+            self.backend.compute_slot_mapping(qsl_t, positions_t, table, block_size, max_query_len)
+            for table in block_tables
+        )
+        meta = attention.AttentionMetadata(
+            backend=self.backend,
+            key_caches=self.kv.key_caches,
+            value_caches=self.kv.value_caches,
+            layer_groups=tuple(self.kv.layer_groups),
+            group_windows=tuple(g.spec.sliding_window for g in self.groups),
+            block_tables=block_tables,
+            slot_mappings=slot_mappings,
+            seq_lens=seq_lens_t.to(torch.int32),
+            query_start_loc=qsl_t,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            softcap=self.spec.softcap,
+        )
+        input_ids = self.rows.token_ids[token_rows_t, positions_t]
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions_t[None],
+                use_cache=False,
+                logits_to_keep=sample_index_t,
+                pagedkv_metadata=meta,
+            )
+            if not len(sample_index):
+                return None
+            logits = output.logits[0].float()
+            sampled_rows = rows[needs_sample]
+            params = self._sampling_params(sampled_rows, seq_lens[needs_sample])
+            result = sample(logits, params, self.generator)
+        self.rows.last_sampled[rows_t[torch.from_numpy(needs_sample).to(device)]] = result.token_ids
+        return result
+
+    def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:
+        sampling = [self.rows.sampling[row] for row in rows.tolist()]
+        if any(s is None for s in sampling):  # scratch rows of the warm-up
+            return SamplingParamsBatch.build(
+                temperature=[0.0] * len(rows),
+                top_k=[0] * len(rows),
+                top_p=[1.0] * len(rows),
+                seeds=[None] * len(rows),
+                positions=positions.tolist(),
+                device=self.device,
+            )
+        return SamplingParamsBatch.build(
+            temperature=[s.temperature for s in sampling if s],
+            top_k=[s.top_k for s in sampling if s],
+            top_p=[s.top_p for s in sampling if s],
+            seeds=[s.seed for s in sampling if s],
+            positions=positions.tolist(),
+            max_num_logprobs=max((s.num_logprobs for s in sampling if s), default=0),
+            device=self.device,
+        )

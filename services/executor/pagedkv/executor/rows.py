@@ -1,0 +1,140 @@
+"""The executor's live requests, one block-table row each.
+
+Host side (numpy and lists): which rows are live, their request ids and
+sampling params, how many tokens each row's history holds, how many blocks
+each group's row holds, and whether the row has a sample not yet appended.
+Device side: the block tables, the token histories and the last sampled token
+of every row, so that a step never waits for the host to learn a sample
+(async stepping appends it on the device).
+
+Only ``Rows`` methods mutate this state, and only after a ``StepPlan`` has
+validated the whole message (see step_plan.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """A row's sampling params, with the wire's unset fields resolved."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    num_logprobs: int
+
+    @classmethod
+    def from_proto(cls, params: common_pb2.SamplingParams) -> RowSampling:
+        return cls(
+            temperature=params.temperature if params.HasField("temperature") else 1.0,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k,
+            seed=params.seed if params.HasField("seed") else None,
+            num_logprobs=params.logprobs if params.HasField("logprobs") else 0,
+        )
+
+
+class Rows:
+    """``max_num_rows`` rows over ``num_groups`` block tables on ``device``."""
+
+    def __init__(
+        self,
+        num_groups: int,
+        max_num_rows: int,
+        max_blocks_per_row: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.num_groups = num_groups
+        self.max_num_rows = max_num_rows
+        self.max_blocks_per_row = max_blocks_per_row
+        self.max_model_len = max_model_len
+        self.device = device
+        self.live = np.zeros(max_num_rows, dtype=bool)
+        self.request_ids: list[str | None] = [None] * max_num_rows
+        self.row_of_request: dict[str, int] = {}
+        self.sampling: list[RowSampling | None] = [None] * max_num_rows
+        self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_blocks = np.zeros((num_groups, max_num_rows), dtype=np.int64)
+        self.pending_sample = np.zeros(max_num_rows, dtype=bool)
+        self.block_tables = torch.zeros(
+            (num_groups, max_num_rows, max_blocks_per_row), dtype=torch.int32, device=device
+        )
+        self.token_ids = torch.zeros(
+            (max_num_rows, max_model_len), dtype=torch.int64, device=device
+        )
+        self.last_sampled = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
+
+    @property
+    def num_live(self) -> int:
+        return int(self.live.sum())
+
+    def free(self, rows: list[int]) -> None:
+        """Forgets the rows (live or not): tables, histories and pending samples."""
+        for row in rows:
+            request_id = self.request_ids[row]
+            if request_id is not None:
+                del self.row_of_request[request_id]
+            self.request_ids[row] = None
+            self.sampling[row] = None
+        self.live[rows] = False
+        self.num_tokens[rows] = 0
+        self.num_blocks[:, rows] = 0
+        self.pending_sample[rows] = False
+
+    def free_all(self) -> list[int]:
+        """Frees every live row; returns them, ascending."""
+        rows = np.flatnonzero(self.live).tolist()
+        self.free(rows)
+        return rows
+
+    def add(self, row: int, request_id: str, prompt: np.ndarray, sampling: RowSampling) -> None:
+        """Makes ``row`` live with ``prompt`` as its history (host side; the
+        caller writes the tokens with ``write_tokens``)."""
+        self.live[row] = True
+        self.request_ids[row] = request_id
+        self.row_of_request[request_id] = row
+        self.sampling[row] = sampling
+        self.num_tokens[row] = 0
+        self.num_blocks[:, row] = 0
+        self.pending_sample[row] = False
+
+    def set_tables(
+        self,
+        groups: np.ndarray,
+        rows: np.ndarray,
+        columns: np.ndarray,
+        block_ids: np.ndarray,
+        new_lengths: np.ndarray,
+    ) -> None:
+        """Writes ``block_ids`` at (group, row, column) and sets each (group,
+        row)'s length; ``new_lengths`` is ``[3, n]``: group, row, length."""
+        if len(block_ids):
+            index = torch.from_numpy(np.stack([groups, rows, columns])).to(self.device)
+            values = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
+            self.block_tables[index[0], index[1], index[2]] = values
+        self.num_blocks[new_lengths[0], new_lengths[1]] = new_lengths[2]
+
+    def write_tokens(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """Writes host tokens into the histories (positions already validated)."""
+        if len(token_ids):
+            index = torch.from_numpy(np.stack([rows, positions])).to(self.device)
+            values = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
+            self.token_ids[index[0], index[1]] = values
+
+    def append_samples(self, rows: np.ndarray) -> None:
+        """Appends each row's last sample to its history, on the device."""
+        if len(rows):
+            index = torch.from_numpy(rows).to(self.device)
+            positions = torch.from_numpy(self.num_tokens[rows]).to(self.device)
+            self.token_ids[index, positions] = self.last_sampled[index]
+            self.num_tokens[rows] += 1
+            self.pending_sample[rows] = False

@@ -1,0 +1,71 @@
+"""``pagedkv executor``: load, size, warm up, serve until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from tqdm import tqdm
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs an executor process; prints ``executor ready on HOST:PORT ...``
+    on stdout once it serves."""
+    if args.kernel_backend == "triton" and args.device == "cpu":
+        # Triton runs on the CPU only through its interpreter, which must be
+        # chosen before any kernel module is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from transformers.utils import logging as hf_logging
+
+    from pagedkv.common.logging import get_logger
+    from pagedkv.executor.engine import Executor
+    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.executor.servicer import build_server
+
+    hf_logging.set_verbosity_error()
+    log = get_logger("pagedkv.executor")
+    try:
+        config = RunnerConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kernel_backend=args.kernel_backend,
+            load_format=args.load_format,
+            max_num_rows=args.max_num_rows,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            max_logprobs=args.max_logprobs,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"pagedkv executor: {exc}", file=sys.stderr)
+        return 2
+    with tqdm(total=2, desc="executor: loading the model", file=sys.stderr) as bar:
+        runner = ModelRunner(config)
+        bar.set_description("executor: warming up")
+        bar.update()
+        if runner.device.type == "cuda":
+            runner.warm_up()
+        bar.update()
+    executor = Executor(runner, args.model)
+    server, port = build_server(executor, f"{args.host}:{args.port}")
+    kv_mib = runner.kv.num_bytes / 2**20
+    print(
+        f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "
+        f"{config.block_size} tokens, {kv_mib:.1f} MiB KV; {args.model} on {runner.device}, "
+        f"{config.kernel_backend} kernels)",
+        flush=True,
+    )
+    log.info("executor serving", port=port, num_blocks=runner.limits.num_blocks)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0

@@ -1,0 +1,111 @@
+"""The Executor gRPC service: ``ExecutorServicer``, its error interceptor and
+the server around them (with gRPC health and reflection)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedkv.executor.engine import Executor
+from pagedkv.executor.errors import ExecutorError
+from pagedkv.v1 import executor_pb2, executor_pb2_grpc
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Thin: every call goes to the ``Executor``; errors become statuses in
+    ``ErrorInterceptor``."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def GetInfo(self, request: Any, context: Any) -> executor_pb2.GetInfoResponse:
+        return self.executor.get_info()
+
+    def Allocate(self, request: Any, context: Any) -> executor_pb2.AllocateResponse:
+        return self.executor.allocate(request)
+
+    def Free(self, request: Any, context: Any) -> executor_pb2.FreeResponse:
+        return self.executor.free(request)
+
+    def Step(self, request: Any, context: Any) -> executor_pb2.StepResponse:
+        return self.executor.step(request)
+
+    def StepStream(
+        self, request_iterator: Iterator[executor_pb2.StepRequest], context: Any
+    ) -> Iterator[executor_pb2.StepResponse]:
+        """One response per request, in order. A Reset ends the stream: its
+        next message gets FAILED_PRECONDITION."""
+        session = self.executor.session
+        for request in request_iterator:
+            yield self.executor.step(request, session)
+
+    def CopyBlocks(self, request: Any, context: Any) -> executor_pb2.CopyBlocksResponse:
+        return self.executor.copy_blocks(request)
+
+    def Reset(self, request: Any, context: Any) -> executor_pb2.ResetResponse:
+        return self.executor.reset(request)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Turns ``ExecutorError`` into its status code and message, for unary and
+    streaming handlers alike."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    return inner(request, context)
+                except ExecutorError as exc:
+                    context.abort(exc.code, str(exc))
+
+            return handler._replace(unary_unary=unary)
+        if handler.stream_stream is not None:
+            inner_stream = handler.stream_stream
+
+            def stream(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_stream(requests, context)
+                except ExecutorError as exc:
+                    context.abort(exc.code, str(exc))
+
+            return handler._replace(stream_stream=stream)
+        return handler
+
+
+def build_server(executor: Executor, address: str) -> tuple[grpc.Server, int]:
+    """A started server for ``executor`` on ``address`` (port 0: any free
+    port); returns it and the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    if not port:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    return server, port

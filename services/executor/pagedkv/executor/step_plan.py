@@ -1,0 +1,336 @@
+"""Checks a StepRequest or AllocateRequest against the executor's rows and
+limits, and turns it into a ``StepPlan``: the one place where wire messages
+become arrays.
+
+Every check runs before anything is changed, so a refused message leaves the
+executor as it was. Errors name the field (and index) at fault. The rules are
+the ones documented in protos/pagedkv/v1/executor.proto.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.executor.errors import AlreadyExists, InvalidArgument
+from pagedkv.executor.rows import Rows, RowSampling
+from pagedkv.v1 import executor_pb2
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the executor accepts; fixed for its incarnation."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_logprobs: int
+    group_windowed: tuple[bool, ...]  # per group: sliding window (the null block is allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRow:
+    row: int
+    request_id: str
+    prompt: np.ndarray  # int64 [prompt_len]
+    sampling: RowSampling
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A validated message, in the order its effects apply (see executor.proto)."""
+
+    freed_rows: list[int]
+    new_rows: list[NewRow]
+    # Block-table writes: (group, row, column) <- block id; then each
+    # (group, row) gets its new length: table_lengths is [3, n].
+    table_groups: np.ndarray
+    table_rows: np.ndarray
+    table_columns: np.ndarray
+    table_block_ids: np.ndarray
+    table_lengths: np.ndarray
+    copies: np.ndarray  # int64 [num_copies, 2]: (src, dst)
+    # Token appends: last samples at (row, position), then host tokens.
+    continue_rows: np.ndarray
+    continue_positions: np.ndarray
+    token_rows: np.ndarray
+    token_positions: np.ndarray
+    token_values: np.ndarray
+    history_rows: np.ndarray  # rows whose history length changes ...
+    history_lengths: np.ndarray  # ... to this
+    # The forward: entries with tokens to run, in entry order.
+    rows: np.ndarray  # int64 [num_run]
+    num_computed: np.ndarray  # int64 [num_run]: position of the first token
+    num_scheduled: np.ndarray  # int64 [num_run]
+    needs_sample: np.ndarray  # bool [num_run]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_scheduled.sum())
+
+
+def _check_rows_live(name: str, rows: np.ndarray, live: np.ndarray, max_rows: int) -> None:
+    for i, row in enumerate(rows.tolist()):
+        if row >= max_rows:
+            raise InvalidArgument(f"{name}[{i}]: row {row} >= max_num_rows {max_rows}")
+        if not live[row]:
+            raise InvalidArgument(f"{name}[{i}]: row {row} is not live")
+    if len(set(rows.tolist())) != len(rows):
+        raise InvalidArgument(f"{name}: rows repeat")
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _check_tokens(name: str, tokens: np.ndarray, vocab_size: int) -> None:
+    bad = tokens >= vocab_size
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(f"{name}[{i}]: token {tokens[i]} >= vocab_size {vocab_size}")
+
+
+def _check_sampling(name: str, sampling: RowSampling, limits: Limits) -> None:
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise InvalidArgument(f"{name}.temperature: {sampling.temperature} is not >= 0")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(f"{name}.top_p: {sampling.top_p} is not in (0, 1]")
+    if sampling.num_logprobs > limits.max_logprobs:
+        raise InvalidArgument(
+            f"{name}.logprobs: {sampling.num_logprobs} > max_logprobs {limits.max_logprobs}"
+        )
+
+
+def _plan_new_requests(
+    messages: list[executor_pb2.NewRequest],
+    rows: Rows,
+    live_after: np.ndarray,
+    limits: Limits,
+) -> list[NewRow]:
+    taken: dict[int, int] = {}
+    ids_after = {rid for rid, row in rows.row_of_request.items() if live_after[row]}
+    new_ids: set[str] = set()
+    new_rows = []
+    for i, message in enumerate(messages):
+        name = f"new_requests[{i}]"
+        row = message.row
+        if row >= rows.max_num_rows:
+            raise InvalidArgument(f"{name}.row: row {row} >= max_num_rows {rows.max_num_rows}")
+        if live_after[row]:
+            raise InvalidArgument(f"{name}.row: row {row} is live")
+        if row in taken:
+            raise InvalidArgument(f"{name}.row: row {row} is taken by new_requests[{taken[row]}]")
+        taken[row] = i
+        if not message.request_id:
+            raise InvalidArgument(f"{name}.request_id: empty")
+        if message.request_id in ids_after or message.request_id in new_ids:
+            raise AlreadyExists(f"{name}.request_id: {message.request_id!r} is live")
+        new_ids.add(message.request_id)
+        prompt = np.asarray(message.prompt_token_ids, dtype=np.int64)
+        if len(prompt) > limits.max_model_len:
+            raise InvalidArgument(
+                f"{name}.prompt_token_ids: {len(prompt)} tokens > max_model_len "
+                f"{limits.max_model_len}"
+            )
+        _check_tokens(f"{name}.prompt_token_ids", prompt, limits.vocab_size)
+        sampling = RowSampling.from_proto(message.sampling)
+        _check_sampling(f"{name}.sampling", sampling, limits)
+        new_rows.append(NewRow(row, message.request_id, prompt, sampling))
+    return new_rows
+
+
+def plan_message(
+    message: executor_pb2.StepRequest | executor_pb2.AllocateRequest,
+    rows: Rows,
+    limits: Limits,
+) -> StepPlan:
+    """Validates ``message`` against ``rows`` (not changed) and ``limits``.
+
+    Raises InvalidArgument or AlreadyExists naming the field.
+    """
+    is_step = isinstance(message, executor_pb2.StepRequest)
+    num_groups = rows.num_groups
+    freed = np.asarray(message.freed_rows if is_step else (), dtype=np.int64)
+    _check_rows_live("freed_rows", freed, rows.live, rows.max_num_rows)
+    live_after = rows.live.copy()
+    live_after[freed] = False
+    new_rows = _plan_new_requests(list(message.new_requests), rows, live_after, limits)
+    old_rows = np.asarray(message.rows, dtype=np.int64)
+    _check_rows_live("rows", old_rows, live_after, rows.max_num_rows)
+    new_row_ids = {n.row for n in new_rows}
+    for i, row in enumerate(old_rows.tolist()):
+        if row in new_row_ids:
+            raise InvalidArgument(f"rows[{i}]: row {row} is taken by a new request")
+    num_new = len(new_rows)
+    entry_rows = np.concatenate([np.asarray([n.row for n in new_rows], np.int64), old_rows])
+    num_entries = len(entry_rows)
+    is_new = np.arange(num_entries) < num_new
+
+    # Block tables.
+    starts = np.asarray(message.block_table_starts, dtype=np.int64)
+    counts = np.asarray(message.new_block_counts, dtype=np.int64)
+    for name, column in (("block_table_starts", starts), ("new_block_counts", counts)):
+        if len(column) != num_entries * num_groups:
+            raise InvalidArgument(
+                f"{name}: {len(column)} values, expected {num_entries * num_groups} "
+                f"({num_entries} entries x {num_groups} groups)"
+            )
+    block_ids = np.asarray(message.new_block_ids, dtype=np.int64)
+    if len(block_ids) != counts.sum():
+        raise InvalidArgument(
+            f"new_block_ids: {len(block_ids)} ids, new_block_counts sum to {counts.sum()}"
+        )
+    entry_of = np.repeat(np.arange(num_entries), num_groups)
+    group_of = np.tile(np.arange(num_groups), num_entries)
+    row_of = entry_rows[entry_of]
+    current = np.where(is_new[entry_of], 0, rows.num_blocks[group_of, row_of])
+    bad = starts > current
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"block_table_starts[{i}]: {starts[i]} > the row's {current[i]} blocks"
+        )
+    lengths = starts + counts
+    max_blocks = rows.max_blocks_per_row
+    bad = lengths > max_blocks
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"new_block_counts[{i}]: the row would hold {lengths[i]} blocks > {max_blocks}"
+        )
+    id_groups = np.repeat(group_of, counts)
+    bad = block_ids >= limits.num_blocks
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"new_block_ids[{i}]: block {block_ids[i]} >= num_blocks {limits.num_blocks}"
+        )
+    windowed = np.asarray(limits.group_windowed, dtype=bool)
+    bad = (block_ids == 0) & ~windowed[id_groups]
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(f"new_block_ids[{i}]: the null block 0 in a full-attention group")
+    id_offsets = np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+    table_columns = np.repeat(starts, counts) + id_offsets
+
+    # Copies.
+    src = np.asarray(message.copy_src_block_ids if is_step else (), dtype=np.int64)
+    dst = np.asarray(message.copy_dst_block_ids if is_step else (), dtype=np.int64)
+    if len(src) != len(dst):
+        raise InvalidArgument(
+            f"copy_dst_block_ids: {len(dst)} ids for {len(src)} copy_src_block_ids"
+        )
+    for name, ids in (("copy_src_block_ids", src), ("copy_dst_block_ids", dst)):
+        bad = (ids == 0) | (ids >= limits.num_blocks)
+        if bad.any():
+            i = _first(bad)
+            raise InvalidArgument(
+                f"{name}[{i}]: block {ids[i]} is the null block or >= num_blocks "
+                f"{limits.num_blocks}"
+            )
+    if len(set(dst.tolist())) != len(dst) or set(dst.tolist()) & set(src.tolist()):
+        raise InvalidArgument("copy_dst_block_ids: repeated, or also a source")
+
+    # Tokens.
+    if is_step:
+        scheduled = np.asarray(message.num_scheduled_tokens, dtype=np.int64)
+        computed = np.asarray(message.num_computed_tokens, dtype=np.int64)
+        cont = np.asarray(message.continue_from_sampled, dtype=bool)
+        sample = np.asarray(message.needs_sample, dtype=bool)
+        tokens = np.asarray(message.token_ids, dtype=np.int64)
+    else:
+        scheduled = computed = np.zeros(num_entries, dtype=np.int64)
+        cont = sample = np.zeros(num_entries, dtype=bool)
+        tokens = _EMPTY
+    for name, column in (
+        ("num_scheduled_tokens", scheduled),
+        ("num_computed_tokens", computed),
+        ("continue_from_sampled", cont),
+        ("needs_sample", sample),
+    ):
+        if len(column) != num_entries:
+            raise InvalidArgument(f"{name}: {len(column)} values for {num_entries} entries")
+    prompt_lens = np.asarray([len(n.prompt) for n in new_rows], dtype=np.int64)
+    history = np.concatenate([prompt_lens, rows.num_tokens[old_rows]])
+    bad = cont & (
+        is_new | ~np.concatenate([np.zeros(num_new, bool), rows.pending_sample[old_rows]])
+    )
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"continue_from_sampled[{i}]: row {entry_rows[i]} has no sample to append"
+        )
+    continue_positions = history[cont]
+    history = history + cont
+    ends = computed + scheduled
+    bad = (ends > limits.max_model_len) | (history > limits.max_model_len)
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"num_scheduled_tokens[{i}]: the row would reach {max(ends[i], history[i])} "
+            f"tokens > max_model_len {limits.max_model_len}"
+        )
+    bad = computed > history
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"num_computed_tokens[{i}]: {computed[i]} > the row's {history[i]} tokens"
+        )
+    needed = np.maximum(ends - history, 0)
+    if len(tokens) != needed.sum():
+        raise InvalidArgument(f"token_ids: {len(tokens)} ids, the entries need {needed.sum()}")
+    _check_tokens("token_ids", tokens, limits.vocab_size)
+    if scheduled.sum() > limits.max_num_batched_tokens:
+        raise InvalidArgument(
+            f"num_scheduled_tokens: {scheduled.sum()} in all > max_num_batched_tokens "
+            f"{limits.max_num_batched_tokens}"
+        )
+    bad = sample & (scheduled == 0)
+    if bad.any():
+        raise InvalidArgument(f"needs_sample[{_first(bad)}]: the entry schedules no token")
+    covered = lengths.reshape(num_entries, num_groups) * limits.block_size
+    bad = covered < ends[:, None]
+    if bad.any():
+        e, g = np.argwhere(bad)[0]
+        raise InvalidArgument(
+            f"new_block_counts[{e * num_groups + g}]: {covered[e, g] // limits.block_size} "
+            f"blocks do not cover {ends[e]} tokens"
+        )
+
+    # Host tokens: each new row's prompt, then every entry's needed tokens.
+    token_rows = [np.full(len(n.prompt), n.row, dtype=np.int64) for n in new_rows]
+    token_positions = [np.arange(len(n.prompt), dtype=np.int64) for n in new_rows]
+    token_rows.append(np.repeat(entry_rows, needed))
+    token_positions.append(
+        np.repeat(history, needed)
+        + np.arange(needed.sum())
+        - np.repeat(np.cumsum(needed) - needed, needed)
+    )
+    run = scheduled > 0
+    return StepPlan(
+        freed_rows=freed.tolist(),
+        new_rows=new_rows,
+        table_groups=id_groups,
+        table_rows=np.repeat(row_of, counts),
+        table_columns=table_columns,
+        table_block_ids=block_ids,
+        table_lengths=np.stack([group_of, row_of, lengths]),
+        copies=np.stack([src, dst], axis=1),
+        continue_rows=entry_rows[cont],
+        continue_positions=continue_positions,
+        token_rows=np.concatenate(token_rows),
+        token_positions=np.concatenate(token_positions),
+        token_values=np.concatenate([*(n.prompt for n in new_rows), tokens]),
+        history_rows=entry_rows,
+        history_lengths=np.maximum(history, ends),
+        rows=entry_rows[run],
+        num_computed=computed[run],
+        num_scheduled=scheduled[run],
+        needs_sample=sample[run],
+    )
