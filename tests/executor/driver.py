@@ -1,6 +1,7 @@
 """A real executor process on 127.0.0.1 and a small test driver for it.
 
-``ExecutorProcess`` starts ``pagedkv executor`` in a subprocess and waits for
+``ExecutorProcess`` starts an executor (``python -m pagedkv.executor``, the
+same as ``pagedkv executor``) in a subprocess and waits for
 its readiness line. ``Driver`` plays a naive scheduler over the gRPC API: it
 hands out blocks from a free list (no prefix cache), schedules every
 unfinished request in every step (prompt chunks and decodes mixed), and
@@ -27,13 +28,14 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
 
 class ExecutorProcess:
-    """``pagedkv executor`` on the CPU with a free port; a context manager."""
+    """``pagedkv executor`` (on the CPU by default) with a free port; a context manager."""
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
         backend: str = "torch",
+        device: str = "cpu",
         num_blocks: int = 256,
         extra_args: tuple[str, ...] = (),
         timeout: float = 180.0,
@@ -41,14 +43,13 @@ class ExecutorProcess:
         command = [
             sys.executable,
             "-m",
-            "pagedkv.common.cli",
-            "executor",
+            "pagedkv.executor",
             "--model",
             str(model_dir),
             "--port",
             "0",
             "--device",
-            "cpu",
+            device,
             "--num-blocks",
             str(num_blocks),
             "--kernel-backend",

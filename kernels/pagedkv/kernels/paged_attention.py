@@ -8,7 +8,8 @@ new ones is at position ``seq_len - q_len + j``. Oracle:
 ``reference.paged_attention``.
 
 Batches of decodes take a flash-decoding path (split-K over the context,
-query heads of a KV head together). Tuning for the H200 targets is next.
+query heads of a KV head together). Launch constants come from
+``python -m pagedkv.kernels.tune`` on the H200.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 handed down explicitly.
 
 ``register()`` adds ``ATTENTION_NAME`` to transformers' attention interface
-(and a mask function that builds no mask: the kernels mask by position). The
+and to nothing else: with no mask function under that name, transformers
+builds no attention mask (the kernels mask by position) and skips its
+packed-sequence check, which would wait for the device every forward. The
 model runner passes one frozen ``AttentionMetadata`` per forward as the
 keyword argument ``pagedkv_metadata``; transformers hands it to every
 attention layer, which writes the step's K/V into its layer's cache and runs
@@ -74,14 +76,8 @@ def paged_attention_forward(
     return out[None], None  # [1, T, Hq, D]
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def register() -> None:
-    """Registers the attention function and its (empty) mask with transformers."""
+    """Registers the attention function with transformers."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)

@@ -24,10 +24,18 @@ import torch
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.errors import FailedPrecondition, InvalidArgument
 from pagedkv.executor.model_runner import ModelRunner
-from pagedkv.executor.step_plan import StepPlan, plan_message
+from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
 from pagedkv.v1 import common_pb2, executor_pb2
 
 log = get_logger(__name__)
+
+
+def _check_owner_fields(owner: common_pb2.Owner) -> None:
+    """InvalidArgument for an owner no lease can have (see Owner in common.proto)."""
+    if not owner.owner_id:
+        raise InvalidArgument("owner.owner_id: required")
+    if owner.epoch == 0:
+        raise InvalidArgument("owner.epoch: 0 is no epoch (epochs start at 1)")
 
 
 class Executor:
@@ -45,8 +53,7 @@ class Executor:
 
     def check_owner(self, owner: common_pb2.Owner) -> None:
         """FailedPrecondition unless ``owner`` is the current owner."""
-        if not owner.owner_id:
-            raise InvalidArgument("owner.owner_id: required")
+        _check_owner_fields(owner)
         if (owner.owner_id, owner.epoch) != (self.owner.owner_id, self.owner.epoch):
             raise FailedPrecondition(
                 f"owner: {owner.owner_id!r} epoch {owner.epoch} is not the current owner "
@@ -55,8 +62,7 @@ class Executor:
 
     def reset(self, request: executor_pb2.ResetRequest) -> executor_pb2.ResetResponse:
         owner = request.owner
-        if not owner.owner_id:
-            raise InvalidArgument("owner.owner_id: required")
+        _check_owner_fields(owner)
         with self.lock:
             same = (owner.owner_id, owner.epoch) == (self.owner.owner_id, self.owner.epoch)
             if not same and owner.epoch <= self.owner.epoch:
@@ -117,10 +123,7 @@ class Executor:
             plan.table_block_ids,
             plan.table_lengths,
         )
-        if len(plan.continue_rows):
-            index = torch.from_numpy(np.stack([plan.continue_rows, plan.continue_positions]))
-            index = index.to(rows.device)
-            rows.token_ids[index[0], index[1]] = rows.last_sampled[index[0]]
+        rows.append_samples(plan.continue_rows, plan.continue_positions)
         rows.write_tokens(plan.token_rows, plan.token_positions, plan.token_values)
         rows.pending_sample[plan.continue_rows] = False
         rows.pending_sample[np.unique(plan.token_rows)] = False
@@ -148,13 +151,15 @@ class Executor:
     def copy_blocks(
         self, request: executor_pb2.CopyBlocksRequest
     ) -> executor_pb2.CopyBlocksResponse:
-        step = executor_pb2.StepRequest(
-            copy_src_block_ids=request.src_block_ids, copy_dst_block_ids=request.dst_block_ids
-        )
         with self.lock:
             self.check_owner(request.owner)
-            plan = plan_message(step, self.runner.rows, self.runner.limits)
-            self.runner.copy_blocks(plan.copies)
+            copies = plan_copies(
+                request.src_block_ids,
+                request.dst_block_ids,
+                self.runner.limits,
+                ("src_block_ids", "dst_block_ids"),
+            )
+            self.runner.copy_blocks(copies)
         return executor_pb2.CopyBlocksResponse()
 
     def step(

@@ -19,7 +19,7 @@ from pagedkv.common.logging import get_logger
 from pagedkv.executor import attention
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
-from pagedkv.executor.rows import Rows
+from pagedkv.executor.rows import Rows, to_device
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_plan import Limits, StepPlan
 from pagedkv.kernels.backend import get_backend
@@ -63,6 +63,18 @@ class RunnerConfig:
                 raise ValueError(f"{name}: must be positive")
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """What one packed forward reads, on the device (plus host sample positions)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    sample_index: torch.Tensor  # [num_samples]: packed index of each sampled token
+    sample_positions: np.ndarray  # [num_samples]: position of the token to sample
+    sampled_rows: torch.Tensor  # [num_samples]
+    metadata: attention.AttentionMetadata
+
+
 # CPU fallback when --num-blocks is not given (no device memory to measure).
 DEFAULT_CPU_NUM_BLOCKS = 2048
 
@@ -100,6 +112,7 @@ class ModelRunner:
             self.spec.max_model_len,
             self.device,
         )
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
         self.limits = Limits(
@@ -111,7 +124,6 @@ class ModelRunner:
             max_logprobs=config.max_logprobs,
             group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
         )
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def _resolve_dtype(self, hf_config: object) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -194,7 +206,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         if len(copies):
-            self.kv.copy_blocks(self.backend, torch.from_numpy(copies).to(self.device))
+            self.kv.copy_blocks(self.backend, to_device(copies, self.device))
 
     def run(self, plan: StepPlan) -> SamplerOutput | None:
         """Copies, then the forward and sampling of the plan's entries (rows
@@ -212,7 +224,25 @@ class ModelRunner:
         needs_sample: np.ndarray,
     ) -> SamplerOutput | None:
         """One packed forward over ``rows`` (tokens ``[c, c + s)`` of each,
-        already in the rows' histories) and sampling where asked."""
+        already in the rows' histories) and sampling where asked; the samples
+        become the rows' last samples (on the device)."""
+        inputs = self.prepare(rows, num_computed, num_scheduled, needs_sample)
+        logits = self.logits(inputs)
+        if logits is None:
+            return None
+        params = self._sampling_params(rows[needs_sample], inputs.sample_positions)
+        result = sample(logits, params, self.generator)
+        self.rows.last_sampled[inputs.sampled_rows] = result.token_ids
+        return result
+
+    def prepare(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+    ) -> ForwardInputs:
+        """The device inputs and attention metadata of one packed forward."""
         device, block_size = self.device, self.config.block_size
         num_seqs = len(rows)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -224,6 +254,7 @@ class ModelRunner:
         seq_lens = num_computed + num_scheduled
         max_seq_len = int(seq_lens.max())
         sample_index = query_start_loc[1:][needs_sample] - 1
+        sampled_rows = rows[needs_sample]
         # One host-to-device copy for every index vector of the step.
         host = np.concatenate(
             [
@@ -233,13 +264,15 @@ class ModelRunner:
                 seq_lens,
                 query_start_loc,
                 sample_index,
+                sampled_rows,
             ]
         )
-        packed = torch.from_numpy(host).to(device, non_blocking=True)
-        parts = torch.split(
-            packed, [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1, len(sample_index)]
+        sizes = [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1]
+        sizes += [len(sample_index)] * 2
+        packed = to_device(host, device)
+        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = (
+            torch.split(packed, sizes)
         )
-        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t = parts
         qsl_t = qsl_t.to(torch.int32)
         num_columns = -(-max_seq_len // block_size)
         block_tables = tuple(
@@ -265,23 +298,29 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             softcap=self.spec.softcap,
         )
-        input_ids = self.rows.token_ids[token_rows_t, positions_t]
+        return ForwardInputs(
+            input_ids=self.rows.token_ids[token_rows_t, positions_t],
+            positions=positions_t,
+            sample_index=sample_index_t,
+            sample_positions=seq_lens[needs_sample],
+            sampled_rows=sampled_t,
+            metadata=meta,
+        )
+
+    def logits(self, inputs: ForwardInputs) -> torch.Tensor | None:
+        """Runs the model; float32 logits ``[num_samples, vocab_size]`` at the
+        sampled positions, or None when no entry needs a sample."""
         with torch.inference_mode():
             output = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions_t[None],
+                input_ids=inputs.input_ids[None],
+                position_ids=inputs.positions[None],
                 use_cache=False,
-                logits_to_keep=sample_index_t,
-                pagedkv_metadata=meta,
+                logits_to_keep=inputs.sample_index,
+                pagedkv_metadata=inputs.metadata,
             )
-            if not len(sample_index):
-                return None
-            logits = output.logits[0].float()
-            sampled_rows = rows[needs_sample]
-            params = self._sampling_params(sampled_rows, seq_lens[needs_sample])
-            result = sample(logits, params, self.generator)
-        self.rows.last_sampled[rows_t[torch.from_numpy(needs_sample).to(device)]] = result.token_ids
-        return result
+        if not len(inputs.sample_positions):
+            return None
+        return output.logits[0].float()
 
     def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:
         sampling = [self.rows.sampling[row] for row in rows.tolist()]

@@ -21,6 +21,16 @@ import torch
 from pagedkv.v1 import common_pb2
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the device: through
+    pinned memory on CUDA (a copy from pageable memory would first wait for
+    the stream to drain, so the host could never run ahead)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
 @dataclass(frozen=True, slots=True)
 class RowSampling:
     """A row's sampling params, with the wire's unset fields resolved."""
@@ -118,23 +128,19 @@ class Rows:
         """Writes ``block_ids`` at (group, row, column) and sets each (group,
         row)'s length; ``new_lengths`` is ``[3, n]``: group, row, length."""
         if len(block_ids):
-            index = torch.from_numpy(np.stack([groups, rows, columns])).to(self.device)
-            values = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
-            self.block_tables[index[0], index[1], index[2]] = values
+            index = to_device(np.stack([groups, rows, columns, block_ids]), self.device)
+            self.block_tables[index[0], index[1], index[2]] = index[3].to(torch.int32)
         self.num_blocks[new_lengths[0], new_lengths[1]] = new_lengths[2]
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
         """Writes host tokens into the histories (positions already validated)."""
         if len(token_ids):
-            index = torch.from_numpy(np.stack([rows, positions])).to(self.device)
-            values = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
-            self.token_ids[index[0], index[1]] = values
+            index = to_device(np.stack([rows, positions, token_ids]).astype(np.int64), self.device)
+            self.token_ids[index[0], index[1]] = index[2]
 
-    def append_samples(self, rows: np.ndarray) -> None:
-        """Appends each row's last sample to its history, on the device."""
+    def append_samples(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Writes each row's last sample at its position, on the device (the
+        caller sets the history lengths)."""
         if len(rows):
-            index = torch.from_numpy(rows).to(self.device)
-            positions = torch.from_numpy(self.num_tokens[rows]).to(self.device)
-            self.token_ids[index, positions] = self.last_sampled[index]
-            self.num_tokens[rows] += 1
-            self.pending_sample[rows] = False
+            index = to_device(np.stack([rows, positions]), self.device)
+            self.token_ids[index[0], index[1]] = self.last_sampled[index[0]]

@@ -10,6 +10,7 @@ the ones documented in protos/pagedkv/v1/executor.proto.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,6 +146,32 @@ def _plan_new_requests(
     return new_rows
 
 
+def plan_copies(
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+    limits: Limits,
+    names: tuple[str, str] = ("copy_src_block_ids", "copy_dst_block_ids"),
+) -> np.ndarray:
+    """Checks block copies (a step's columns, or CopyBlocksRequest's, whose
+    field ``names`` the errors use); returns int64 ``[n, 2]``: (src, dst)."""
+    src_name, dst_name = names
+    src = np.asarray(src_ids, dtype=np.int64)
+    dst = np.asarray(dst_ids, dtype=np.int64)
+    if len(src) != len(dst):
+        raise InvalidArgument(f"{dst_name}: {len(dst)} ids for {len(src)} {src_name}")
+    for name, ids in ((src_name, src), (dst_name, dst)):
+        bad = (ids == 0) | (ids >= limits.num_blocks)
+        if bad.any():
+            i = _first(bad)
+            raise InvalidArgument(
+                f"{name}[{i}]: block {ids[i]} is the null block or >= num_blocks "
+                f"{limits.num_blocks}"
+            )
+    if len(set(dst.tolist())) != len(dst) or set(dst.tolist()) & set(src.tolist()):
+        raise InvalidArgument(f"{dst_name}: repeated, or also a source")
+    return np.stack([src, dst], axis=1)
+
+
 def plan_message(
     message: executor_pb2.StepRequest | executor_pb2.AllocateRequest,
     rows: Rows,
@@ -219,23 +246,11 @@ def plan_message(
     id_offsets = np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
     table_columns = np.repeat(starts, counts) + id_offsets
 
-    # Copies.
-    src = np.asarray(message.copy_src_block_ids if is_step else (), dtype=np.int64)
-    dst = np.asarray(message.copy_dst_block_ids if is_step else (), dtype=np.int64)
-    if len(src) != len(dst):
-        raise InvalidArgument(
-            f"copy_dst_block_ids: {len(dst)} ids for {len(src)} copy_src_block_ids"
-        )
-    for name, ids in (("copy_src_block_ids", src), ("copy_dst_block_ids", dst)):
-        bad = (ids == 0) | (ids >= limits.num_blocks)
-        if bad.any():
-            i = _first(bad)
-            raise InvalidArgument(
-                f"{name}[{i}]: block {ids[i]} is the null block or >= num_blocks "
-                f"{limits.num_blocks}"
-            )
-    if len(set(dst.tolist())) != len(dst) or set(dst.tolist()) & set(src.tolist()):
-        raise InvalidArgument("copy_dst_block_ids: repeated, or also a source")
+    copies = plan_copies(
+        message.copy_src_block_ids if is_step else (),
+        message.copy_dst_block_ids if is_step else (),
+        limits,
+    )
 
     # Tokens.
     if is_step:
@@ -321,7 +336,7 @@ def plan_message(
         table_columns=table_columns,
         table_block_ids=block_ids,
         table_lengths=np.stack([group_of, row_of, lengths]),
-        copies=np.stack([src, dst], axis=1),
+        copies=copies,
         continue_rows=entry_rows[cont],
         continue_positions=continue_positions,
         token_rows=np.concatenate(token_rows),

@@ -1,0 +1,45 @@
+"""The executor as its own process on a CUDA device (marked ``gpu``): greedy
+output equals Hugging Face ``generate`` on the same device and weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.executor.driver import Driver, ExecutorProcess
+from tests.executor.test_generation import NEW_TOKENS, PROMPTS, model_dirs
+
+__all__ = ["model_dirs"]  # the session fixture, shared with the CPU tests
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def hf_greedy_cuda(model_dir: Path, prompt: list[int], num_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"), max_new_tokens=num_tokens, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_executor_process_on_cuda_matches_hugging_face(
+    model_dirs: dict[str, Path], arch: str, backend: str
+) -> None:
+    with ExecutorProcess(model_dirs[arch], backend=backend, device="cuda") as executor:
+        driver = Driver(executor.stub)
+        assert driver.info.device.startswith("cuda")
+        seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+        outputs = driver.run(seqs, chunk_size=16)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)
