@@ -1,1 +1,74 @@
-"""pagedkv client SDK for the Scheduler gRPC service (filled in by the SDK work)."""
+"""pagedkv client SDK: ``Client`` and ``AsyncClient`` for the Scheduler gRPC service.
+
+    from pagedkv.client import Client
+
+    with Client("localhost:50051", timeout=60) as client:
+        for chunk in client.generate("Hello", max_tokens=32, temperature=0):
+            for seq in chunk.sequences:
+                print(seq.text, end="", flush=True)
+        print(client.generate_text("Hello", max_tokens=32).text)
+
+Results are frozen dataclasses (``pagedkv.client.types``); failed calls raise a
+``PagedkvError`` subclass per gRPC status code (``pagedkv.client.errors``).
+"""
+
+from pagedkv.client.client import AsyncClient, Client
+from pagedkv.client.errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    IncompleteStreamError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PagedkvError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    error_from_rpc,
+)
+from pagedkv.client.types import (
+    Beam,
+    Completion,
+    ExecutorStats,
+    FinishReason,
+    GenerateChunk,
+    IntegrityCheck,
+    SequenceChunk,
+    Stats,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "AsyncClient",
+    "Beam",
+    "CancelledError",
+    "Client",
+    "Completion",
+    "DeadlineExceededError",
+    "ExecutorStats",
+    "FailedPreconditionError",
+    "FinishReason",
+    "GenerateChunk",
+    "IncompleteStreamError",
+    "IntegrityCheck",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "PagedkvError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "SequenceChunk",
+    "Stats",
+    "TokenLogprob",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "Usage",
+    "error_from_rpc",
+]

@@ -121,12 +121,13 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+    def get_computed_blocks(self, request: Request, *, count: bool = True) -> ComputedBlocks:
         """The longest cached prefix of ``request`` that every group can use.
 
         Only whole blocks within the first ``num_tokens - 1`` tokens count: a
         full hit still recomputes the last token, whose logits are needed.
-        Takes no reference (``allocate_slots`` does). Counts one lookup.
+        Takes no reference (``allocate_slots`` does). Counts one lookup in the
+        prefix-cache stats unless ``count`` is False (a placement probe).
         """
         if not self.enable_caching:
             return self._empty_hit
@@ -148,6 +149,8 @@ class KVCacheManager:
                 length = agreed
             num_tokens = agreed
             result = ComputedBlocks(tuple(tuple(h) for h in per_group), num_tokens)
+        if not count:
+            return result
         self._num_requests += 1
         self._num_queries += request.num_tokens
         self._num_hits += num_tokens

@@ -1,0 +1,256 @@
+"""Registers ``pagedkv generate`` and ``pagedkv stats``, thin commands over ``Client``.
+
+The register functions only declare arguments; the handlers import the SDK
+and do the work. Both commands exit 0 on success and 1 on a failed call,
+printing ``pagedkv: <CODE>: <details>`` to stderr; 2 for arguments the SDK
+refuses before calling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedkv.client.errors import PagedkvError
+    from pagedkv.client.types import Completion, GenerateChunk, Stats
+
+_GENERATE_EPILOG = """\
+output:
+  Without --json, a single sequence (--n 1, no beam search) is printed as its
+  text arrives. With --n > 1 or --beam-width >= 2, each sequence (or beam, best
+  first) is printed at the end under a "--- sequence I (REASON) ---" header.
+  A usage line goes to stderr. Logprobs are only shown with --json.
+
+  With --json, each chunk of the stream is one JSON object on its own line:
+  {"request_id", "sequences": [{"index", "token_ids", "text", "finish_reason",
+  and "stop_token_id", "error_message", "logprobs" when set}], "beams" (beam
+  search, final chunk), "usage" (final chunk only)}.
+"""
+
+
+def _token_id_list(value: str) -> list[int]:
+    """Parses "1,2,3" into [1, 2, 3]."""
+    try:
+        ids = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids like 1,2,3, got {value!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="the Scheduler's address, HOST:PORT")
+    parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+
+
+def register_generate(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="generate from a prompt through a Scheduler, streaming the output",
+        description="Sends one Generate request and prints its output as it arrives.",
+        epilog=_GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target(parser)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text, tokenized by the scheduler")
+    prompt.add_argument(
+        "--token-ids", type=_token_id_list, help="already-tokenized prompt, e.g. 1,2,3"
+    )
+    parser.add_argument("--max-tokens", type=int, required=True, help="per sequence")
+    parser.add_argument("--n", type=int, default=1, help="independent samples (default: 1)")
+    parser.add_argument("--temperature", type=float, help="0: greedy (default: 1.0)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, help="0: disabled (default)")
+    parser.add_argument("--seed", type=int, help="for reproducible sampling")
+    parser.add_argument("--beam-width", type=int, default=0, help=">= 2: beam search")
+    parser.add_argument("--stop-token-ids", type=_token_id_list, default=[], help="e.g. 13,198")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    parser.add_argument("--logprobs", type=int, help="top-K logprobs per token (--json)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
+    parser.set_defaults(handler=_run_generate)
+
+
+def register_stats(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="show a Scheduler's executors, load and block-pool integrity",
+        description="Prints one GetStats snapshot as a table (or JSON with --json).",
+    )
+    _add_target(parser)
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.set_defaults(handler=_run_stats)
+
+
+def _fail(exc: PagedkvError) -> int:
+    print(f"pagedkv: {exc.code.name}: {exc.details}", file=sys.stderr)
+    return 1
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedkv.client.client import Client
+    from pagedkv.client.errors import PagedkvError
+    from pagedkv.client.types import Completion
+
+    streams_text = not args.json and args.n <= 1 and args.beam_width < 2
+    chunks: list[GenerateChunk] = []
+    out = sys.stdout
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            stream = client.generate(
+                args.prompt,
+                token_ids=args.token_ids,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                n=args.n,
+                beam_width=args.beam_width,
+                stop_token_ids=args.stop_token_ids,
+                ignore_eos=args.ignore_eos,
+                logprobs=args.logprobs,
+            )
+            for chunk in stream:
+                chunks.append(chunk)
+                if args.json:
+                    out.write(json.dumps(_chunk_json(chunk)) + "\n")
+                elif streams_text:
+                    out.write("".join(seq.text for seq in chunk.sequences))
+                out.flush()
+    except ValueError as exc:
+        print(f"pagedkv: {exc}", file=sys.stderr)
+        return 2
+    except PagedkvError as exc:
+        if streams_text and chunks:
+            out.write("\n")
+        return _fail(exc)
+    if args.json:
+        return 0
+    completion = Completion.from_chunks(chunks)
+    if streams_text:
+        out.write("\n")
+    else:
+        out.write(_completion_text(completion))
+    reasons = ",".join(r.value if r else "-" for r in completion.finish_reasons)
+    usage = completion.usage
+    print(
+        f"request {completion.request_id}: prompt {usage.prompt_tokens} tokens "
+        f"({usage.cached_prompt_tokens} cached), completion {usage.completion_tokens} tokens"
+        + (f", finish {reasons}" if reasons else ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _chunk_json(chunk: GenerateChunk) -> dict[str, object]:
+    """The --json line of one chunk (see the epilog)."""
+    sequences: list[dict[str, object]] = []
+    for seq in chunk.sequences:
+        obj: dict[str, object] = {
+            "index": seq.index,
+            "token_ids": list(seq.token_ids),
+            "text": seq.text,
+            "finish_reason": seq.finish_reason.value if seq.finish_reason else None,
+        }
+        if seq.stop_token_id is not None:
+            obj["stop_token_id"] = seq.stop_token_id
+        if seq.error_message is not None:
+            obj["error_message"] = seq.error_message
+        if seq.logprobs:
+            obj["logprobs"] = [
+                {
+                    "logprob": lp.logprob,
+                    "top_token_ids": list(lp.top_token_ids),
+                    "top_logprobs": list(lp.top_logprobs),
+                }
+                for lp in seq.logprobs
+            ]
+        sequences.append(obj)
+    line: dict[str, object] = {"request_id": chunk.request_id, "sequences": sequences}
+    if chunk.beams:
+        line["beams"] = [
+            {
+                "token_ids": list(beam.token_ids),
+                "text": beam.text,
+                "cumulative_logprob": beam.cumulative_logprob,
+                "finish_reason": beam.finish_reason.value if beam.finish_reason else None,
+            }
+            for beam in chunk.beams
+        ]
+    if chunk.usage is not None:
+        line["usage"] = {
+            "prompt_tokens": chunk.usage.prompt_tokens,
+            "cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
+            "completion_tokens": chunk.usage.completion_tokens,
+        }
+    return line
+
+
+def _completion_text(completion: Completion) -> str:
+    """Every sequence (or beam) under its own header, for --n > 1 and beam search."""
+    parts: list[str] = []
+    for i, text in enumerate(completion.texts):
+        reason = completion.finish_reasons[i]
+        parts.append(f"--- sequence {i} ({reason.value if reason else '-'}) ---\n{text}\n")
+    for i, beam in enumerate(completion.beams):
+        reason_text = beam.finish_reason.value if beam.finish_reason else "-"
+        header = f"beam {i} ({reason_text}, logprob {beam.cumulative_logprob:.4f})"
+        parts.append(f"--- {header} ---\n{beam.text}\n")
+    return "".join(parts)
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    from pagedkv.client.client import Client
+    from pagedkv.client.errors import PagedkvError
+
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            stats = client.stats()
+    except PagedkvError as exc:
+        return _fail(exc)
+    sys.stdout.write(json.dumps(_stats_json(stats)) + "\n" if args.json else _stats_table(stats))
+    return 0
+
+
+def _stats_json(stats: Stats) -> dict[str, object]:
+    """The --json object: every Stats field, plus each executor's hit rate."""
+    obj = dataclasses.asdict(stats)
+    for ex_obj, ex in zip(obj["executors"], stats.executors, strict=True):
+        ex_obj["prefix_cache_hit_rate"] = ex.prefix_cache_hit_rate
+    return obj
+
+
+def _stats_table(stats: Stats) -> str:
+    """One row per executor, then the replica's load and integrity."""
+    header = ("EXECUTOR", "HEALTHY", "BLOCKS", "FREE", "KV USAGE", "PREFIX HIT RATE")
+    rows = [
+        (
+            ex.address,
+            "yes" if ex.healthy else "NO",
+            str(ex.num_blocks),
+            str(ex.num_free_blocks),
+            f"{ex.kv_cache_usage:.1%}",
+            "-" if ex.prefix_cache_hit_rate is None else f"{ex.prefix_cache_hit_rate:.1%}",
+        )
+        for ex in stats.executors
+    ]
+    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
+    lines = [f"scheduler {stats.scheduler_id or '-'}"]
+    for row in [header, *rows]:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    integrity = "ok" if stats.integrity.ok else f"FAILED: {stats.integrity.message}"
+    lines.append(
+        f"running {stats.num_running}, waiting {stats.num_waiting}, "
+        f"preemptions {stats.num_preemptions}, integrity {integrity}"
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,414 @@
+"""``Client`` (blocking) and ``AsyncClient`` (``grpc.aio``) for the Scheduler service.
+
+Both build requests with ``generate_request`` (which checks the arguments
+before any call), convert responses with ``pagedkv.client.types`` and raise
+``pagedkv.client.errors`` types for every failed call, also mid-stream.
+
+A Generate stream is cancelled as soon as its iterator is closed before the
+end (``break`` out of the loop, ``close()``/``aclose()``, garbage collection),
+so the scheduler frees the request. An async generator abandoned by ``break``
+is closed by the event loop shortly after; wrap it in
+``contextlib.aclosing`` to cancel at the exact point you leave the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Generator, Sequence
+from types import TracebackType
+
+import grpc
+import grpc.aio
+
+from pagedkv.client.errors import IncompleteStreamError, error_from_rpc
+from pagedkv.client.types import (
+    Completion,
+    GenerateChunk,
+    Stats,
+    chunk_from_proto,
+    stats_from_proto,
+)
+from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+def _check_uint(name: str, value: int, limit: int = _UINT32_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise ValueError(f"{name}: must be an integer in [0, {limit}], got {value!r}")
+    return value
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    n: int = 1,
+    beam_width: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    cache_salt: str = "",
+    priority: int = 0,
+    request_id: str = "",
+) -> scheduler_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments (see ``Client.generate``).
+
+    Optional sampling fields left as None stay unset in the proto, so the
+    scheduler applies its defaults. Raises ValueError, naming the argument,
+    unless exactly one of ``prompt`` and ``token_ids`` is given or when an
+    id or count is not a non-negative integer; every other check (ranges,
+    vocabulary, lengths) is the scheduler's, answered with INVALID_ARGUMENT.
+    """
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("prompt: exactly one of prompt and token_ids must be given")
+    sampling = common_pb2.SamplingParams(
+        top_k=_check_uint("top_k", top_k),
+        n=_check_uint("n", n),
+        beam_width=_check_uint("beam_width", beam_width),
+        stop_token_ids=[
+            _check_uint(f"stop_token_ids[{i}]", t) for i, t in enumerate(stop_token_ids)
+        ],
+        ignore_eos=ignore_eos,
+    )
+    if max_tokens is not None:
+        sampling.max_tokens = _check_uint("max_tokens", max_tokens)
+    if temperature is not None:
+        sampling.temperature = temperature
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = _check_uint("seed", seed, _UINT64_MAX)
+    if logprobs is not None:
+        sampling.logprobs = _check_uint("logprobs", logprobs)
+    request = scheduler_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling, cache_salt=cache_salt, priority=priority
+    )
+    if prompt is not None:
+        request.text = prompt
+    else:
+        assert token_ids is not None
+        ids = [_check_uint(f"token_ids[{i}]", t) for i, t in enumerate(token_ids)]
+        request.token_ids.CopyFrom(scheduler_pb2.TokenIds(ids=ids))
+    return request
+
+
+def _deadline(call_timeout: float | None, default: float | None) -> float | None:
+    return call_timeout if call_timeout is not None else default
+
+
+class Client:
+    """A blocking client of one Scheduler at ``target`` ("host:port").
+
+    Owns its channel: close it with ``close()`` or a ``with`` block. Safe to
+    share between threads. ``timeout`` (seconds) is the default deadline of
+    every call, a whole Generate stream included; None means no deadline.
+    """
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        beam_width: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        cache_salt: str = "",
+        priority: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Generator[GenerateChunk, None, None]:
+        """Streams the chunks of one generation, the last one carrying usage.
+
+        Give exactly one of ``prompt`` (text, tokenized by the scheduler) and
+        ``token_ids``; arguments are checked now (ValueError) and the call
+        starts at the first ``next()``. The sampling arguments are those of
+        ``SamplingParams`` in common.proto; None leaves a field to the
+        scheduler's default. Lower ``priority`` is more important. Raises a
+        ``PagedkvError`` when the call fails, also after some chunks, and
+        ``IncompleteStreamError`` when it ends without a final chunk.
+        Closing the iterator early cancels the call.
+        """
+        request = generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            n=n,
+            beam_width=beam_width,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            cache_salt=cache_salt,
+            priority=priority,
+            request_id=request_id,
+        )
+        return self._stream(request, _deadline(timeout, self.timeout))
+
+    def _stream(
+        self, request: scheduler_pb2.GenerateRequest, timeout: float | None
+    ) -> Generator[GenerateChunk, None, None]:
+        call = self._stub.Generate(request, timeout=timeout)
+        final = False
+        try:
+            for response in call:
+                chunk = chunk_from_proto(response)
+                final = final or chunk.is_final
+                yield chunk
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the call has ended
+        if not final:
+            raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
+
+    def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        beam_width: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        cache_salt: str = "",
+        priority: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Completion:
+        """Runs ``generate`` with the same arguments to the end and returns the
+        accumulated result; raises as ``generate`` does."""
+        chunks = self.generate(
+            prompt,
+            token_ids=token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            n=n,
+            beam_width=beam_width,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            cache_salt=cache_salt,
+            priority=priority,
+            request_id=request_id,
+            timeout=timeout,
+        )
+        return Completion.from_chunks(chunks)
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """Aborts a live request on this replica (its stream ends with a chunk
+        finished ABORT). True if it was live here; False if unknown or already
+        finished. Idempotent."""
+        try:
+            response = self._stub.Abort(
+                scheduler_pb2.AbortRequest(request_id=request_id),
+                timeout=_deadline(timeout, self.timeout),
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return bool(response.aborted)
+
+    def stats(self, *, timeout: float | None = None) -> Stats:
+        """A snapshot of the replica's load, executors and block-pool integrity."""
+        try:
+            response = self._stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return stats_from_proto(response)
+
+
+class AsyncClient:
+    """An asyncio client of one Scheduler at ``target`` ("host:port").
+
+    The ``grpc.aio`` twin of ``Client``, with the same methods as coroutines
+    (``generate`` returns an async iterator). Create it inside the event loop
+    that uses it; close it with ``await close()`` or ``async with``.
+    """
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        beam_width: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        cache_salt: str = "",
+        priority: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """As ``Client.generate``, as an async generator (not a coroutine: use
+        ``async for chunk in client.generate(...)``)."""
+        request = generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            n=n,
+            beam_width=beam_width,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            cache_salt=cache_salt,
+            priority=priority,
+            request_id=request_id,
+        )
+        return self._stream(request, _deadline(timeout, self.timeout))
+
+    async def _stream(
+        self, request: scheduler_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        call = self._stub.Generate(request, timeout=timeout)
+        final = False
+        try:
+            async for response in call:
+                chunk = chunk_from_proto(response)
+                final = final or chunk.is_final
+                yield chunk
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the call has ended
+        if not final:
+            raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
+
+    async def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        beam_width: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        cache_salt: str = "",
+        priority: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Completion:
+        """As ``Client.generate_text``."""
+        stream = self.generate(
+            prompt,
+            token_ids=token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            n=n,
+            beam_width=beam_width,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            cache_salt=cache_salt,
+            priority=priority,
+            request_id=request_id,
+            timeout=timeout,
+        )
+        return Completion.from_chunks([chunk async for chunk in stream])
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """As ``Client.abort``."""
+        try:
+            response = await self._stub.Abort(
+                scheduler_pb2.AbortRequest(request_id=request_id),
+                timeout=_deadline(timeout, self.timeout),
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return bool(response.aborted)
+
+    async def stats(self, *, timeout: float | None = None) -> Stats:
+        """As ``Client.stats``."""
+        try:
+            response = await self._stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return stats_from_proto(response)

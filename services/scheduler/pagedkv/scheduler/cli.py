@@ -1,0 +1,70 @@
+"""Registers ``pagedkv scheduler`` and ``pagedkv serve`` (imports nothing
+heavy until they run)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _scheduler_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="running sequences")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
+    parser.add_argument(
+        "--executor-timeout", type=float, default=120.0, help="seconds before a step fails"
+    )
+
+
+def register_scheduler(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="schedule requests over running executors (the Scheduler gRPC API)",
+        description=(
+            "Takes over the given executors and serves the Scheduler API. Prints one "
+            "readiness line with its address."
+        ),
+    )
+    parser.add_argument(
+        "--executor", action="append", required=True, metavar="HOST:PORT", dest="executors"
+    )
+    parser.add_argument(
+        "--model", help="model directory for the tokenizer (default: the executors' model id)"
+    )
+    _scheduler_args(parser)
+    parser.set_defaults(handler=_run_scheduler)
+
+
+def register_serve(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="start executors and a scheduler in one command",
+        description=(
+            "Starts K executor processes on a model (a tiny random one made in a temporary "
+            "directory when --model is not given) and a scheduler over them."
+        ),
+    )
+    parser.add_argument("--model", help="model directory (default: a tiny llama)")
+    parser.add_argument("--executors", type=int, default=1, help="executor processes (K)")
+    parser.add_argument("--device", default="cpu", help="executors' device (cuda: one GPU each)")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks per executor")
+    parser.add_argument(
+        "--kernel-backend", choices=("triton", "torch"), help="default: torch on cpu"
+    )
+    parser.add_argument("--dtype", default="auto")
+    _scheduler_args(parser)
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler.server import run_scheduler
+
+    return run_scheduler(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler.serve import run_serve
+
+    return run_serve(args)

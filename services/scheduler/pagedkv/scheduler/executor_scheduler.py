@@ -1,0 +1,329 @@
+"""Continuous batching for one executor: its block accounting, rows, waiting
+and running sequences, and the step messages between them.
+
+``schedule()`` builds one ``StepRequest``: running sequences first (a decode
+token each, or the next chunk of their prompt), preempting by recompute when
+one cannot get a block (the least important, newest running sequence first;
+its full blocks stay in the prefix cache), then admission from the waiting
+queue in (priority, arrival) order with a prefix-cache lookup, all within a
+token budget. ``process()`` applies the executor's samples, checks stop
+conditions and releases finished sequences (their rows are freed in the next
+step). No I/O here: ``SchedulerService`` moves the messages.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
+
+from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence, SequenceState
+from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
+
+
+def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
+    """The executor's KV cache groups as block-core specs, in wire order."""
+    return [
+        KVCacheSpec(
+            block_size=group.block_size,
+            num_layers=len(group.layer_indices),
+            num_kv_heads=group.num_kv_heads,
+            head_size=group.head_size,
+            dtype=group.dtype,
+            sliding_window=group.sliding_window if group.HasField("sliding_window") else None,
+        )
+        for group in info.kv_cache_groups
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One sequence scheduled in a step."""
+
+    seq: Sequence
+    num_scheduled: int
+    needs_sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    request: executor_pb2.StepRequest
+    entries: list[Entry]
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.generation.priority, seq.generation.arrival, seq.index)
+
+
+class ExecutorScheduler:
+    """The scheduling state of one executor (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: str,
+        info: executor_pb2.GetInfoResponse,
+        owner: common_pb2.Owner,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.address = address
+        self.info = info
+        self.owner = owner
+        self.kv = KVCacheManager(specs_from_info(info), info.num_blocks, model_id=info.model_id)
+        self.num_groups = len(info.kv_cache_groups)
+        self.max_num_seqs = min(max_num_seqs, info.max_num_rows)
+        self.token_budget = min(max_num_batched_tokens, info.max_num_batched_tokens)
+        self.free_rows = list(range(info.max_num_rows - 1, -1, -1))  # pop() gives row 0 first
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []
+        self.freed_rows: list[int] = []  # rows to free in the next step
+        self.step_id = 0
+        self.num_preemptions = 0
+        # Sequences with a sample the executor holds but has not appended.
+        self._sample_pending: set[Sequence] = set()
+
+    # -- membership -----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a sequence (new, or moved here to be recomputed)."""
+        seq.executor = self.address
+        seq.state = SequenceState.WAITING
+        keys = [_order(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _order(seq)), seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.freed_rows)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def release(self, seq: Sequence) -> None:
+        """Forgets a sequence here: its blocks go back to the pool (full ones
+        stay cached) and its row is freed in the next step."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free(seq.request)
+        if seq.row is not None:
+            if seq.sent_tables is not None:
+                self.freed_rows.append(seq.row)
+            self.free_rows.append(seq.row)
+            seq.row = None
+        seq.sent_tables = None
+        self._sample_pending.discard(seq)
+
+    def evacuate(self) -> list[Sequence]:
+        """Every unfinished sequence, made ready to be recomputed elsewhere
+        (this executor is gone: its state is dropped, not freed)."""
+        moved = [s for s in self.sequences if not s.finished]
+        for seq in moved:
+            seq.row = None
+            seq.sent_tables = None
+            seq.executor = None
+            seq.request.num_computed_tokens = 0
+            seq.state = SequenceState.WAITING
+        self.running, self.waiting = [], []
+        self._sample_pending.clear()
+        return moved
+
+    # -- scheduling -----------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.request.num_computed_tokens = 0
+        seq.request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _victim(self, protected: set[Sequence]) -> Sequence | None:
+        candidates = [s for s in self.running if s not in protected]
+        return max(candidates, key=_order) if candidates else None
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when there is nothing to send."""
+        budget = self.token_budget
+        entries: list[Entry] = []
+        scheduled: set[Sequence] = set()
+        preempted = False
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted for an earlier one
+                continue
+            request = seq.request
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                allocation = self.kv.allocate_slots(request, num_new)
+                if allocation is not None:
+                    break
+                victim = self._victim(scheduled | {seq})
+                if victim is None:
+                    victim = seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.state is not SequenceState.RUNNING:
+                continue
+            entries.append(self._entry(seq, num_new))
+            scheduled.add(seq)
+            budget -= num_new
+        while not preempted and self.waiting and budget > 0:
+            seq = self.waiting[0]
+            generation = seq.generation
+            rows_needed = generation.n if not generation.forked and seq.index == 0 else 1
+            if len(self.running) + rows_needed > self.max_num_seqs:
+                break
+            if len(self.free_rows) < rows_needed:
+                break
+            request = seq.request
+            computed = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - computed.num_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.pop(0)
+            if not seq.admitted:
+                seq.admitted = True
+                if seq.index == 0:
+                    generation.num_cached_prompt_tokens = request.num_computed_tokens
+            seq.state = SequenceState.RUNNING
+            seq.row = self.free_rows.pop()
+            self.running.append(seq)
+            entries.append(self._entry(seq, num_new))
+            scheduled.add(seq)
+            budget -= num_new
+        if not entries and not self.freed_rows:
+            return None
+        return self._message(entries)
+
+    def _entry(self, seq: Sequence, num_new: int) -> Entry:
+        request = seq.request
+        return Entry(seq, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+
+    def _message(self, entries: list[Entry]) -> ScheduledStep:
+        """The StepRequest of ``entries`` (new sequences first, as the wire wants)."""
+        new = [e for e in entries if e.seq.sent_tables is None]
+        old = [e for e in entries if e.seq.sent_tables is not None]
+        ordered = new + old
+        message = executor_pb2.StepRequest(owner=self.owner, step_id=self.step_id)
+        self.step_id += 1
+        message.freed_rows.extend(self.freed_rows)
+        self.freed_rows = []
+        for entry in new:
+            seq = entry.seq
+            assert seq.row is not None
+            message.new_requests.add(
+                request_id=seq.seq_id,
+                row=seq.row,
+                prompt_token_ids=seq.request.token_ids,
+                sampling=seq.generation.sampling_for(seq.index),
+            )
+        for entry in old:
+            assert entry.seq.row is not None
+            message.rows.append(entry.seq.row)
+        for entry in ordered:
+            seq = entry.seq
+            request = seq.request
+            message.num_scheduled_tokens.append(entry.num_scheduled)
+            message.num_computed_tokens.append(request.num_computed_tokens)
+            message.continue_from_sampled.append(seq in self._sample_pending)
+            message.needs_sample.append(entry.needs_sample)
+            tables = self.kv.get_block_ids(request.request_id)
+            sent = seq.sent_tables
+            for g, table in enumerate(tables):
+                start = 0 if sent is None else _first_difference(sent[g], table)
+                message.block_table_starts.append(start)
+                message.new_block_counts.append(len(table) - start)
+                message.new_block_ids.extend(table[start:])
+            seq.sent_tables = [list(t) for t in tables]
+        for copy in self.kv.take_copy_ops():
+            message.copy_src_block_ids.append(copy.src)
+            message.copy_dst_block_ids.append(copy.dst)
+        return ScheduledStep(message, ordered)
+
+    # -- results --------------------------------------------------------------
+
+    def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> set[Generation]:
+        """Applies a step's samples; returns the generations with news."""
+        touched: set[Generation] = set()
+        samples = iter(range(len(response.sampled_token_ids)))
+        top_offset = 0
+        for entry in step.entries:
+            seq = entry.seq
+            self._sample_pending.discard(seq)
+            if seq.state is not SequenceState.RUNNING or seq.executor != self.address:
+                if entry.needs_sample:
+                    i = next(samples)
+                    top_offset += response.num_top_logprobs[i]
+                continue  # aborted or moved while the step ran
+            seq.request.num_computed_tokens += entry.num_scheduled
+            if not entry.needs_sample:
+                continue
+            i = next(samples)
+            token = response.sampled_token_ids[i]
+            num_top = response.num_top_logprobs[i]
+            if seq.generation.sampling.HasField("logprobs"):
+                seq.pending_logprobs.append(
+                    scheduler_pb2.TokenLogprobs(
+                        logprob=response.sampled_logprobs[i],
+                        top_token_ids=response.top_token_ids[top_offset : top_offset + num_top],
+                        top_logprobs=response.top_logprobs[top_offset : top_offset + num_top],
+                    )
+                )
+            top_offset += num_top
+            self._append(seq, token)
+            touched.add(seq.generation)
+        return touched
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        generation = seq.generation
+        request = seq.request
+        request.append_output_token_ids(token)
+        seq.pending_token_ids.append(token)
+        if seq.detokenizer is not None:
+            seq.pending_text += seq.detokenizer.push([token])
+        self._sample_pending.add(seq)
+        if token in generation.stop_token_ids:
+            seq.finish(FinishReason.FINISH_REASON_STOP, token)
+        elif token in generation.eos_token_ids:
+            seq.finish(FinishReason.FINISH_REASON_EOS)
+        elif (
+            request.num_output_tokens >= generation.max_tokens
+            or request.num_tokens >= self.info.max_model_len
+        ):
+            seq.finish(FinishReason.FINISH_REASON_LENGTH)
+        if seq.finished:
+            self.release(seq)
+        elif generation.n > 1 and not generation.forked and seq.index == 0:
+            self._fork(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """The other n - 1 sequences share the parent's prompt blocks; each
+        recomputes the last prompt token (copy-on-write of its block) to draw
+        its own first token."""
+        generation = parent.generation
+        generation.forked = True
+        prompt = generation.prompt_token_ids
+        for seq in generation.sequences[1:]:
+            child = seq.request
+            self.kv.fork(parent.request, child)
+            child.num_computed_tokens = len(prompt) - 1
+            seq.admitted = True
+            seq.executor = self.address
+            seq.state = SequenceState.RUNNING
+            seq.row = self.free_rows.pop()
+            self.running.append(seq)
+
+
+def _first_difference(sent: Sequence_[int], table: Sequence_[int]) -> int:
+    """The first index where the executor's table (as last sent) and ours differ."""
+    for i, (a, b) in enumerate(zip(sent, table, strict=False)):
+        if a != b:
+            return i
+    return min(len(sent), len(table))

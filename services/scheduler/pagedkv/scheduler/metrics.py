@@ -1,0 +1,241 @@
+"""Prometheus metrics of the scheduler: queues, KV cache, prefix cache, latencies.
+
+``SchedulerMetrics`` owns its metrics in a private ``CollectorRegistry``
+(never prometheus_client's global one), so a process, or a test, can hold
+several schedulers' metrics side by side. The scheduler records into it as it
+steps; ``render`` gives the text exposition and ``serve`` an HTTP endpoint
+for Prometheus to scrape.
+
+Metric names (``_total`` on counters as exposed):
+
+* gauges: ``pagedkv_kv_cache_usage{executor}`` (fraction of KV blocks in use),
+  ``pagedkv_num_running_requests``, ``pagedkv_num_waiting_requests``;
+* counters: ``pagedkv_prefix_cache_queries_total{executor}`` and
+  ``pagedkv_prefix_cache_hits_total{executor}`` (both in tokens),
+  ``pagedkv_preemptions_total``, ``pagedkv_requests_finished_total{finish_reason}``,
+  ``pagedkv_prompt_tokens_total``, ``pagedkv_generation_tokens_total``;
+* histograms (seconds): ``pagedkv_step_seconds{executor}``,
+  ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``.
+
+Counters and histograms also expose prometheus_client's ``_created``
+samples (unless the process disabled them).
+"""
+
+from __future__ import annotations
+
+from threading import Thread
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Edges of one scheduler step (schedule, executor forward, sampling): a
+decode step takes milliseconds to tens of them, a long prefill chunk up to
+seconds."""
+
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+"""Edges from arrival to the first output token: queueing plus prefill, up to
+tens of seconds under load."""
+
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Edges between consecutive output tokens of one request: about a decode
+step, longer when prefills share the step or the request was preempted."""
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics in a registry of their own.
+
+    Recording methods only update this object's metrics. ``count_*`` and
+    ``add_*`` take increments; ``set_prefix_cache`` and ``set_preemptions``
+    take a source's running totals and count their growth (use one style per
+    metric: both add to the same counter). Call from one thread (the
+    ``set_*`` totals are remembered unlocked). Arguments come from the
+    scheduler itself, so out-of-range values are asserted, not reported to a
+    caller.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        """The registry holding exactly this object's metrics."""
+        self._servers: list[tuple[WSGIServer, Thread]] = []
+        self._last_prefix_totals: dict[str, tuple[int, int]] = {}
+        self._last_preemptions = 0
+        r = self.registry
+        self._kv_cache_usage = Gauge(
+            "pagedkv_kv_cache_usage",
+            "Fraction of the executor's KV cache blocks in use (0..1).",
+            ["executor"],
+            registry=r,
+        )
+        self._num_running = Gauge(
+            "pagedkv_num_running_requests", "Requests running (holding KV blocks).", registry=r
+        )
+        self._num_waiting = Gauge(
+            "pagedkv_num_waiting_requests",
+            "Requests waiting to be scheduled, preempted ones included.",
+            registry=r,
+        )
+        self._prefix_queries = Counter(
+            "pagedkv_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            ["executor"],
+            registry=r,
+        )
+        self._prefix_hits = Counter(
+            "pagedkv_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV reused).",
+            ["executor"],
+            registry=r,
+        )
+        self._preemptions = Counter(
+            "pagedkv_preemptions", "Requests preempted (KV blocks freed).", registry=r
+        )
+        self._finished = Counter(
+            "pagedkv_requests_finished",
+            "Requests finished, by reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=r,
+        )
+        self._prompt_tokens = Counter(
+            "pagedkv_prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self._generation_tokens = Counter(
+            "pagedkv_generation_tokens", "Output tokens generated.", registry=r
+        )
+        self._step_seconds = Histogram(
+            "pagedkv_step_seconds",
+            "Duration of one scheduler step on an executor.",
+            ["executor"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._time_to_first_token = Histogram(
+            "pagedkv_time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._inter_token_latency = Histogram(
+            "pagedkv_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    # --- gauges ------------------------------------------------------------------
+
+    def set_queue_sizes(self, running: int, waiting: int) -> None:
+        """Set the numbers of running and waiting requests."""
+        assert running >= 0 and waiting >= 0, (running, waiting)
+        self._num_running.set(running)
+        self._num_waiting.set(waiting)
+
+    def set_kv_usage(self, executor: str, fraction: float) -> None:
+        """Set the fraction (0..1) of ``executor``'s KV blocks in use."""
+        assert 0.0 <= fraction <= 1.0, fraction
+        self._kv_cache_usage.labels(executor).set(fraction)
+
+    # --- counters ----------------------------------------------------------------
+
+    def add_prefix_cache(self, executor: str, queries: int, hits: int) -> None:
+        """Count ``queries`` prompt tokens looked up on ``executor``, ``hits`` of them found."""
+        assert 0 <= hits <= queries, (queries, hits)
+        self._prefix_queries.labels(executor).inc(queries)
+        self._prefix_hits.labels(executor).inc(hits)
+
+    def set_prefix_cache(self, executor: str, queries: int, hits: int) -> None:
+        """Advance ``executor``'s prefix-cache counters to the source's running totals.
+
+        For a source that keeps its own totals (``KVCacheManager.prefix_cache_stats``):
+        counts the growth since the totals last given for ``executor``. Totals
+        smaller than those mean the source restarted (a new KV cache manager):
+        they count in full, and the exposed counters keep growing.
+        """
+        assert 0 <= hits <= queries, (queries, hits)
+        last_queries, last_hits = self._last_prefix_totals.get(executor, (0, 0))
+        if queries < last_queries or hits < last_hits:
+            last_queries, last_hits = 0, 0
+        self._last_prefix_totals[executor] = (queries, hits)
+        self.add_prefix_cache(executor, queries - last_queries, hits - last_hits)
+
+    def count_preemption(self, num: int = 1) -> None:
+        """Count ``num`` preempted requests."""
+        assert num >= 0, num
+        self._preemptions.inc(num)
+
+    def set_preemptions(self, total: int) -> None:
+        """Advance the preemption counter to the source's running ``total``.
+
+        Counts the growth since the total last given; a smaller total means
+        the source restarted and counts in full.
+        """
+        assert total >= 0, total
+        last = self._last_preemptions if total >= self._last_preemptions else 0
+        self._last_preemptions = total
+        self.count_preemption(total - last)
+
+    def count_finished(self, reason: str) -> None:
+        """Count one finished request under ``reason`` (stop, length, abort, error)."""
+        self._finished.labels(reason).inc()
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        """Count ``prompt`` admitted prompt tokens and ``generated`` output tokens."""
+        assert prompt >= 0 and generated >= 0, (prompt, generated)
+        self._prompt_tokens.inc(prompt)
+        self._generation_tokens.inc(generated)
+
+    # --- histograms --------------------------------------------------------------
+
+    def observe_step(self, executor: str, seconds: float) -> None:
+        """Record one step of ``executor`` that took ``seconds``."""
+        self._step_seconds.labels(executor).observe(seconds)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """Record a request's time from arrival to its first output token."""
+        self._time_to_first_token.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Record the time between two consecutive output tokens of a request."""
+        self._inter_token_latency.observe(seconds)
+
+    # --- exposition --------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (format 0.0.4) of this registry."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve this registry over HTTP on ``host:port`` in a daemon thread.
+
+        Port 0 picks a free port. Returns the port bound (prometheus_client
+        >= 0.17 returns its server, which knows it). Scrape ``/metrics``.
+        The server runs until
+        ``close`` or the process ends; raises ``OSError`` if the port is taken.
+        """
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._servers.append((server, thread))
+        return int(server.server_port)
+
+    def close(self) -> None:
+        """Stop every server ``serve`` started and release their ports."""
+        while self._servers:
+            server, thread = self._servers.pop()
+            server.shutdown()
+            server.server_close()
+            thread.join()

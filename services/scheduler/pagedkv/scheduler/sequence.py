@@ -1,0 +1,138 @@
+"""A Generate call as the scheduler tracks it: one ``Generation`` with ``n``
+output ``Sequence``s, each a block-core ``Request`` on one executor.
+
+Sequences move WAITING -> RUNNING -> FINISHED, and RUNNING -> WAITING again
+when preempted or when their executor is lost (recompute: their KV is
+recomputed from their whole history). The generation owns the queue of
+response chunks its Generate stream reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.text import IncrementalDetokenizer
+from pagedkv.v1 import common_pb2, scheduler_pb2
+
+FinishReason = scheduler_pb2.FinishReason
+
+
+class SequenceState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output sequence; ``request`` holds its tokens and computed count."""
+
+    generation: Generation
+    index: int
+    request: Request
+    state: SequenceState = SequenceState.WAITING
+    executor: str | None = None  # address of the executor it lives on
+    row: int | None = None  # its executor row while the executor knows it
+    finish_reason: int = FinishReason.FINISH_REASON_UNSPECIFIED
+    stop_token_id: int | None = None
+    # Output since the last chunk, and logprobs per output token.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
+    detokenizer: IncrementalDetokenizer | None = None
+    pending_text: str = ""
+    admitted: bool = False  # admitted once (cached prompt tokens are counted then)
+    finish_reported: bool = False  # its finishing chunk was queued
+    # Its block tables as the executor last got them; None: the executor
+    # does not know it (the next step sends it as a new request).
+    sent_tables: list[list[int]] | None = None
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.state is SequenceState.FINISHED
+
+    def finish(self, reason: int, stop_token_id: int | None = None) -> None:
+        self.state = SequenceState.FINISHED
+        self.finish_reason = reason
+        self.stop_token_id = stop_token_id
+
+
+@dataclass(eq=False)
+class Generation:
+    """One Generate call: its params, sequences and response queue."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    max_tokens: int
+    n: int
+    priority: int
+    cache_salt: str
+    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    arrival: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    chunks: asyncio.Queue[scheduler_pb2.GenerateResponse | BaseException] = field(
+        default_factory=asyncio.Queue
+    )
+    num_cached_prompt_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    forked: bool = False  # the other n - 1 sequences were forked from the first
+    done: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def sampling_for(self, index: int) -> common_pb2.SamplingParams:
+        """Sequence ``index``'s executor sampling: a distinct seed per sequence."""
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(self.sampling)
+        if index and params.HasField("seed"):
+            params.seed = (params.seed + index) % 2**64
+        return params
+
+    def flush(self) -> None:
+        """Queues one chunk with every sequence's news; the final one (with
+        usage) once every sequence has finished."""
+        if self.done:
+            return
+        response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
+        all_finished = all(s.finished for s in self.sequences)
+        for seq in self.sequences:
+            if seq.detokenizer is not None and seq.finished:
+                seq.pending_text += seq.detokenizer.flush()
+            news = seq.pending_token_ids or seq.pending_text
+            if not news and (not seq.finished or seq.finish_reported):
+                continue
+            output = response.outputs.add(
+                index=seq.index,
+                token_ids=seq.pending_token_ids,
+                text_delta=seq.pending_text,
+                logprobs=seq.pending_logprobs,
+            )
+            if seq.finished:
+                output.finish_reason = seq.finish_reason  # type: ignore[assignment]
+                if seq.stop_token_id is not None:
+                    output.stop_token_id = seq.stop_token_id
+                seq.finish_reported = True
+            seq.pending_token_ids = []
+            seq.pending_logprobs = []
+            seq.pending_text = ""
+        if all_finished:
+            response.usage.prompt_tokens = self.num_prompt_tokens
+            response.usage.cached_prompt_tokens = self.num_cached_prompt_tokens
+            response.usage.completion_tokens = sum(
+                s.request.num_output_tokens for s in self.sequences
+            )
+            self.done = True
+        if response.outputs or all_finished:
+            self.chunks.put_nowait(response)

@@ -1,0 +1,70 @@
+"""``pagedkv scheduler``: the scheduler process around ``SchedulerService``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.errors import ServiceError
+from pagedkv.scheduler.metrics import SchedulerMetrics
+from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
+from pagedkv.scheduler.servicer import start_server
+
+log = get_logger(__name__)
+
+
+def config_from_args(args: argparse.Namespace, executors: list[str]) -> SchedulerConfig:
+    return SchedulerConfig(
+        executors=tuple(executors),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        executor_timeout=args.executor_timeout,
+        model_dir=args.model,
+    )
+
+
+async def serve_scheduler(
+    config: SchedulerConfig,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    ready_line: str = "scheduler",
+) -> None:
+    """Runs a scheduler until SIGTERM or SIGINT; prints ``<ready_line> ready
+    on HOST:PORT ...`` once it serves."""
+    metrics = SchedulerMetrics()
+    service = SchedulerService(config, metrics)
+    await service.start()
+    server, bound = await start_server(service, f"{host}:{port}")
+    extra = ""
+    if metrics_port is not None:
+        extra = f", metrics on :{metrics.serve(metrics_port)}"
+    print(
+        f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
+        f"model {service.info.model_id}{extra})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("scheduler stopping")
+    await server.stop(grace=2)
+    await service.stop()
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(
+            serve_scheduler(
+                config_from_args(args, args.executors), args.host, args.port, args.metrics_port
+            )
+        )
+    except ServiceError as exc:
+        print(f"pagedkv scheduler: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,398 @@
+"""The scheduler service: generations in, steps out to every executor, chunks
+back to the Generate streams. One asyncio loop; no threads.
+
+Each executor has a step loop (a task) that schedules, sends one step on its
+stream, applies the samples and queues chunks; the executors' loops run
+concurrently. A generation is placed on one executor when it arrives: the
+longest cached prefix, then the most free blocks. An executor that fails or
+times out is marked down and its sequences are recomputed elsewhere, or end
+with FINISH_REASON_ERROR and UNAVAILABLE when no executor is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
+from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.metrics import SchedulerMetrics
+from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
+from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
+from pagedkv.v1 import executor_pb2, scheduler_pb2
+
+log = get_logger(__name__)
+
+MAX_N = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    executors: tuple[str, ...]
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    executor_timeout: float = 120.0
+    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
+    scheduler_id: str = ""
+
+
+class SchedulerService:
+    """Owns the executors, the generations and their step loops."""
+
+    def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+        self.config = config
+        self.scheduler_id = config.scheduler_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.metrics = metrics
+        self.clients: dict[str, ExecutorClient] = {}
+        self.schedulers: dict[str, ExecutorScheduler] = {}
+        self.down: dict[str, str] = {}  # address -> why
+        self.generations: dict[str, Generation] = {}
+        self.tokenizer: TextTokenizer | None = None
+        self.info = executor_pb2.GetInfoResponse()
+        self._wake: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._preemptions_of_down = 0  # preemptions on executors now down
+        # What the metrics' counters have been given so far.
+        self._reported_prefix: dict[str, tuple[int, int]] = {}
+        self._reported_preemptions = 0
+
+    # -- life -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Takes over every executor that answers; raises Unavailable if none does."""
+        for address in self.config.executors:
+            client = ExecutorClient(
+                address, self.scheduler_id, timeout=self.config.executor_timeout
+            )
+            self.clients[address] = client
+            try:
+                info = await client.connect()
+            except ExecutorDown as exc:
+                self.down[address] = str(exc)
+                log.warning("executor down at start", executor=address, error=str(exc))
+                continue
+            if self.schedulers and info.model_id != self.info.model_id:
+                raise ValueError(
+                    f"executor {address} serves {info.model_id!r}, not {self.info.model_id!r}"
+                )
+            self.info = info
+            self.schedulers[address] = ExecutorScheduler(
+                address,
+                info,
+                client.owner,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+            )
+            self._wake[address] = asyncio.Event()
+            log.info(
+                "executor taken over",
+                executor=address,
+                epoch=client.owner.epoch,
+                num_blocks=info.num_blocks,
+            )
+        if not self.schedulers:
+            raise Unavailable("no executor answered: " + "; ".join(self.down.values()))
+        self.tokenizer = TextTokenizer.from_model_dir(self.config.model_dir or self.info.model_id)
+        for address in self.schedulers:
+            self._tasks.append(asyncio.create_task(self._loop(address)))
+
+    async def stop(self) -> None:
+        """Ends every live generation (ABORT) and closes the executors."""
+        for generation in list(self.generations.values()):
+            self.abort(generation.request_id)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self.clients.values():
+            await client.close()
+
+    # -- requests -------------------------------------------------------------
+
+    def submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
+        """Validates a Generate call and queues it; raises the service errors."""
+        if not self.schedulers:
+            raise Unavailable("no executor is available")
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.generations:
+            raise AlreadyExists(f"request_id: {request_id!r} is live")
+        prompt = self._prompt(request)
+        generation = self._generation(request_id, prompt, request)
+        executor = self._place(generation)
+        self.generations[request_id] = generation
+        self.schedulers[executor].add(generation.sequences[0])
+        self._wake[executor].set()
+        if self.metrics is not None:
+            self.metrics.count_tokens(prompt=len(prompt), generated=0)
+        return generation
+
+    def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("prompt: set text or token_ids")
+        if which == "text":
+            if self.tokenizer is None:
+                raise InvalidArgument("prompt.text: the model has no tokenizer; send token_ids")
+            prompt = self.tokenizer.encode(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+        if not prompt:
+            raise InvalidArgument(f"prompt.{which}: the prompt is empty")
+        vocab_size = self.info.vocab_size
+        for i, token in enumerate(prompt):
+            if token >= vocab_size:
+                raise InvalidArgument(
+                    f"prompt.token_ids.ids[{i}]: token {token} >= vocab_size {vocab_size}"
+                )
+        return prompt
+
+    def _generation(
+        self, request_id: str, prompt: list[int], request: scheduler_pb2.GenerateRequest
+    ) -> Generation:
+        sampling = request.sampling
+        info = self.info
+        if sampling.HasField("max_tokens") and sampling.max_tokens == 0:
+            raise InvalidArgument("sampling.max_tokens: must be at least 1")
+        room = info.max_model_len - len(prompt)
+        if room <= 0:
+            raise InvalidArgument(
+                f"prompt: {len(prompt)} tokens leave no room in max_model_len {info.max_model_len}"
+            )
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else room
+        if max_tokens > room:
+            raise InvalidArgument(
+                f"sampling.max_tokens: {len(prompt)} prompt tokens + {max_tokens} > "
+                f"max_model_len {info.max_model_len}"
+            )
+        if sampling.HasField("temperature") and not (
+            math.isfinite(sampling.temperature) and sampling.temperature >= 0
+        ):
+            raise InvalidArgument(f"sampling.temperature: {sampling.temperature} is not >= 0")
+        if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p: {sampling.top_p} is not in (0, 1]")
+        if sampling.top_k > info.vocab_size:
+            raise InvalidArgument(
+                f"sampling.top_k: {sampling.top_k} > vocab_size {info.vocab_size}"
+            )
+        if sampling.HasField("logprobs") and sampling.logprobs > info.max_logprobs:
+            raise InvalidArgument(
+                f"sampling.logprobs: {sampling.logprobs} > max_logprobs {info.max_logprobs}"
+            )
+        for i, token in enumerate(sampling.stop_token_ids):
+            if token >= info.vocab_size:
+                raise InvalidArgument(
+                    f"sampling.stop_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
+                )
+        n = sampling.n or 1
+        if sampling.beam_width > 1:
+            if n > 1:
+                raise InvalidArgument("sampling.n: must be 1 with beam search")
+            raise Unimplemented("sampling.beam_width: beam search is not available yet")
+        if n > MAX_N:
+            raise InvalidArgument(f"sampling.n: {n} > {MAX_N}")
+        generation = Generation(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            n=n,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            eos_token_ids=frozenset() if sampling.ignore_eos else frozenset(info.eos_token_ids),
+            stop_token_ids=frozenset(sampling.stop_token_ids),
+        )
+        block_size = info.block_size
+        kv = next(iter(self.schedulers.values())).kv  # every executor serves one model
+        for index in range(n):
+            seq_request = kv.make_request(
+                f"{request_id}/{index}" if n > 1 else request_id,
+                prompt,
+                cache_salt=request.cache_salt or None,
+                max_tokens=max_tokens,
+                priority=request.priority,
+            )
+            detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            generation.sequences.append(
+                Sequence(generation, index, seq_request, detokenizer=detokenizer)
+            )
+        needed = -(-(len(prompt) + 1) // block_size) + n
+        if all(needed > s.info.num_blocks - 1 for s in self.schedulers.values()):
+            raise ResourceExhausted(
+                f"prompt: {len(prompt)} tokens need {needed} blocks; executors have at most "
+                f"{max(s.info.num_blocks - 1 for s in self.schedulers.values())}"
+            )
+        return generation
+
+    def _place(self, generation: Generation) -> str:
+        """The executor for a new generation: longest cached prefix, then most
+        free blocks."""
+        request = generation.sequences[0].request
+
+        def score(address: str) -> tuple[int, int]:
+            kv = self.schedulers[address].kv
+            hit = kv.get_computed_blocks(request, count=False).num_tokens
+            return hit, kv.pool.get_num_free_blocks()
+
+        return max(self.schedulers, key=score)
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a live generation with FINISH_REASON_ABORT and frees its blocks."""
+        generation = self.generations.pop(request_id, None)
+        if generation is None:
+            return False
+        for seq in generation.sequences:
+            if seq.finished:
+                continue
+            seq.finish(FinishReason.FINISH_REASON_ABORT)
+            scheduler = self.schedulers.get(seq.executor or "")
+            if scheduler is not None:
+                scheduler.release(seq)
+                self._wake[scheduler.address].set()
+        generation.flush()
+        self._count_finished(generation)
+        return True
+
+    # -- the step loops -------------------------------------------------------
+
+    async def _loop(self, address: str) -> None:
+        scheduler = self.schedulers[address]
+        client = self.clients[address]
+        wake = self._wake[address]
+        while True:
+            step = scheduler.schedule()
+            if step is None:
+                wake.clear()
+                await wake.wait()
+                continue
+            start = time.perf_counter()
+            try:
+                response = await client.step(step.request)
+            except ExecutorDown as exc:
+                self._executor_down(address, str(exc))
+                return
+            touched = scheduler.process(step, response)
+            self._publish(touched, scheduler, time.perf_counter() - start)
+            await asyncio.sleep(0)  # let Generate handlers run between steps
+
+    def _publish(
+        self, touched: set[Generation], scheduler: ExecutorScheduler, seconds: float
+    ) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for generation in touched:
+            if metrics is not None:
+                if generation.first_token_at is None:
+                    metrics.observe_first_token(now - generation.arrival)
+                elif generation.last_token_at is not None:
+                    metrics.observe_inter_token(now - generation.last_token_at)
+            if generation.first_token_at is None:
+                generation.first_token_at = now
+            generation.last_token_at = now
+            generation.flush()
+            if generation.done and self.generations.get(generation.request_id) is generation:
+                del self.generations[generation.request_id]
+                self._count_finished(generation)
+        if metrics is not None:
+            kv = scheduler.kv
+            stats = kv.prefix_cache_stats
+            address = scheduler.address
+            queries, hits = self._reported_prefix.get(address, (0, 0))
+            metrics.observe_step(address, seconds)
+            metrics.set_kv_usage(address, kv.usage)
+            metrics.add_prefix_cache(address, stats.queries - queries, stats.hits - hits)
+            self._reported_prefix[address] = (stats.queries, stats.hits)
+            preemptions = self.num_preemptions
+            if preemptions > self._reported_preemptions:
+                metrics.count_preemption(preemptions - self._reported_preemptions)
+                self._reported_preemptions = preemptions
+            metrics.set_queue_sizes(self.num_running, self.num_waiting)
+
+    def _count_finished(self, generation: Generation) -> None:
+        if self.metrics is None:
+            return
+        for seq in generation.sequences:
+            name = FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.metrics.count_finished(name)
+        self.metrics.count_tokens(
+            prompt=0, generated=sum(s.request.num_output_tokens for s in generation.sequences)
+        )
+
+    def _executor_down(self, address: str, why: str) -> None:
+        """Marks an executor down and recomputes its sequences elsewhere."""
+        log.warning("executor down", executor=address, error=why)
+        self.down[address] = why
+        scheduler = self.schedulers.pop(address)
+        self._preemptions_of_down += scheduler.num_preemptions
+        moved = scheduler.evacuate()
+        for seq in moved:
+            if seq.finished:
+                continue
+            if not self.schedulers:
+                seq.finish(FinishReason.FINISH_REASON_ERROR)
+                generation = seq.generation
+                generation.flush()
+                generation.chunks.put_nowait(Unavailable(f"every executor is down ({why})"))
+                self.generations.pop(generation.request_id, None)
+                continue
+            target = max(
+                self.schedulers, key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks()
+            )
+            self.schedulers[target].add(seq)
+            self._wake[target].set()
+
+    # -- stats ----------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(s.running) for s in self.schedulers.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.schedulers.values())
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._preemptions_of_down + sum(s.num_preemptions for s in self.schedulers.values())
+
+    def stats(self) -> scheduler_pb2.GetStatsResponse:
+        response = scheduler_pb2.GetStatsResponse(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions=self.num_preemptions,
+            scheduler_id=self.scheduler_id,
+        )
+        problems = []
+        for address, client in self.clients.items():
+            scheduler = self.schedulers.get(address)
+            executor = response.executors.add(address=address, healthy=scheduler is not None)
+            if scheduler is None:
+                continue
+            kv = scheduler.kv
+            prefix = kv.prefix_cache_stats
+            executor.num_blocks = scheduler.info.num_blocks
+            executor.num_free_blocks = kv.pool.get_num_free_blocks()
+            executor.kv_cache_usage = kv.usage
+            executor.prefix_cache_queries = prefix.queries
+            executor.prefix_cache_hits = prefix.hits
+            executor.incarnation_id = scheduler.info.incarnation_id
+            executor.epoch = client.owner.epoch
+            report = kv.check_integrity()
+            if not report.ok:
+                problems.append(f"{address}: " + "; ".join(report.errors))
+        response.integrity.ok = not problems
+        response.integrity.message = "\n".join(problems)
+        return response

@@ -1,0 +1,78 @@
+"""The Scheduler gRPC service (grpc.aio): ``SchedulerServicer`` and the
+server around it, with gRPC health and reflection."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedkv.scheduler.errors import ServiceError
+from pagedkv.scheduler.service import SchedulerService
+from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Thin: calls go to ``SchedulerService``; its errors become statuses here."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    async def Generate(
+        self, request: scheduler_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """Streams a generation's chunks. Cancelling the call (client gone,
+        deadline passed) aborts the generation and frees its blocks."""
+        try:
+            generation = self.service.submit(request)
+        except ServiceError as exc:
+            await context.abort(exc.code, str(exc))
+            return
+        try:
+            while True:
+                item = await generation.chunks.get()
+                if isinstance(item, ServiceError):
+                    await context.abort(item.code, str(item))
+                    return
+                assert isinstance(item, scheduler_pb2.GenerateResponse)
+                yield item
+                if item.HasField("usage"):
+                    return
+        finally:
+            if not generation.done:
+                self.service.abort(generation.request_id)
+
+    async def Abort(
+        self, request: scheduler_pb2.AbortRequest, context: Any
+    ) -> scheduler_pb2.AbortResponse:
+        return scheduler_pb2.AbortResponse(aborted=self.service.abort(request.request_id))
+
+    async def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, context: Any
+    ) -> scheduler_pb2.GetStatsResponse:
+        return self.service.stats()
+
+
+async def start_server(service: SchedulerService, address: str) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server for ``service`` on ``address`` (port 0: any
+    free port); returns it and the bound port."""
+    server = grpc.aio.server()
+    servicer = SchedulerServicer(service)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    if not port:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    return server, port
