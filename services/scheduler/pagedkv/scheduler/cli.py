@@ -54,6 +54,9 @@ def register_serve(subparsers: Any, name: str) -> None:
         "--kernel-backend", choices=("triton", "torch"), help="default: torch on cpu"
     )
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
+    )
     _scheduler_args(parser)
     parser.set_defaults(handler=_run_serve)
 

@@ -82,6 +82,7 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
             device = f"cuda:{i}"
         command = [sys.executable, "-m", "pagedkv.executor", "--model", model, "--port", "0"]
         command += ["--device", device, "--kernel-backend", backend, "--dtype", args.dtype]
+        command += ["--load-format", args.load_format]
         command += ["--max-num-rows", str(args.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.num_blocks is not None:

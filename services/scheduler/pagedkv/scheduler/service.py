@@ -17,7 +17,9 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.errors import (
@@ -37,6 +39,18 @@ from pagedkv.v1 import executor_pb2, scheduler_pb2
 log = get_logger(__name__)
 
 MAX_N = 64
+
+
+class StepTiming(NamedTuple):
+    """Where one step's time went (seconds), for benchmarks."""
+
+    executor: str
+    num_entries: int
+    num_tokens: int
+    schedule_s: float  # building the step message (scheduler CPU)
+    rpc_s: float  # send to response, as the scheduler waits
+    executor_host_s: float  # the executor's own time for the step (its report)
+    process_s: float  # applying the samples and queuing chunks (scheduler CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +84,7 @@ class SchedulerService:
         # What the metrics' counters have been given so far.
         self._reported_prefix: dict[str, tuple[int, int]] = {}
         self._reported_preemptions = 0
+        self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
 
     # -- life -----------------------------------------------------------------
 
@@ -272,20 +287,35 @@ class SchedulerService:
         scheduler = self.schedulers[address]
         client = self.clients[address]
         wake = self._wake[address]
+        clock = time.perf_counter
         while True:
+            t0 = clock()
             step = scheduler.schedule()
             if step is None:
                 wake.clear()
                 await wake.wait()
                 continue
-            start = time.perf_counter()
+            t1 = clock()
             try:
                 response = await client.step(step.request)
             except ExecutorDown as exc:
                 self._executor_down(address, str(exc))
                 return
+            t2 = clock()
             touched = scheduler.process(step, response)
-            self._publish(touched, scheduler, time.perf_counter() - start)
+            self._publish(touched, scheduler, t2 - t0)
+            t3 = clock()
+            self.step_timings.append(
+                StepTiming(
+                    address,
+                    len(step.entries),
+                    sum(e.num_scheduled for e in step.entries),
+                    t1 - t0,
+                    t2 - t1,
+                    response.host_time_us * 1e-6,
+                    t3 - t2,
+                )
+            )
             await asyncio.sleep(0)  # let Generate handlers run between steps
 
     def _publish(

@@ -33,3 +33,35 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.scheduler.bench.blocks import main
 
     return main(args)
+
+
+def register_scheduler_bench(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="the scheduler service over real executors: tokens/s, CPU and RPC cost per step",
+    )
+    add_scheduler_bench_arguments(parser)
+    parser.set_defaults(handler=_run_scheduler_bench)
+
+
+def _run_scheduler_bench(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler.bench.service import main
+
+    return main(args)
+
+
+def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: a tiny llama)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--executors", type=int, default=1)
+    parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--kernel-backend", choices=("triton", "torch"))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--executor-timeout", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the results as JSON to this file")
