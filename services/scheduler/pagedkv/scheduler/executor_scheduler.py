@@ -14,11 +14,11 @@ step). No I/O here: ``SchedulerService`` moves the messages.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence, SequenceState
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 
@@ -40,11 +40,13 @@ def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One sequence scheduled in a step."""
+    """One sequence scheduled in a step, with its table changes (None: send
+    the whole table, the executor does not know the sequence yet)."""
 
     seq: Sequence
     num_scheduled: int
     needs_sample: bool
+    allocation: Allocation | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ class ExecutorScheduler:
                     break
             if seq.state is not SequenceState.RUNNING:
                 continue
-            entries.append(self._entry(seq, num_new))
+            entries.append(self._entry(seq, num_new, allocation))
             scheduled.add(seq)
             budget -= num_new
         while not preempted and self.waiting and budget > 0:
@@ -195,16 +197,17 @@ class ExecutorScheduler:
             seq.state = SequenceState.RUNNING
             seq.row = self.free_rows.pop()
             self.running.append(seq)
-            entries.append(self._entry(seq, num_new))
+            entries.append(self._entry(seq, num_new, None))
             scheduled.add(seq)
             budget -= num_new
         if not entries and not self.freed_rows:
             return None
         return self._message(entries)
 
-    def _entry(self, seq: Sequence, num_new: int) -> Entry:
+    def _entry(self, seq: Sequence, num_new: int, allocation: Allocation | None) -> Entry:
         request = seq.request
-        return Entry(seq, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+        needs_sample = request.num_computed_tokens + num_new == request.num_tokens
+        return Entry(seq, num_new, needs_sample, allocation if seq.sent_tables else None)
 
     def _message(self, entries: list[Entry]) -> ScheduledStep:
         """The StepRequest of ``entries`` (new sequences first, as the wire wants)."""
@@ -224,24 +227,45 @@ class ExecutorScheduler:
                 prompt_token_ids=seq.request.token_ids,
                 sampling=seq.generation.sampling_for(seq.index),
             )
-        for entry in old:
-            assert entry.seq.row is not None
-            message.rows.append(entry.seq.row)
+        message.rows.extend([entry.seq.row for entry in old])  # type: ignore[misc]
+        scheduled, computed, cont, needs = [], [], [], []
+        starts: list[int] = []
+        counts: list[int] = []
+        block_ids: list[int] = []
+        pending = self._sample_pending
         for entry in ordered:
             seq = entry.seq
             request = seq.request
-            message.num_scheduled_tokens.append(entry.num_scheduled)
-            message.num_computed_tokens.append(request.num_computed_tokens)
-            message.continue_from_sampled.append(seq in self._sample_pending)
-            message.needs_sample.append(entry.needs_sample)
-            tables = self.kv.get_block_ids(request.request_id)
+            scheduled.append(entry.num_scheduled)
+            computed.append(request.num_computed_tokens)
+            cont.append(seq in pending)
+            needs.append(entry.needs_sample)
             sent = seq.sent_tables
-            for g, table in enumerate(tables):
-                start = 0 if sent is None else _first_difference(sent[g], table)
-                message.block_table_starts.append(start)
-                message.new_block_counts.append(len(table) - start)
-                message.new_block_ids.extend(table[start:])
-            seq.sent_tables = [list(t) for t in tables]
+            if sent is None or entry.allocation is None:
+                tables = self.kv.get_block_ids(request.request_id)
+                seq.sent_tables = [list(t) for t in tables]
+                for table in tables:
+                    starts.append(0)
+                    counts.append(len(table))
+                    block_ids.extend(table)
+            elif not entry.allocation.updates:
+                for known in sent:
+                    starts.append(len(known))
+                    counts.append(0)
+            else:
+                for known, update in zip(sent, entry.allocation.updates, strict=True):
+                    del known[update.start :]
+                    known.extend(update.block_ids)
+                    starts.append(update.start)
+                    counts.append(len(update.block_ids))
+                    block_ids.extend(update.block_ids)
+        message.num_scheduled_tokens.extend(scheduled)
+        message.num_computed_tokens.extend(computed)
+        message.continue_from_sampled.extend(cont)
+        message.needs_sample.extend(needs)
+        message.block_table_starts.extend(starts)
+        message.new_block_counts.extend(counts)
+        message.new_block_ids.extend(block_ids)
         for copy in self.kv.take_copy_ops():
             message.copy_src_block_ids.append(copy.src)
             message.copy_dst_block_ids.append(copy.dst)
@@ -319,11 +343,3 @@ class ExecutorScheduler:
             seq.state = SequenceState.RUNNING
             seq.row = self.free_rows.pop()
             self.running.append(seq)
-
-
-def _first_difference(sent: Sequence_[int], table: Sequence_[int]) -> int:
-    """The first index where the executor's table (as last sent) and ours differ."""
-    for i, (a, b) in enumerate(zip(sent, table, strict=False)):
-        if a != b:
-            return i
-    return min(len(sent), len(table))
