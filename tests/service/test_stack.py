@@ -109,6 +109,47 @@ def test_parallel_samples_share_the_prompt(stack) -> None:
     assert_nothing_held(stack.stub)
 
 
+def reference_beam_search(
+    model_dir: Path, prompt: list[int], width: int, max_tokens: int
+) -> list[tuple[float, list[int]]]:
+    """Beam search by full Hugging Face forwards, with the service's rule:
+    every beam's top 2 x width tokens, the best width (beam, token) pairs
+    survive (ties: earlier beam, lower token id)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    beams: list[tuple[float, list[int]]] = [(0.0, [])]
+    for _ in range(max_tokens):
+        scored = []
+        for order, (score, output) in enumerate(beams):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + output])).logits[0, -1].float()
+            top = torch.log_softmax(logits, -1).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                scored.append((score + logprob, order, token, output))
+        scored.sort(key=lambda item: (-item[0], item[1], item[2]))
+        beams = [(score, [*output, token]) for score, _, token, output in scored[:width]]
+    return sorted(beams, key=lambda beam: -beam[0])
+
+
+def test_beam_search_matches_a_reference_search(stack, model_dirs) -> None:
+    request = greedy_request(PROMPTS[0], 6)
+    request.sampling.beam_width = 3
+    _, chunks = collect(stack.stub, request)
+    final = chunks[-1]
+    assert all(not chunk.outputs for chunk in chunks)
+    scores = [beam.cumulative_logprob for beam in final.beams]
+    assert scores == sorted(scores, reverse=True)
+    expected = reference_beam_search(model_dirs["llama"], PROMPTS[0], 3, 6)
+    assert [list(beam.token_ids) for beam in final.beams] == [out for _, out in expected]
+    for beam, (score, _) in zip(final.beams, expected, strict=True):
+        assert beam.cumulative_logprob == pytest.approx(score, abs=1e-3)
+        assert beam.finish_reason == FinishReason.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 18
+    assert_nothing_held(stack.stub)
+
+
 def test_abort_and_cancel_free_everything(stack) -> None:
     stub = stack.stub
     call = stub.Generate(greedy_request(PROMPTS[0], 500, request_id="long"), timeout=600)

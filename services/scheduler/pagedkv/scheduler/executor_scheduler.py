@@ -106,7 +106,8 @@ class ExecutorScheduler:
 
     def release(self, seq: Sequence) -> None:
         """Forgets a sequence here: its blocks go back to the pool (full ones
-        stay cached) and its row is freed in the next step."""
+        stay cached) and its row is freed in the next step. Rows reserved for
+        its generation's forks return once every sequence has finished."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
@@ -118,7 +119,18 @@ class ExecutorScheduler:
             self.free_rows.append(seq.row)
             seq.row = None
         seq.sent_tables = None
+        seq.token_unsent = False
         self._sample_pending.discard(seq)
+        generation = seq.generation
+        if generation.reserved_rows and all(s.finished for s in generation.sequences):
+            self.free_rows.extend(generation.reserved_rows)
+            generation.reserved_rows.clear()
+
+    def _take_row(self, generation: Generation) -> int:
+        """A row for a fork: from the generation's reserve, else a free one."""
+        if generation.reserved_rows:
+            return generation.reserved_rows.pop()
+        return self.free_rows.pop()
 
     def evacuate(self) -> list[Sequence]:
         """Every unfinished sequence, made ready to be recomputed elsewhere
@@ -179,7 +191,11 @@ class ExecutorScheduler:
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
             generation = seq.generation
-            rows_needed = generation.n if not generation.forked and seq.index == 0 else 1
+            rows_needed = 1
+            if not seq.admitted and generation.beam is not None:
+                rows_needed = generation.beam.width
+            elif not generation.forked and seq.index == 0:
+                rows_needed = generation.n
             if len(self.running) + rows_needed > self.max_num_seqs:
                 break
             if len(self.free_rows) < rows_needed:
@@ -196,6 +212,8 @@ class ExecutorScheduler:
                     generation.num_cached_prompt_tokens = request.num_computed_tokens
             seq.state = SequenceState.RUNNING
             seq.row = self.free_rows.pop()
+            for _ in range(rows_needed - 1):  # for the forks to come
+                generation.reserved_rows.append(self.free_rows.pop())
             self.running.append(seq)
             entries.append(self._entry(seq, num_new, None))
             scheduled.add(seq)
@@ -228,7 +246,7 @@ class ExecutorScheduler:
                 sampling=seq.generation.sampling_for(seq.index),
             )
         message.rows.extend([entry.seq.row for entry in old])  # type: ignore[misc]
-        scheduled, computed, cont, needs = [], [], [], []
+        scheduled, computed, cont, needs, tokens = [], [], [], [], []
         starts: list[int] = []
         counts: list[int] = []
         block_ids: list[int] = []
@@ -241,6 +259,10 @@ class ExecutorScheduler:
             cont.append(seq in pending)
             needs.append(entry.needs_sample)
             sent = seq.sent_tables
+            if seq.token_unsent:  # a beam's token, chosen here, not sampled there
+                if sent is not None:
+                    tokens.append(request.token_ids[-1])
+                seq.token_unsent = False
             if sent is None or entry.allocation is None:
                 tables = self.kv.get_block_ids(request.request_id)
                 seq.sent_tables = [list(t) for t in tables]
@@ -263,6 +285,7 @@ class ExecutorScheduler:
         message.num_computed_tokens.extend(computed)
         message.continue_from_sampled.extend(cont)
         message.needs_sample.extend(needs)
+        message.token_ids.extend(tokens)
         message.block_table_starts.extend(starts)
         message.new_block_counts.extend(counts)
         message.new_block_ids.extend(block_ids)
@@ -276,6 +299,7 @@ class ExecutorScheduler:
     def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> set[Generation]:
         """Applies a step's samples; returns the generations with news."""
         touched: set[Generation] = set()
+        beams: set[Generation] = set()
         samples = iter(range(len(response.sampled_token_ids)))
         top_offset = 0
         for entry in step.entries:
@@ -292,6 +316,14 @@ class ExecutorScheduler:
             i = next(samples)
             token = response.sampled_token_ids[i]
             num_top = response.num_top_logprobs[i]
+            if seq.generation.beam is not None:
+                top = slice(top_offset, top_offset + num_top)
+                seq.candidates = list(
+                    zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
+                )
+                top_offset += num_top
+                beams.add(seq.generation)
+                continue
             if seq.generation.sampling.HasField("logprobs"):
                 seq.pending_logprobs.append(
                     scheduler_pb2.TokenLogprobs(
@@ -303,7 +335,97 @@ class ExecutorScheduler:
             top_offset += num_top
             self._append(seq, token)
             touched.add(seq.generation)
+        for generation in beams:
+            if self._beam_round(generation):
+                touched.add(generation)
         return touched
+
+    def _beam_round(self, generation: Generation) -> bool:
+        """Once every live beam has its candidates: prunes, forks and extends
+        the beams (see beam.py). Returns whether the generation finished."""
+        search = generation.beam
+        assert search is not None
+        live = [s for s in generation.sequences if not s.finished]
+        if any(s.candidates is None for s in live):
+            return False  # a beam was preempted: the round waits for it
+        prompt_len = generation.num_prompt_tokens
+
+        def finish_reason(token: int) -> int | None:
+            if token in generation.stop_token_ids:
+                return int(FinishReason.FINISH_REASON_STOP)
+            if token in generation.eos_token_ids:
+                return int(FinishReason.FINISH_REASON_EOS)
+            return None
+
+        survivors = search.select(
+            live,
+            lambda s: s.cum_logprob,
+            lambda s: s.candidates or [],
+            finish_reason,
+            lambda s: s.request.token_ids[prompt_len:],
+        )
+        chosen: dict[Sequence, list[tuple[int, float]]] = {}
+        for candidate in survivors:
+            chosen.setdefault(candidate.beam, []).append((candidate.token, candidate.score))
+        for seq in live:  # pruned beams give their blocks and rows back first
+            seq.candidates = None
+            if seq not in chosen:
+                seq.finish(FinishReason.FINISH_REASON_UNSPECIFIED)
+                self.release(seq)
+                generation.sequences.remove(seq)
+        for seq, picks in chosen.items():
+            for token, score in picks[1:]:
+                self._extend_beam(self._fork_beam(seq), token, score)
+            self._extend_beam(seq, *picks[0])
+        if search.done or all(s.finished for s in generation.sequences):
+            for seq in generation.sequences:
+                if not seq.finished:
+                    seq.finish(FinishReason.FINISH_REASON_LENGTH)
+                    self.release(seq)
+            return True
+        return False
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        generation = parent.generation
+        assert generation.beam is not None
+        generation.beam.num_forks += 1
+        request = self.kv.make_request(
+            f"{generation.request_id}/beam{generation.beam.num_forks}",
+            parent.request.token_ids,
+            cache_salt=generation.cache_salt or None,
+            priority=generation.priority,
+        )
+        request.num_prompt_tokens = generation.num_prompt_tokens
+        self.kv.fork(parent.request, request)
+        child = Sequence(generation, len(generation.sequences), request)
+        child.admitted = True
+        child.executor = self.address
+        child.state = SequenceState.RUNNING
+        child.row = self._take_row(generation)
+        child.cum_logprob = parent.cum_logprob
+        generation.sequences.append(child)
+        self.running.append(child)
+        return child
+
+    def _extend_beam(self, seq: Sequence, token: int, score: float) -> None:
+        """Appends the beam's chosen token; a beam at its length limit finishes."""
+        generation = seq.generation
+        assert generation.beam is not None
+        request = seq.request
+        request.append_output_token_ids(token)
+        seq.cum_logprob = score
+        seq.token_unsent = True
+        if (
+            request.num_output_tokens >= generation.max_tokens
+            or request.num_tokens >= self.info.max_model_len
+        ):
+            generation.beam.add_finished(
+                score,
+                request.token_ids[generation.num_prompt_tokens :],
+                FinishReason.FINISH_REASON_LENGTH,
+            )
+            seq.finish(FinishReason.FINISH_REASON_LENGTH)
+            self.release(seq)
 
     def _append(self, seq: Sequence, token: int) -> None:
         generation = seq.generation
@@ -341,5 +463,5 @@ class ExecutorScheduler:
             seq.admitted = True
             seq.executor = self.address
             seq.state = SequenceState.RUNNING
-            seq.row = self.free_rows.pop()
+            seq.row = self._take_row(generation)
             self.running.append(seq)

@@ -14,8 +14,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.request import Request
-from pagedkv.scheduler.text import IncrementalDetokenizer
+from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 FinishReason = scheduler_pb2.FinishReason
@@ -49,6 +50,11 @@ class Sequence:
     # Its block tables as the executor last got them; None: the executor
     # does not know it (the next step sends it as a new request).
     sent_tables: list[list[int]] | None = None
+    # Beam search: the cumulative logprob, this round's candidates (logprob,
+    # token id), and whether its last token is not on the executor yet.
+    cum_logprob: float = 0.0
+    candidates: list[tuple[float, int]] | None = None
+    token_unsent: bool = False
 
     @property
     def seq_id(self) -> str:
@@ -87,6 +93,9 @@ class Generation:
     last_token_at: float | None = None
     forked: bool = False  # the other n - 1 sequences were forked from the first
     done: bool = False
+    beam: BeamSearch | None = None  # beam search (beam_width >= 2)
+    tokenizer: TextTokenizer | None = None  # for the beams' text
+    reserved_rows: list[int] = field(default_factory=list)  # rows kept for its forks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,7 +105,11 @@ class Generation:
         """Sequence ``index``'s executor sampling: a distinct seed per sequence."""
         params = common_pb2.SamplingParams()
         params.CopyFrom(self.sampling)
-        if index and params.HasField("seed"):
+        if self.beam is not None:  # the scheduler picks tokens from the top logprobs
+            params.temperature = 0.0
+            params.logprobs = self.beam.num_candidates
+            params.ClearField("seed")
+        elif index and params.HasField("seed"):
             params.seed = (params.seed + index) % 2**64
         return params
 
@@ -106,6 +119,10 @@ class Generation:
         if self.done:
             return
         response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
+        if self.beam is not None:
+            if all(s.finished for s in self.sequences):
+                self._finish_beams(response)
+            return
         all_finished = all(s.finished for s in self.sequences)
         for seq in self.sequences:
             if seq.detokenizer is not None and seq.finished:
@@ -136,3 +153,21 @@ class Generation:
             self.done = True
         if response.outputs or all_finished:
             self.chunks.put_nowait(response)
+
+    def _finish_beams(self, response: scheduler_pb2.GenerateResponse) -> None:
+        """The final chunk of a beam search: the best beams and usage."""
+        assert self.beam is not None
+        best = self.beam.best()
+        for beam in best:
+            text = self.tokenizer.decode(beam.token_ids) if self.tokenizer else ""
+            response.beams.add(
+                token_ids=beam.token_ids,
+                text=text,
+                cumulative_logprob=beam.score,
+                finish_reason=beam.reason,
+            )
+        response.usage.prompt_tokens = self.num_prompt_tokens
+        response.usage.cached_prompt_tokens = self.num_cached_prompt_tokens
+        response.usage.completion_tokens = sum(len(b.token_ids) for b in best)
+        self.done = True
+        self.chunks.put_nowait(response)

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.errors import (
     AlreadyExists,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
-    Unimplemented,
 )
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
@@ -213,10 +213,17 @@ class SchedulerService:
                     f"sampling.stop_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
                 )
         n = sampling.n or 1
+        beam = None
         if sampling.beam_width > 1:
             if n > 1:
                 raise InvalidArgument("sampling.n: must be 1 with beam search")
-            raise Unimplemented("sampling.beam_width: beam search is not available yet")
+            if sampling.beam_width > info.max_logprobs:
+                raise InvalidArgument(
+                    f"sampling.beam_width: {sampling.beam_width} > {info.max_logprobs} "
+                    "(the executors' max_logprobs)"
+                )
+            width = sampling.beam_width
+            beam = BeamSearch(width, min(2 * width, info.max_logprobs))
         if n > MAX_N:
             raise InvalidArgument(f"sampling.n: {n} > {MAX_N}")
         generation = Generation(
@@ -229,6 +236,8 @@ class SchedulerService:
             cache_salt=request.cache_salt,
             eos_token_ids=frozenset() if sampling.ignore_eos else frozenset(info.eos_token_ids),
             stop_token_ids=frozenset(sampling.stop_token_ids),
+            beam=beam,
+            tokenizer=self.tokenizer,
         )
         block_size = info.block_size
         kv = next(iter(self.schedulers.values())).kv  # every executor serves one model
@@ -368,19 +377,23 @@ class SchedulerService:
         scheduler = self.schedulers.pop(address)
         self._preemptions_of_down += scheduler.num_preemptions
         moved = scheduler.evacuate()
+        targets: dict[Generation, str] = {}  # a generation's sequences stay together
         for seq in moved:
+            generation = seq.generation
             if seq.finished:
                 continue
             if not self.schedulers:
                 seq.finish(FinishReason.FINISH_REASON_ERROR)
-                generation = seq.generation
                 generation.flush()
-                generation.chunks.put_nowait(Unavailable(f"every executor is down ({why})"))
-                self.generations.pop(generation.request_id, None)
+                if self.generations.pop(generation.request_id, None) is not None:
+                    generation.chunks.put_nowait(Unavailable(f"every executor is down ({why})"))
                 continue
-            target = max(
-                self.schedulers, key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks()
-            )
+            if generation not in targets:
+                targets[generation] = max(
+                    self.schedulers,
+                    key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks(),
+                )
+            target = targets[generation]
             self.schedulers[target].add(seq)
             self._wake[target].set()
 
