@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every installed subcommand."""
     parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
     parser.add_argument("--log-level", default="INFO", help="log level (default: INFO)")
+    parser.add_argument(
+        "--log-format",
+        default="console",
+        choices=("console", "json"),
+        help="console (default) or json: one JSON object per line, for log collectors",
+    )
     groups: dict[tuple[str, ...], Any] = {
         (): parser.add_subparsers(dest="command", metavar="COMMAND")
     }
@@ -53,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
-    configure_logging("console", args.log_level)
+    configure_logging(args.log_format, args.log_level)
     return handler(args)
 
 

@@ -153,6 +153,15 @@ class SchedulerService:
         self._wake[executor].set()
         if self.metrics is not None:
             self.metrics.count_tokens(prompt=len(prompt), generated=0)
+        log.info(
+            "request queued",
+            request_id=request_id,
+            executor=executor,
+            prompt_tokens=len(prompt),
+            max_tokens=generation.max_tokens,
+            n=generation.n,
+            beam_width=generation.beam.width if generation.beam else 0,
+        )
         return generation
 
     def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
@@ -361,6 +370,20 @@ class SchedulerService:
             metrics.set_queue_sizes(self.num_running, self.num_waiting)
 
     def _count_finished(self, generation: Generation) -> None:
+        reasons = sorted(
+            {
+                FinishReason.Name(s.finish_reason).removeprefix("FINISH_REASON_").lower()
+                for s in generation.sequences
+            }
+        )
+        log.info(
+            "request finished",
+            request_id=generation.request_id,
+            finish_reasons=reasons,
+            completion_tokens=sum(s.request.num_output_tokens for s in generation.sequences),
+            cached_prompt_tokens=generation.num_cached_prompt_tokens,
+            seconds=round(time.monotonic() - generation.arrival, 4),
+        )
         if self.metrics is None:
             return
         for seq in generation.sequences:
