@@ -84,3 +84,41 @@ def test_four_samples_hold_fewer_blocks_than_four_requests(model_dirs: dict[str,
     assert apart == 4 * 3
     expected = hf_greedy(model_dirs["llama"], PROMPT, 6)
     assert outputs == [expected] * 4
+
+
+def test_async_stepping_sends_the_next_step_before_reading_a_sample(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Two steps in flight: the second continues from the first's sample,
+    which the scheduler has not seen yet; the output is still exact."""
+
+    async def main(executor: ExecutorProcess) -> tuple[list[bool], list[int]]:
+        client = ExecutorClient(executor.target, "test")
+        info = await client.connect()
+        scheduler = ExecutorScheduler(
+            executor.target, info, client.owner, max_num_seqs=16, max_num_batched_tokens=512
+        )
+        gen = generation(scheduler, "async", 1)
+        scheduler.add(gen.sequences[0])
+        inflight = []
+        continued = []
+        while not gen.sequences[0].finished:
+            while len(inflight) < 2:
+                step = scheduler.schedule()
+                if step is None:
+                    break
+                continued.extend(step.request.continue_from_sampled)
+                await client.send(step.request)
+                inflight.append(step)
+            scheduler.process(inflight.pop(0), await client.receive())
+        for step in inflight:  # the one scheduled past the end
+            scheduler.process(step, await client.receive())
+        assert scheduler.kv.check_integrity().ok
+        await client.close()
+        return continued, list(gen.sequences[0].request.token_ids[len(PROMPT) :])
+
+    with ExecutorProcess(model_dirs["llama"], num_blocks=64) as executor:
+        continued, output = asyncio.run(main(executor))
+    # After the prefill, every decode continued from a sample still in flight.
+    assert continued[0] is False and all(continued[1:])
+    assert output == hf_greedy(model_dirs["llama"], PROMPT, 6)

@@ -59,16 +59,31 @@ class ExecutorClient:
 
     async def step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         """Sends one step on the stream and waits for its response."""
+        await self.send(request)
+        return await self.receive()
+
+    async def send(self, request: executor_pb2.StepRequest) -> None:
+        """Sends a step without waiting for any response (async stepping:
+        responses come back in order, one per step)."""
         try:
-            return await asyncio.wait_for(self._step(request), self.timeout)
+            if self._stream is None:
+                raise ExecutorDown("no step stream")
+            await asyncio.wait_for(self._stream.write(request), self.timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ExecutorDown) as exc:
             self._stream = None
             raise ExecutorDown(f"{self.address}: {exc!r}") from exc
 
-    async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+    async def receive(self) -> executor_pb2.StepResponse:
+        """The response to the oldest step sent and not yet answered."""
+        try:
+            return await asyncio.wait_for(self._receive(), self.timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, ExecutorDown) as exc:
+            self._stream = None
+            raise ExecutorDown(f"{self.address}: {exc!r}") from exc
+
+    async def _receive(self) -> executor_pb2.StepResponse:
         if self._stream is None:
             raise ExecutorDown("no step stream")
-        await self._stream.write(request)
         response = await self._stream.read()
         if response is grpc.aio.EOF:
             code = await self._stream.code()

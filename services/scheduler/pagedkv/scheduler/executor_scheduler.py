@@ -47,6 +47,7 @@ class Entry:
     num_scheduled: int
     needs_sample: bool
     allocation: Allocation | None
+    epoch: int  # the sequence's epoch when scheduled (a release bumps it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +85,6 @@ class ExecutorScheduler:
         self.freed_rows: list[int] = []  # rows to free in the next step
         self.step_id = 0
         self.num_preemptions = 0
-        # Sequences with a sample the executor holds but has not appended.
-        self._sample_pending: set[Sequence] = set()
 
     # -- membership -----------------------------------------------------------
 
@@ -112,7 +111,10 @@ class ExecutorScheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self.kv.free(seq.request)
+        request = seq.request
+        # A decode still in flight counts a token not known here yet.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        self.kv.free(request)
         if seq.row is not None:
             if seq.sent_tables is not None:
                 self.freed_rows.append(seq.row)
@@ -120,7 +122,9 @@ class ExecutorScheduler:
             seq.row = None
         seq.sent_tables = None
         seq.token_unsent = False
-        self._sample_pending.discard(seq)
+        seq.pending_on_executor = False
+        seq.inflight_samples = 0
+        seq.epoch += 1  # responses to steps already sent no longer apply
         generation = seq.generation
         if generation.reserved_rows and all(s.finished for s in generation.sequences):
             self.free_rows.extend(generation.reserved_rows)
@@ -139,11 +143,14 @@ class ExecutorScheduler:
         for seq in moved:
             seq.row = None
             seq.sent_tables = None
+            seq.token_unsent = False
+            seq.pending_on_executor = False
+            seq.inflight_samples = 0
+            seq.epoch += 1
             seq.executor = None
             seq.request.num_computed_tokens = 0
             seq.state = SequenceState.WAITING
         self.running, self.waiting = [], []
-        self._sample_pending.clear()
         return moved
 
     # -- scheduling -----------------------------------------------------------
@@ -171,9 +178,15 @@ class ExecutorScheduler:
             if seq not in self.running:  # preempted for an earlier one
                 continue
             request = seq.request
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A sample still in flight (async stepping): its token is not
+            # known here yet; the executor continues from it, and the slot
+            # is allocated ahead.
+            ahead = 1 if seq.inflight_samples else 0
+            if ahead and seq.generation.beam is not None:
+                continue  # a beam's next token is chosen here, after its round
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget - ahead)
             while True:
-                allocation = self.kv.allocate_slots(request, num_new)
+                allocation = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=ahead)
                 if allocation is not None:
                     break
                 victim = self._victim(scheduled | {seq})
@@ -185,9 +198,9 @@ class ExecutorScheduler:
                     break
             if seq.state is not SequenceState.RUNNING:
                 continue
-            entries.append(self._entry(seq, num_new, allocation))
+            entries.append(self._entry(seq, num_new + ahead, allocation))
             scheduled.add(seq)
-            budget -= num_new
+            budget -= num_new + ahead
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
             generation = seq.generation
@@ -223,9 +236,15 @@ class ExecutorScheduler:
         return self._message(entries)
 
     def _entry(self, seq: Sequence, num_new: int, allocation: Allocation | None) -> Entry:
+        """An entry of ``num_new`` tokens; the request's computed count moves
+        on now (the executor computes them before any later step)."""
         request = seq.request
-        needs_sample = request.num_computed_tokens + num_new == request.num_tokens
-        return Entry(seq, num_new, needs_sample, allocation if seq.sent_tables else None)
+        num_known = request.num_tokens + seq.inflight_samples
+        needs_sample = request.num_computed_tokens + num_new == num_known
+        entry = Entry(
+            seq, num_new, needs_sample, allocation if seq.sent_tables else None, seq.epoch
+        )
+        return entry
 
     def _message(self, entries: list[Entry]) -> ScheduledStep:
         """The StepRequest of ``entries`` (new sequences first, as the wire wants)."""
@@ -250,14 +269,18 @@ class ExecutorScheduler:
         starts: list[int] = []
         counts: list[int] = []
         block_ids: list[int] = []
-        pending = self._sample_pending
         for entry in ordered:
             seq = entry.seq
             request = seq.request
             scheduled.append(entry.num_scheduled)
             computed.append(request.num_computed_tokens)
-            cont.append(seq in pending)
+            request.num_computed_tokens += entry.num_scheduled
+            cont.append(seq.pending_on_executor)
             needs.append(entry.needs_sample)
+            # The executor keeps what it samples now and appends it when a
+            # later step continues from it (beams send their chosen token).
+            seq.pending_on_executor = entry.needs_sample and seq.generation.beam is None
+            seq.inflight_samples += entry.needs_sample
             sent = seq.sent_tables
             if seq.token_unsent:  # a beam's token, chosen here, not sampled there
                 if sent is not None:
@@ -304,15 +327,13 @@ class ExecutorScheduler:
         top_offset = 0
         for entry in step.entries:
             seq = entry.seq
-            self._sample_pending.discard(seq)
-            if seq.state is not SequenceState.RUNNING or seq.executor != self.address:
-                if entry.needs_sample:
-                    i = next(samples)
-                    top_offset += response.num_top_logprobs[i]
-                continue  # aborted or moved while the step ran
-            seq.request.num_computed_tokens += entry.num_scheduled
+            current = entry.epoch == seq.epoch and seq.state is SequenceState.RUNNING
             if not entry.needs_sample:
                 continue
+            if not current:  # aborted, preempted or moved while the step ran
+                top_offset += response.num_top_logprobs[next(samples)]
+                continue
+            seq.inflight_samples -= 1
             i = next(samples)
             token = response.sampled_token_ids[i]
             num_top = response.num_top_logprobs[i]
@@ -434,7 +455,6 @@ class ExecutorScheduler:
         seq.pending_token_ids.append(token)
         if seq.detokenizer is not None:
             seq.pending_text += seq.detokenizer.push([token])
-        self._sample_pending.add(seq)
         if token in generation.stop_token_ids:
             seq.finish(FinishReason.FINISH_REASON_STOP, token)
         elif token in generation.eos_token_ids:
@@ -456,12 +476,16 @@ class ExecutorScheduler:
         generation = parent.generation
         generation.forked = True
         prompt = generation.prompt_token_ids
+        parent_request = parent.request
+        computed = parent_request.num_computed_tokens  # may count a decode in flight
+        parent_request.num_computed_tokens = len(prompt)
         for seq in generation.sequences[1:]:
             child = seq.request
-            self.kv.fork(parent.request, child)
+            self.kv.fork(parent_request, child)
             child.num_computed_tokens = len(prompt) - 1
             seq.admitted = True
             seq.executor = self.address
             seq.state = SequenceState.RUNNING
             seq.row = self._take_row(generation)
             self.running.append(seq)
+        parent_request.num_computed_tokens = computed

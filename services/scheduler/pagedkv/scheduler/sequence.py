@@ -52,6 +52,12 @@ class Sequence:
     sent_tables: list[list[int]] | None = None
     # Beam search: the cumulative logprob, this round's candidates (logprob,
     # token id), and whether its last token is not on the executor yet.
+    # Async stepping: samples asked for in steps sent but not yet applied; a
+    # sample the executor holds for a later step to continue from; and the
+    # epoch, bumped on every release, that tells stale responses apart.
+    inflight_samples: int = 0
+    pending_on_executor: bool = False
+    epoch: int = 0
     cum_logprob: float = 0.0
     candidates: list[tuple[float, int]] | None = None
     token_unsent: bool = False

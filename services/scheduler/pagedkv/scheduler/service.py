@@ -30,7 +30,7 @@ from pagedkv.scheduler.errors import (
     Unavailable,
 )
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
@@ -39,6 +39,7 @@ from pagedkv.v1 import executor_pb2, scheduler_pb2
 log = get_logger(__name__)
 
 MAX_N = 64
+PIPELINE_DEPTH = 2  # steps in flight per executor (async stepping)
 
 
 class StepTiming(NamedTuple):
@@ -302,36 +303,50 @@ class SchedulerService:
     # -- the step loops -------------------------------------------------------
 
     async def _loop(self, address: str) -> None:
+        """Async stepping: step N + 1 is built and sent while the executor
+        runs step N, so scheduling overlaps the executor's work; at most
+        ``PIPELINE_DEPTH`` steps are in flight."""
         scheduler = self.schedulers[address]
         client = self.clients[address]
         wake = self._wake[address]
         clock = time.perf_counter
+        inflight: deque[tuple[ScheduledStep, float, float]] = deque()
         while True:
-            t0 = clock()
-            step = scheduler.schedule()
-            if step is None:
+            step = None
+            if len(inflight) < PIPELINE_DEPTH:
+                t0 = clock()
+                step = scheduler.schedule()
+                if step is not None:
+                    try:
+                        await client.send(step.request)
+                    except ExecutorDown as exc:
+                        self._executor_down(address, str(exc))
+                        return
+                    inflight.append((step, t0, clock()))
+                    if len(inflight) < PIPELINE_DEPTH:
+                        continue
+            if not inflight:
                 wake.clear()
                 await wake.wait()
                 continue
-            t1 = clock()
+            sent, t0, t1 = inflight.popleft()
             try:
-                response = await client.step(step.request)
+                response = await client.receive()
             except ExecutorDown as exc:
                 self._executor_down(address, str(exc))
                 return
             t2 = clock()
-            touched = scheduler.process(step, response)
+            touched = scheduler.process(sent, response)
             self._publish(touched, scheduler, t2 - t0)
-            t3 = clock()
             self.step_timings.append(
                 StepTiming(
                     address,
-                    len(step.entries),
-                    sum(e.num_scheduled for e in step.entries),
+                    len(sent.entries),
+                    sum(e.num_scheduled for e in sent.entries),
                     t1 - t0,
                     t2 - t1,
                     response.host_time_us * 1e-6,
-                    t3 - t2,
+                    clock() - t2,
                 )
             )
             await asyncio.sleep(0)  # let Generate handlers run between steps
