@@ -464,10 +464,10 @@ class ExecutorScheduler:
             or request.num_tokens >= self.info.max_model_len
         ):
             seq.finish(FinishReason.FINISH_REASON_LENGTH)
+        if generation.n > 1 and not generation.forked and seq.index == 0:
+            self._fork(seq)  # before a release: the others share its prompt blocks
         if seq.finished:
             self.release(seq)
-        elif generation.n > 1 and not generation.forked and seq.index == 0:
-            self._fork(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """The other n - 1 sequences share the parent's prompt blocks; each

@@ -39,7 +39,6 @@ from pagedkv.v1 import executor_pb2, scheduler_pb2
 log = get_logger(__name__)
 
 MAX_N = 64
-PIPELINE_DEPTH = 2  # steps in flight per executor (async stepping)
 
 
 class StepTiming(NamedTuple):
@@ -49,7 +48,7 @@ class StepTiming(NamedTuple):
     num_entries: int
     num_tokens: int
     schedule_s: float  # building the step message (scheduler CPU)
-    rpc_s: float  # send to response, as the scheduler waits
+    rpc_s: float  # from sending to having the response (others' steps included when pipelined)
     executor_host_s: float  # the executor's own time for the step (its report)
     process_s: float  # applying the samples and queuing chunks (scheduler CPU)
 
@@ -62,6 +61,7 @@ class SchedulerConfig:
     executor_timeout: float = 120.0
     model_dir: str | None = None  # for the tokenizer; default: the executors' model id
     scheduler_id: str = ""
+    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
 
 
 class SchedulerService:
@@ -305,25 +305,27 @@ class SchedulerService:
     async def _loop(self, address: str) -> None:
         """Async stepping: step N + 1 is built and sent while the executor
         runs step N, so scheduling overlaps the executor's work; at most
-        ``PIPELINE_DEPTH`` steps are in flight."""
+        ``config.pipeline_depth`` steps are in flight."""
         scheduler = self.schedulers[address]
         client = self.clients[address]
         wake = self._wake[address]
         clock = time.perf_counter
         inflight: deque[tuple[ScheduledStep, float, float]] = deque()
+        depth = self.config.pipeline_depth
         while True:
             step = None
-            if len(inflight) < PIPELINE_DEPTH:
+            if len(inflight) < depth:
                 t0 = clock()
                 step = scheduler.schedule()
                 if step is not None:
+                    t1 = clock()
                     try:
                         await client.send(step.request)
                     except ExecutorDown as exc:
                         self._executor_down(address, str(exc))
                         return
-                    inflight.append((step, t0, clock()))
-                    if len(inflight) < PIPELINE_DEPTH:
+                    inflight.append((step, t0, t1))
+                    if len(inflight) < depth:
                         continue
             if not inflight:
                 wake.clear()

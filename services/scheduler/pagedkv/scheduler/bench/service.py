@@ -40,8 +40,9 @@ async def _drain(generation: Any) -> int:
             return int(chunk.usage.completion_tokens)
 
 
-async def _run(args: argparse.Namespace, addresses: list[str]) -> dict[str, Any]:
+async def _run(args: argparse.Namespace, addresses: list[str], depth: int) -> dict[str, Any]:
     config = SchedulerConfig(
+        pipeline_depth=depth,
         executors=tuple(addresses),
         max_num_seqs=args.requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -131,9 +132,14 @@ def main(args: argparse.Namespace) -> int:
         args.model = model
         executors = ExecutorProcesses(executor_commands(args, model))
         try:
-            result = asyncio.run(_run(args, executors.addresses))
+            # Per-step costs with one step in flight (the RPC wait is then the
+            # step's alone); throughput with async stepping.
+            steps = asyncio.run(_run(args, executors.addresses, 1))
+            result = asyncio.run(_run(args, executors.addresses, 2))
         finally:
             executors.stop()
+    result["full_batch_steps"] = steps["full_batch_steps"]
+    result["output_tokens_per_s_one_step_in_flight"] = steps["output_tokens_per_s"]
     settings = {
         k: getattr(args, k)
         for k in ("device", "executors", "requests", "prompt_len", "max_tokens", "load_format")
@@ -144,11 +150,13 @@ def main(args: argparse.Namespace) -> int:
         f"{args.requests} requests x ({args.prompt_len} prompt -> {args.max_tokens} new tokens), "
         f"{args.executors} executor(s) on {args.device}",
         f"output: {result['output_tokens']} tokens in {result['seconds']:.2f} s = "
-        f"{result['output_tokens_per_s']:.0f} tok/s",
+        f"{result['output_tokens_per_s']:.0f} tok/s with async stepping (2 steps in flight; "
+        f"{result['output_tokens_per_s_one_step_in_flight']:.0f} tok/s with 1)",
     ]
     if full.get("steps"):
         lines.append(
-            f"steps with all {args.requests} running ({full['steps']}): scheduler CPU "
+            f"one step in flight, steps with all {args.requests} running ({full['steps']}): "
+            f"scheduler CPU "
             f"{full['scheduler_cpu_us']:.0f} us/step (build {full['schedule_us']:.0f}, apply "
             f"{full['process_us']:.0f}; {full['scheduler_cpu_ns_per_running_request']:.0f} ns "
             f"per running request), RPC overhead {full['rpc_overhead_us']:.0f} us/step "
