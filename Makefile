@@ -41,9 +41,11 @@ proto: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos \
 		--python_out=shared --pyi_out=shared --grpc_python_out=shared $(PROTOS)
 
-# Until the services exist, `make run` runs the block-core benchmark.
+# Starts `pagedkv serve` (2 CPU executors on a tiny random llama), streams a
+# short workload through the SDK with progress bars, prints the final stats
+# and stops the server (under a minute on a 2-core CPU).
 run: setup
-	$(BIN)/pagedkv bench blocks
+	$(BIN)/pagedkv demo
 
 # Refreshes the committed block-core results.
 bench-blocks: setup

@@ -1,9 +1,10 @@
-"""Registers ``pagedkv generate`` and ``pagedkv stats``, thin commands over ``Client``.
+"""Registers ``pagedkv generate`` and ``pagedkv stats``, thin commands over
+``Client``, and ``pagedkv demo`` (``pagedkv.client.demo``).
 
 The register functions only declare arguments; the handlers import the SDK
-and do the work. Both commands exit 0 on success and 1 on a failed call,
-printing ``pagedkv: <CODE>: <details>`` to stderr; 2 for arguments the SDK
-refuses before calling.
+and do the work. ``generate`` and ``stats`` exit 0 on success and 1 on a
+failed call, printing ``pagedkv: <CODE>: <details>`` to stderr; 2 for
+arguments the SDK refuses before calling.
 """
 
 from __future__ import annotations
@@ -87,6 +88,36 @@ def register_stats(subparsers: Any, name: str) -> None:
     _add_target(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.set_defaults(handler=_run_stats)
+
+
+def register_demo(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="start a tiny local stack and stream a short workload through the SDK",
+        description=(
+            "Starts `pagedkv serve` (unless --target is given), streams concurrent chat "
+            "requests that share long system prompts (prefix cache) and one n=4 request "
+            "(shared blocks) with progress bars, then prints the final stats: KV usage, "
+            "prefix-cache hits, free and held blocks, preemptions, integrity."
+        ),
+    )
+    parser.add_argument(
+        "--target", help="an already running Scheduler, HOST:PORT (default: start one)"
+    )
+    parser.add_argument("--model", help="without --target: model directory (default: tiny llama)")
+    parser.add_argument(
+        "--executors", type=int, default=2, help="without --target: executor processes"
+    )
+    parser.add_argument("--requests", type=int, default=24, help="chat requests (default: 24)")
+    parser.add_argument("--concurrency", type=int, default=8, help="chat streams at a time")
+    parser.add_argument("--max-tokens", type=int, default=64, help="per sequence (default: 64)")
+    parser.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pagedkv.client.demo import run_demo
+
+    return run_demo(args)
 
 
 def _fail(exc: PagedkvError) -> int:

@@ -115,17 +115,20 @@ class ExecutorScheduler:
         # A decode still in flight counts a token not known here yet.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
         self.kv.free(request)
+        generation = seq.generation
         if seq.row is not None:
             if seq.sent_tables is not None:
                 self.freed_rows.append(seq.row)
-            self.free_rows.append(seq.row)
+            if generation.beam is not None and not generation.done:
+                generation.reserved_rows.append(seq.row)  # a beam search keeps its W rows
+            else:
+                self.free_rows.append(seq.row)
             seq.row = None
         seq.sent_tables = None
         seq.token_unsent = False
         seq.pending_on_executor = False
         seq.inflight_samples = 0
         seq.epoch += 1  # responses to steps already sent no longer apply
-        generation = seq.generation
         if generation.reserved_rows and all(s.finished for s in generation.sequences):
             self.free_rows.extend(generation.reserved_rows)
             generation.reserved_rows.clear()

@@ -288,10 +288,10 @@ class SchedulerService:
         generation = self.generations.pop(request_id, None)
         if generation is None:
             return False
-        for seq in generation.sequences:
-            if seq.finished:
-                continue
+        ended = [seq for seq in generation.sequences if not seq.finished]
+        for seq in ended:  # all finished first: the last release returns reserved rows
             seq.finish(FinishReason.FINISH_REASON_ABORT)
+        for seq in ended:
             scheduler = self.schedulers.get(seq.executor or "")
             if scheduler is not None:
                 scheduler.release(seq)
@@ -303,6 +303,16 @@ class SchedulerService:
     # -- the step loops -------------------------------------------------------
 
     async def _loop(self, address: str) -> None:
+        try:
+            await self._step_loop(address)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not hang its requests
+            log.exception("step loop failed", executor=address)
+            if address in self.schedulers:
+                self._executor_down(address, f"scheduler error: {exc!r}")
+
+    async def _step_loop(self, address: str) -> None:
         """Async stepping: step N + 1 is built and sent while the executor
         runs step N, so scheduling overlaps the executor's work; at most
         ``config.pipeline_depth`` steps are in flight."""
