@@ -188,6 +188,8 @@ class ExecutorScheduler:
             if ahead and seq.generation.beam is not None:
                 continue  # a beam's next token is chosen here, after its round
             num_new = min(request.num_tokens - request.num_computed_tokens, budget - ahead)
+            if num_new + ahead == 0:
+                continue  # a beam waiting for its round: nothing to compute yet
             while True:
                 allocation = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=ahead)
                 if allocation is not None:
@@ -214,7 +216,7 @@ class ExecutorScheduler:
                 rows_needed = generation.n
             if len(self.running) + rows_needed > self.max_num_seqs:
                 break
-            if len(self.free_rows) < rows_needed:
+            if len(self.free_rows) + len(generation.reserved_rows) < rows_needed:
                 break
             request = seq.request
             computed = self.kv.get_computed_blocks(request)
@@ -227,7 +229,7 @@ class ExecutorScheduler:
                 if seq.index == 0:
                     generation.num_cached_prompt_tokens = request.num_computed_tokens
             seq.state = SequenceState.RUNNING
-            seq.row = self.free_rows.pop()
+            seq.row = self._take_row(generation)
             for _ in range(rows_needed - 1):  # for the forks to come
                 generation.reserved_rows.append(self.free_rows.pop())
             self.running.append(seq)
@@ -244,10 +246,7 @@ class ExecutorScheduler:
         request = seq.request
         num_known = request.num_tokens + seq.inflight_samples
         needs_sample = request.num_computed_tokens + num_new == num_known
-        entry = Entry(
-            seq, num_new, needs_sample, allocation if seq.sent_tables else None, seq.epoch
-        )
-        return entry
+        return Entry(seq, num_new, needs_sample, allocation if seq.sent_tables else None, seq.epoch)
 
     def _message(self, entries: list[Entry]) -> ScheduledStep:
         """The StepRequest of ``entries`` (new sequences first, as the wire wants)."""
