@@ -295,3 +295,36 @@ def test_an_executor_killed_mid_run_hands_its_requests_over(model_dirs) -> None:
                 assert tokens == hf_greedy(model, prompt, 40)
             stats = assert_nothing_held(scheduler.stub)
             assert [e.healthy for e in stats.executors].count(True) == 1
+
+
+def wait_until_idle(stub) -> None:
+    for _ in range(400):
+        if stub.GetStats(scheduler_pb2.GetStatsRequest()).num_running == 0:
+            return
+        threading.Event().wait(0.05)
+
+
+def test_a_passed_deadline_frees_everything(stack) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.stub.Generate(greedy_request(PROMPTS[2], 900), timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(stack.stub)
+    assert_nothing_held(stack.stub)
+
+
+def test_losing_the_last_executor_ends_requests_with_unavailable(model_dirs) -> None:
+    model = model_dirs["llama"]
+    with ExecutorProcess(model, num_blocks=64) as only:
+        args = ["scheduler", "--executor", only.target, "--port", "0", "--model", str(model)]
+        with Process(args) as scheduler:
+            call = scheduler.stub.Generate(greedy_request(PROMPTS[0], 400), timeout=600)
+            next(call)
+            only.process.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as info:
+                list(scheduler.stub.Generate(greedy_request([1, 2], 2), timeout=60))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            stats = scheduler.stub.GetStats(scheduler_pb2.GetStatsRequest())
+            assert [e.healthy for e in stats.executors] == [False]

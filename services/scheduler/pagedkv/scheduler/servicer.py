@@ -42,6 +42,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 assert isinstance(item, scheduler_pb2.GenerateResponse)
                 yield item
                 if item.HasField("usage"):
+                    # A failure's final chunk (FINISH_REASON_ERROR) is followed
+                    # by its status.
+                    if not generation.chunks.empty():
+                        error = generation.chunks.get_nowait()
+                        if isinstance(error, ServiceError):
+                            await context.abort(error.code, str(error))
                     return
         finally:
             if not generation.done:
