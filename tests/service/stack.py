@@ -45,6 +45,7 @@ class Process:
         threading.Thread(target=read, daemon=True).start()
         ready.wait(timeout)
         match = READY.search("".join(lines))
+        self.ready_line = next((line for line in lines if READY.search(line)), "")
         if match is None:
             self.log.seek(0)
             errors = self.log.read()[-4000:]

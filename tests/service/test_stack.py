@@ -56,7 +56,8 @@ def assert_nothing_held(stub) -> scheduler_pb2.GetStatsResponse:
 
 @pytest.fixture(scope="module")
 def stack(model_dirs: dict[str, Path]):
-    with serve(model_dirs["llama"], executors=2, num_blocks=48) as process:
+    extra = ("--metrics-port", "0")
+    with serve(model_dirs["llama"], executors=2, num_blocks=48, extra=extra) as process:
         yield process
 
 
@@ -328,3 +329,23 @@ def test_losing_the_last_executor_ends_requests_with_unavailable(model_dirs) -> 
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             stats = scheduler.stub.GetStats(scheduler_pb2.GetStatsRequest())
             assert [e.healthy for e in stats.executors] == [False]
+
+
+def test_metrics_are_served_for_prometheus(stack) -> None:
+    import re
+    import urllib.request
+
+    collect(stack.stub, greedy_request(PROMPTS[1], 4))
+    port = re.search(r"metrics on :(\d+)", stack.ready_line)
+    assert port is not None, stack.ready_line
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics").read().decode()
+    for name in (
+        "pagedkv_kv_cache_usage",
+        "pagedkv_num_running_requests",
+        "pagedkv_prefix_cache_hits_total",
+        "pagedkv_time_to_first_token_seconds_bucket",
+        "pagedkv_inter_token_latency_seconds_bucket",
+        "pagedkv_step_seconds_bucket",
+        "pagedkv_preemptions_total",
+    ):
+        assert name in body, name
