@@ -12,7 +12,6 @@ with FINISH_REASON_ERROR and UNAVAILABLE when no executor is left.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import socket
 import time
@@ -22,10 +21,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.errors import (
     AlreadyExists,
-    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
@@ -34,11 +31,10 @@ from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledSte
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
+from pagedkv.scheduler.validation import prompt_token_ids, validate_sampling
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 
 log = get_logger(__name__)
-
-MAX_N = 64
 
 
 class StepTiming(NamedTuple):
@@ -146,7 +142,7 @@ class SchedulerService:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.generations:
             raise AlreadyExists(f"request_id: {request_id!r} is live")
-        prompt = self._prompt(request)
+        prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
         generation = self._generation(request_id, prompt, request)
         executor = self._place(generation)
         self.generations[request_id] = generation
@@ -165,77 +161,13 @@ class SchedulerService:
         )
         return generation
 
-    def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which is None:
-            raise InvalidArgument("prompt: set text or token_ids")
-        if which == "text":
-            if self.tokenizer is None:
-                raise InvalidArgument("prompt.text: the model has no tokenizer; send token_ids")
-            prompt = self.tokenizer.encode(request.text)
-        else:
-            prompt = list(request.token_ids.ids)
-        if not prompt:
-            raise InvalidArgument(f"prompt.{which}: the prompt is empty")
-        vocab_size = self.info.vocab_size
-        for i, token in enumerate(prompt):
-            if token >= vocab_size:
-                raise InvalidArgument(
-                    f"prompt.token_ids.ids[{i}]: token {token} >= vocab_size {vocab_size}"
-                )
-        return prompt
-
     def _generation(
         self, request_id: str, prompt: list[int], request: scheduler_pb2.GenerateRequest
     ) -> Generation:
         sampling = request.sampling
         info = self.info
-        if sampling.HasField("max_tokens") and sampling.max_tokens == 0:
-            raise InvalidArgument("sampling.max_tokens: must be at least 1")
-        room = info.max_model_len - len(prompt)
-        if room <= 0:
-            raise InvalidArgument(
-                f"prompt: {len(prompt)} tokens leave no room in max_model_len {info.max_model_len}"
-            )
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else room
-        if max_tokens > room:
-            raise InvalidArgument(
-                f"sampling.max_tokens: {len(prompt)} prompt tokens + {max_tokens} > "
-                f"max_model_len {info.max_model_len}"
-            )
-        if sampling.HasField("temperature") and not (
-            math.isfinite(sampling.temperature) and sampling.temperature >= 0
-        ):
-            raise InvalidArgument(f"sampling.temperature: {sampling.temperature} is not >= 0")
-        if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
-            raise InvalidArgument(f"sampling.top_p: {sampling.top_p} is not in (0, 1]")
-        if sampling.top_k > info.vocab_size:
-            raise InvalidArgument(
-                f"sampling.top_k: {sampling.top_k} > vocab_size {info.vocab_size}"
-            )
-        if sampling.HasField("logprobs") and sampling.logprobs > info.max_logprobs:
-            raise InvalidArgument(
-                f"sampling.logprobs: {sampling.logprobs} > max_logprobs {info.max_logprobs}"
-            )
-        for i, token in enumerate(sampling.stop_token_ids):
-            if token >= info.vocab_size:
-                raise InvalidArgument(
-                    f"sampling.stop_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
-                )
-        n = sampling.n or 1
-        beam = None
-        if sampling.beam_width > 1:
-            if n > 1:
-                raise InvalidArgument("sampling.n: must be 1 with beam search")
-            if sampling.beam_width > info.max_logprobs:
-                raise InvalidArgument(
-                    f"sampling.beam_width: {sampling.beam_width} > {info.max_logprobs} "
-                    "(the executors' max_logprobs)"
-                )
-            width = sampling.beam_width
-            beam = BeamSearch(width, min(2 * width, info.max_logprobs))
-        if n > MAX_N:
-            raise InvalidArgument(f"sampling.n: {n} > {MAX_N}")
+        valid = validate_sampling(sampling, len(prompt), info)
+        n, max_tokens = valid.n, valid.max_tokens
         generation = Generation(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -246,7 +178,7 @@ class SchedulerService:
             cache_salt=request.cache_salt,
             eos_token_ids=frozenset() if sampling.ignore_eos else frozenset(info.eos_token_ids),
             stop_token_ids=frozenset(sampling.stop_token_ids),
-            beam=beam,
+            beam=valid.beam,
             tokenizer=self.tokenizer,
         )
         block_size = info.block_size
