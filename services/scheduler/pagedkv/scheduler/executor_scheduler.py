@@ -92,12 +92,7 @@ class ExecutorScheduler:
         """Queues a sequence (new, or moved here to be recomputed)."""
         seq.executor = self.address
         seq.state = SequenceState.WAITING
-        keys = [_order(s) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, _order(seq)), seq)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.freed_rows)
+        bisect.insort_right(self.waiting, seq, key=_order)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -117,14 +112,14 @@ class ExecutorScheduler:
         self.kv.free(request)
         generation = seq.generation
         if seq.row is not None:
-            if seq.sent_tables is not None:
+            if seq.table_lengths is not None:
                 self.freed_rows.append(seq.row)
             if generation.beam is not None and not generation.done:
                 generation.reserved_rows.append(seq.row)  # a beam search keeps its W rows
             else:
                 self.free_rows.append(seq.row)
             seq.row = None
-        seq.sent_tables = None
+        seq.table_lengths = None
         seq.token_unsent = False
         seq.pending_on_executor = False
         seq.inflight_samples = 0
@@ -145,7 +140,7 @@ class ExecutorScheduler:
         moved = [s for s in self.sequences if not s.finished]
         for seq in moved:
             seq.row = None
-            seq.sent_tables = None
+            seq.table_lengths = None
             seq.token_unsent = False
             seq.pending_on_executor = False
             seq.inflight_samples = 0
@@ -246,12 +241,18 @@ class ExecutorScheduler:
         request = seq.request
         num_known = request.num_tokens + seq.inflight_samples
         needs_sample = request.num_computed_tokens + num_new == num_known
-        return Entry(seq, num_new, needs_sample, allocation if seq.sent_tables else None, seq.epoch)
+        return Entry(
+            seq,
+            num_new,
+            needs_sample,
+            allocation if seq.table_lengths is not None else None,
+            seq.epoch,
+        )
 
     def _message(self, entries: list[Entry]) -> ScheduledStep:
         """The StepRequest of ``entries`` (new sequences first, as the wire wants)."""
-        new = [e for e in entries if e.seq.sent_tables is None]
-        old = [e for e in entries if e.seq.sent_tables is not None]
+        new = [e for e in entries if e.seq.table_lengths is None]
+        old = [e for e in entries if e.seq.table_lengths is not None]
         ordered = new + old
         message = executor_pb2.StepRequest(owner=self.owner, step_id=self.step_id)
         self.step_id += 1
@@ -283,26 +284,24 @@ class ExecutorScheduler:
             # later step continues from it (beams send their chosen token).
             seq.pending_on_executor = entry.needs_sample and seq.generation.beam is None
             seq.inflight_samples += entry.needs_sample
-            sent = seq.sent_tables
+            lengths = seq.table_lengths
             if seq.token_unsent:  # a beam's token, chosen here, not sampled there
-                if sent is not None:
+                if lengths is not None:
                     tokens.append(request.token_ids[-1])
                 seq.token_unsent = False
-            if sent is None or entry.allocation is None:
+            if lengths is None or entry.allocation is None:
                 tables = self.kv.get_block_ids(request.request_id)
-                seq.sent_tables = [list(t) for t in tables]
+                seq.table_lengths = [len(table) for table in tables]
                 for table in tables:
                     starts.append(0)
                     counts.append(len(table))
                     block_ids.extend(table)
             elif not entry.allocation.updates:
-                for known in sent:
-                    starts.append(len(known))
-                    counts.append(0)
+                starts.extend(lengths)
+                counts.extend([0] * len(lengths))
             else:
-                for known, update in zip(sent, entry.allocation.updates, strict=True):
-                    del known[update.start :]
-                    known.extend(update.block_ids)
+                for g, update in enumerate(entry.allocation.updates):
+                    lengths[g] = update.start + len(update.block_ids)
                     starts.append(update.start)
                     counts.append(len(update.block_ids))
                     block_ids.extend(update.block_ids)

@@ -47,9 +47,9 @@ class Sequence:
     pending_text: str = ""
     admitted: bool = False  # admitted once (cached prompt tokens are counted then)
     finish_reported: bool = False  # its finishing chunk was queued
-    # Its block tables as the executor last got them; None: the executor
-    # does not know it (the next step sends it as a new request).
-    sent_tables: list[list[int]] | None = None
+    # Its block tables' lengths (per group) as the executor has them; None:
+    # the executor does not know it (the next step sends it as a new request).
+    table_lengths: list[int] | None = None
     # Beam search: the cumulative logprob, this round's candidates (logprob,
     # token id), and whether its last token is not on the executor yet.
     # Async stepping: samples asked for in steps sent but not yet applied; a

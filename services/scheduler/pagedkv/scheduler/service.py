@@ -78,9 +78,6 @@ class SchedulerService:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._preemptions_of_down = 0  # preemptions on executors now down
-        # What the metrics' counters have been given so far.
-        self._reported_prefix: dict[str, tuple[int, int]] = {}
-        self._reported_preemptions = 0
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
 
     # -- life -----------------------------------------------------------------
@@ -317,15 +314,10 @@ class SchedulerService:
             kv = scheduler.kv
             stats = kv.prefix_cache_stats
             address = scheduler.address
-            queries, hits = self._reported_prefix.get(address, (0, 0))
             metrics.observe_step(address, seconds)
             metrics.set_kv_usage(address, kv.usage)
-            metrics.add_prefix_cache(address, stats.queries - queries, stats.hits - hits)
-            self._reported_prefix[address] = (stats.queries, stats.hits)
-            preemptions = self.num_preemptions
-            if preemptions > self._reported_preemptions:
-                metrics.count_preemption(preemptions - self._reported_preemptions)
-                self._reported_preemptions = preemptions
+            metrics.set_prefix_cache(address, stats.queries, stats.hits)
+            metrics.set_preemptions(self.num_preemptions)
             metrics.set_queue_sizes(self.num_running, self.num_waiting)
 
     def _count_finished(self, generation: Generation) -> None:
