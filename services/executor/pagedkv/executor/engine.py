@@ -21,9 +21,10 @@ import uuid
 import numpy as np
 import torch
 
+from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.logging import get_logger
-from pagedkv.executor.errors import FailedPrecondition, InvalidArgument
 from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
 from pagedkv.v1 import common_pb2, executor_pb2
 
@@ -115,7 +116,7 @@ class Executor:
         rows = self.runner.rows
         rows.free(plan.freed_rows)
         for new in plan.new_rows:
-            rows.add(new.row, new.request_id, new.prompt, new.sampling)
+            rows.add(new.row, new.request_id, new.sampling)
         rows.set_tables(
             plan.table_groups,
             plan.table_rows,
@@ -187,11 +188,8 @@ class Executor:
         return response
 
     def _fill_samples(
-        self, response: executor_pb2.StepResponse, rows: np.ndarray, result: object
+        self, response: executor_pb2.StepResponse, rows: np.ndarray, result: SamplerOutput
     ) -> None:
-        from pagedkv.executor.sampler import SamplerOutput
-
-        assert isinstance(result, SamplerOutput)
         token_ids = result.token_ids.tolist()  # the step's one wait for the device
         response.sampled_rows.extend(rows.tolist())
         response.sampled_token_ids.extend(token_ids)

@@ -83,10 +83,6 @@ class Rows:
         )
         self.last_sampled = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
 
-    @property
-    def num_live(self) -> int:
-        return int(self.live.sum())
-
     def free(self, rows: list[int]) -> None:
         """Forgets the rows (live or not): tables, histories and pending samples."""
         for row in rows:
@@ -106,9 +102,9 @@ class Rows:
         self.free(rows)
         return rows
 
-    def add(self, row: int, request_id: str, prompt: np.ndarray, sampling: RowSampling) -> None:
-        """Makes ``row`` live with ``prompt`` as its history (host side; the
-        caller writes the tokens with ``write_tokens``)."""
+    def add(self, row: int, request_id: str, sampling: RowSampling) -> None:
+        """Makes ``row`` live with an empty history (the caller writes its
+        prompt with ``write_tokens``)."""
         self.live[row] = True
         self.request_ids[row] = request_id
         self.row_of_request[request_id] = row

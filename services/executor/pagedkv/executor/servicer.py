@@ -11,8 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedkv.common.errors import ServiceError
 from pagedkv.executor.engine import Executor
-from pagedkv.executor.errors import ExecutorError
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -55,7 +55,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Turns ``ExecutorError`` into its status code and message, for unary and
+    """Turns ``ServiceError`` into its status code and message, for unary and
     streaming handlers alike."""
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
@@ -68,7 +68,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
                 try:
                     return inner(request, context)
-                except ExecutorError as exc:
+                except ServiceError as exc:
                     context.abort(exc.code, str(exc))
 
             return handler._replace(unary_unary=unary)
@@ -78,7 +78,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             def stream(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 try:
                     yield from inner_stream(requests, context)
-                except ExecutorError as exc:
+                except ServiceError as exc:
                     context.abort(exc.code, str(exc))
 
             return handler._replace(stream_stream=stream)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.executor.errors import AlreadyExists, InvalidArgument
+from pagedkv.common.errors import AlreadyExists, InvalidArgument
 from pagedkv.executor.rows import Rows, RowSampling
 from pagedkv.v1 import executor_pb2
 

@@ -49,9 +49,8 @@ class ExecutorClient:
             await self._stub.Reset(
                 executor_pb2.ResetRequest(owner=self.owner), timeout=self.timeout
             )
-            self.info = await self._stub.GetInfo(
-                executor_pb2.GetInfoRequest(), timeout=self.timeout
-            )
+            info.owner.CopyFrom(self.owner)
+            self.info = info
         except grpc.aio.AioRpcError as exc:
             raise ExecutorDown(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
         self._stream = self._stub.StepStream()

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-from pagedkv.scheduler.errors import ServiceError
+from pagedkv.common.errors import ServiceError
 from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
 READY = re.compile(r"executor ready on ([\w.\-]+:\d+)")

@@ -7,8 +7,8 @@ import asyncio
 import signal
 import sys
 
+from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.errors import ServiceError
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.scheduler.servicer import start_server

@@ -20,12 +20,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.errors import (
+from pagedkv.common.errors import (
     AlreadyExists,
     ResourceExhausted,
     Unavailable,
 )
+from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.metrics import SchedulerMetrics

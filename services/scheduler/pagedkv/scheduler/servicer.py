@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedkv.scheduler.errors import ServiceError
+from pagedkv.common.errors import ServiceError
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from pagedkv.common.errors import InvalidArgument
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.errors import InvalidArgument
 from pagedkv.scheduler.text import TextTokenizer
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 
