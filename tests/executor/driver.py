@@ -10,25 +10,19 @@ collects the samples.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from pagedkv.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from tests.processes import ServedProcess
 
-READY = re.compile(r"executor ready on ([\d.]+):(\d+)")
 GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
 
-class ExecutorProcess:
-    """``pagedkv executor`` (on the CPU by default) with a free port; a context manager."""
+class ExecutorProcess(ServedProcess):
+    """``python -m pagedkv.executor`` (on the CPU by default) with a free port;
+    ``stub`` is its Executor stub."""
 
     def __init__(
         self,
@@ -40,64 +34,11 @@ class ExecutorProcess:
         extra_args: tuple[str, ...] = (),
         timeout: float = 180.0,
     ) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "pagedkv.executor",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--device",
-            device,
-            "--num-blocks",
-            str(num_blocks),
-            "--kernel-backend",
-            backend,
-            *extra_args,
-        ]
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-        ready = threading.Event()
-        lines: list[str] = []
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                lines.append(line)
-                if READY.search(line):
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout):
-            self.log.seek(0)
-            errors = self.log.read()[-3000:]
-            self.close()
-            raise RuntimeError(f"executor did not start: {lines} {errors}")
-        match = READY.search(lines[-1])
-        assert match
-        self.target = f"{match.group(1)}:{match.group(2)}"
-        self.channel = grpc.insecure_channel(self.target)
+        command = [sys.executable, "-m", "pagedkv.executor", "--model", str(model_dir)]
+        command += ["--port", "0", "--device", device, "--num-blocks", str(num_blocks)]
+        command += ["--kernel-backend", backend, *extra_args]
+        super().__init__(command, timeout)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-    def __enter__(self) -> ExecutorProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass
