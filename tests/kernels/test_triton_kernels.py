@@ -1,6 +1,10 @@
-"""The Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the torch oracles."""
+"""The Triton kernels against the torch oracles: on the GPU when there is one,
+else under TRITON_INTERPRET=1 on the CPU."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -9,6 +13,30 @@ from pagedkv.kernels import cache_ops, paged_attention, reference, slot_mapping
 from tests.kernels.test_reference import BLOCK_SIZE, MIXED, build_batch
 
 NAMES = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# float32 dots run in tf32 on a GPU.
+FP32_TOLERANCE = 1e-4 if DEVICE.type == "cpu" else 5e-3
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to(item, device) for item in value]
+    return value
+
+
+def run(kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``kernel`` on DEVICE with CPU arguments: tensors written in place are
+    copied back into them, and the result comes back to the CPU."""
+    moved = [_to(arg, DEVICE) for arg in args]
+    result = kernel(*moved, **{name: _to(value, DEVICE) for name, value in kwargs.items()})
+    for arg, on_device in zip(args, moved, strict=True):
+        pairs = zip(arg, on_device, strict=True) if isinstance(arg, list) else [(arg, on_device)]
+        for cpu, device in pairs:
+            if isinstance(cpu, torch.Tensor):
+                cpu.copy_(device)
+    return _to(result, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -21,8 +49,8 @@ def test_paged_attention_matches_the_oracle(
     args = [batch[name] for name in NAMES]
     kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
     expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-3
+    out = run(paged_attention.paged_attention, *args, **kwargs)
+    tolerance = FP32_TOLERANCE if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
@@ -30,15 +58,15 @@ def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -
     batch = build_batch([0, 17], [3, 1], num_q_heads=8, num_kv_heads=1, head_size=80)
     args = [batch[name] for name in NAMES]
     expected = reference.paged_attention(*args, scale=0.1)  # type: ignore[arg-type]
-    out = paged_attention.paged_attention(*args, scale=0.1)  # type: ignore[arg-type]
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    out = run(paged_attention.paged_attention, *args, scale=0.1)
+    torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
 
 
 def test_paged_attention_names_a_bad_argument() -> None:
     batch = build_batch([0], [2], num_q_heads=3, num_kv_heads=2)
     args = [batch[name] for name in NAMES]
     with pytest.raises(ValueError, match="query"):
-        paged_attention.paged_attention(*args, scale=1.0)  # type: ignore[arg-type]
+        run(paged_attention.paged_attention, *args, scale=1.0)
 
 
 def test_slot_mapping_matches_the_oracle() -> None:
@@ -55,7 +83,7 @@ def test_slot_mapping_matches_the_oracle() -> None:
     block_table = batch["block_table"]
     assert isinstance(block_table, torch.Tensor)
     expected = reference.compute_slot_mapping(starts, positions, block_table, BLOCK_SIZE)
-    out = slot_mapping.compute_slot_mapping(starts, positions, block_table, BLOCK_SIZE)
+    out = run(slot_mapping.compute_slot_mapping, starts, positions, block_table, BLOCK_SIZE)
     assert torch.equal(out, expected)
 
 
@@ -66,7 +94,7 @@ def test_reshape_and_cache_matches_the_oracle_and_skips_padding() -> None:
     slots = torch.tensor([17, -1, 3, 95, 40])
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
-    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    run(cache_ops.reshape_and_cache, key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k)
     assert torch.equal(value_cache, expected_v)
 
@@ -78,7 +106,7 @@ def test_copy_blocks_matches_the_oracle() -> None:
     expected_values = [v.clone() for v in values]
     src_dst = torch.tensor([[1, 4], [2, 3]])
     reference.copy_blocks(expected_keys, expected_values, src_dst)
-    cache_ops.copy_blocks(keys, values, src_dst)
+    run(cache_ops.copy_blocks, keys, values, src_dst)
     for got, want in zip(keys + values, expected_keys + expected_values, strict=True):
         assert torch.equal(got, want)
 
@@ -95,8 +123,8 @@ def test_decode_path_matches_the_oracle(
     args = [batch[name] for name in NAMES]
     kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
     expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    out = run(paged_attention.paged_attention, *args, **kwargs)
+    torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 100])
@@ -107,8 +135,8 @@ def test_decode_path_merges_many_context_splits(sliding_window: int | None) -> N
     args = [batch[name] for name in NAMES]
     kwargs = {"scale": 0.125, "sliding_window": sliding_window}
     expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    out = run(paged_attention.paged_attention, *args, **kwargs)
+    torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
 
 
 def test_prefill_with_a_window_far_into_a_long_context() -> None:
@@ -116,5 +144,18 @@ def test_prefill_with_a_window_far_into_a_long_context() -> None:
     batch = build_batch([300, 5], [20, 40], num_q_heads=2, num_kv_heads=1)
     args = [batch[name] for name in NAMES]
     expected = reference.paged_attention(*args, scale=0.125, sliding_window=7)  # type: ignore[arg-type]
-    out = paged_attention.paged_attention(*args, scale=0.125, sliding_window=7)  # type: ignore[arg-type]
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    out = run(paged_attention.paged_attention, *args, scale=0.125, sliding_window=7)
+    torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("num_sms", [8, 132])
+def test_decode_splits_fill_one_wave_of_programs(num_sms: int) -> None:
+    # Split programs never exceed what the GPU holds at once (a second,
+    # partial wave idles most of it), and a long context is split.
+    slots = paged_attention.DECODE_PROGRAMS_PER_SM * num_sms
+    for pairs in range(1, 3 * slots):
+        splits = paged_attention._num_splits(pairs, 1 << 20, 64, num_sms)
+        assert splits >= 1
+        assert pairs * splits <= max(slots, pairs)
+        if pairs <= slots // 2 and splits < paged_attention.DECODE_MAX_SPLITS:
+            assert pairs * splits > slots // 2

@@ -262,8 +262,11 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [num_seqs]
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32, base-2 log-sum-exp
+    out_ptr,  # [num_seqs, num_q_heads, head_size]
     query_stride_t,
     query_stride_h,
+    out_stride_t,
+    out_stride_h,
     cache_stride_b,
     cache_stride_s,
     cache_stride_h,
@@ -283,10 +286,13 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Flash-decoding, first pass: one (sequence, KV head, split of the context)
-    per program; the query heads sharing the KV head are the rows, so each K/V
-    byte is read once for all of them."""
+    """Flash-decoding: one (sequence, KV head, split of the context) per
+    program; the query heads sharing the KV head are the rows, so each K/V
+    byte is read once for all of them. With ``SPLIT`` each program stores its
+    partial output and log-sum-exp for ``_decode_merge_kernel``; without,
+    there is one split and the program stores the output."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -378,21 +384,29 @@ def _decode_split_kernel(
         True,
     )
 
-    # An empty split (past the sequence, or before its window) has l_i == 0.
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _MASKED)  # base 2
-    row = (seq * num_q_heads + heads) * num_splits + split
-    tl.store(
-        partial_out_ptr + row[:, None] * head_size + dims[None, :],
-        out,
-        mask=group_valid[:, None] & dim_valid[None, :],
-    )
-    tl.store(partial_lse_ptr + row, lse, mask=group_valid)
+    if SPLIT:
+        # An empty split (past the sequence, or before its window) has l_i == 0.
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _MASKED)  # base 2
+        row = (seq * num_q_heads + heads) * num_splits + split
+        tl.store(
+            partial_out_ptr + row[:, None] * head_size + dims[None, :],
+            out,
+            mask=group_valid[:, None] & dim_valid[None, :],
+        )
+        tl.store(partial_lse_ptr + row, lse, mask=group_valid)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_valid[:, None] & dim_valid[None, :],
+        )
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _decode_merge_kernel(
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
     out_ptr,  # [num_seqs, num_q_heads, head_size]
@@ -404,34 +418,24 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Flash-decoding, second pass: the splits' outputs weighted by their sums,
-    ``BLOCK_S`` splits at a time (a first loop finds the largest log-sum-exp)."""
+    """Flash-decoding, second pass: one program per (sequence, query head,
+    ``BLOCK_D`` dims) weighs its splits' outputs by their sums, all
+    ``num_splits <= BLOCK_S`` splits in one load."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dim_valid = dims < head_size
     row = (seq * num_q_heads + head) * num_splits
-    lse_max = tl.full([BLOCK_S], _MASKED, dtype=tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        lse = tl.load(partial_lse_ptr + row + splits, mask=splits < num_splits, other=_MASKED)
-        lse_max = tl.maximum(lse_max, lse)
-    top = tl.max(lse_max, 0)
-    total = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        split_valid = splits < num_splits
-        lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
-        weights = tl.exp2(lse - top)  # 0 for empty splits
-        parts = tl.load(
-            partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
-            mask=split_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(parts * weights[:, None], 0)
-        total += weights
-    out = acc / tl.sum(total, 0)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=_MASKED)
+    weights = tl.exp2(lse - tl.max(lse, 0))  # 0 for empty splits
+    parts = tl.load(
+        partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
     tl.store(
         out_ptr + seq * out_stride_t + head * out_stride_h + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -446,17 +450,18 @@ PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 
 # Decode tuning, from ``python -m pagedkv.kernels.tune`` on the H200 (results
-# in tests/benchmarks/results/kernels-tune-h200.json): per regime, the
-# programs per multiprocessor the context splits aim for, keys per step, warps
-# and pipeline stages. "Many" is at least DECODE_MANY_PAIRS_PER_SM (sequence,
-# KV head) pairs per multiprocessor; with fewer, more and shorter splits keep
-# more bytes in flight. A split takes at least DECODE_MIN_STEPS_PER_SPLIT steps.
-DECODE_FEW = (4, 64, 4, 2)
-DECODE_MANY = (2, 64, 4, 2)
-DECODE_MANY_PAIRS_PER_SM = 1
+# in tests/benchmarks/results/kernels-tune-h200.json). DECODE_TILE: keys per
+# step, warps and pipeline stages. DECODE_PROGRAMS_PER_SM: how many of those
+# programs a multiprocessor holds at once (at head size 128 registers allow
+# 4); the context is split into as many pieces as fill that in one wave, as
+# a second, partial wave would leave most of the GPU idle. A split takes at
+# least DECODE_MIN_STEPS_PER_SPLIT steps.
+DECODE_TILE = (64, 4, 2)
+DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
-DECODE_REDUCE_SPLITS = 32
+# The merge kernel's dims per program.
+DECODE_MERGE_DIMS = 32
 
 
 @functools.cache
@@ -467,11 +472,10 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _num_splits(
-    num_pairs: int, max_seq_len: int, programs_per_sm: int, block_n: int, num_sms: int
-) -> int:
-    """Enough splits of the context to give every multiprocessor its programs."""
-    wanted = triton.cdiv(programs_per_sm * num_sms, num_pairs)
+def _num_splits(num_pairs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Splits of each (sequence, KV head)'s context: as many as the GPU holds
+    programs in one wave, and no more than the longest context has steps."""
+    wanted = DECODE_PROGRAMS_PER_SM * num_sms // num_pairs
     longest = triton.cdiv(max_seq_len, DECODE_MIN_STEPS_PER_SPLIT * block_n)
     return int(max(1, min(wanted, longest, DECODE_MAX_SPLITS)))
 
@@ -491,17 +495,13 @@ def _decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = _num_sms(query.device)
-    num_pairs = num_seqs * num_kv_heads
-    many = num_pairs >= DECODE_MANY_PAIRS_PER_SM * num_sms
-    programs_per_sm, block_n, num_warps, num_stages = DECODE_MANY if many else DECODE_FEW
-    num_splits = _num_splits(num_pairs, max_seq_len, programs_per_sm, block_n, num_sms)
+    block_n, num_warps, num_stages = DECODE_TILE
+    num_splits = _num_splits(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms)
     split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    partial_out = torch.empty(
-        num_seqs, num_q_heads, num_splits, head_size, dtype=torch.float32, device=query.device
-    )
-    partial_lse = torch.empty(
-        num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device
-    )
+    split = num_splits > 1
+    partials = num_seqs * num_q_heads * num_splits if split else 0
+    partial_out = torch.empty(partials * head_size, dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty(partials, dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_size))
     num_queries_per_kv = num_q_heads // num_kv_heads
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -512,8 +512,11 @@ def _decode(
         seq_lens,
         partial_out,
         partial_lse,
+        out,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -533,21 +536,24 @@ def _decode(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         EVEN_D=block_d == head_size,
+        SPLIT=split,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _decode_reduce_kernel[(num_seqs, num_q_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_q_heads,
-        num_splits,
-        head_size,
-        BLOCK_S=min(DECODE_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
-        BLOCK_D=block_d,
-    )
+    if split:
+        merge_dims = min(DECODE_MERGE_DIMS, block_d)
+        _decode_merge_kernel[(num_seqs, num_q_heads, triton.cdiv(head_size, merge_dims))](
+            partial_out,
+            partial_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            num_splits,
+            head_size,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=merge_dims,
+        )
 
 
 def paged_attention(

@@ -22,8 +22,17 @@ import triton
 from pagedkv.kernels import paged_attention as pa
 from pagedkv.kernels.bench import Case, time_us
 
-FEW_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (4, 32768)]
-MANY_SHAPES = [(32, 8192), (32, 32768), (128, 1024), (128, 8192), (128, 32768)]
+DECODE_SHAPES = [
+    (1, 1024),
+    (1, 8192),
+    (1, 32768),
+    (4, 32768),
+    (8, 32768),
+    (32, 1024),
+    (32, 8192),
+    (128, 1024),
+    (128, 8192),
+]
 PREFILL_SHAPES = [(8, 0, 2048), (8, 4096, 512)]
 
 
@@ -47,39 +56,30 @@ def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def sweep_decode(quick: bool) -> list[dict[str, Any]]:
-    """Few (sequence, KV head) pairs: programs per multiprocessor, tiles and
-    split limits; many pairs: programs per multiprocessor and tiles."""
+    """Programs per multiprocessor the splits aim for, tiles and split limits."""
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("DECODE_")}
-    few = itertools.product(
-        (2, 4, 8, 16),
-        ((64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 2, 2)),
-        (64, 128, 256),
-        (1, 2, 4),
+    grid = itertools.product(
+        (3, 4, 6, 8),
+        ((64, 4, 2), (64, 2, 2), (32, 4, 2), (128, 4, 2)),
+        (128, 256),
     )
-    many = itertools.product((1, 2, 4), ((64, 2, 2), (64, 4, 2), (64, 2, 3), (128, 4, 3)))
-    few_list = [
-        {
-            "DECODE_FEW": (per_sm, *tile),
-            "DECODE_MAX_SPLITS": max_splits,
-            "DECODE_MIN_STEPS_PER_SPLIT": min_steps,
-        }
-        for per_sm, tile, max_splits, min_steps in few
+    settings_list = [
+        {"DECODE_PROGRAMS_PER_SM": per_sm, "DECODE_TILE": tile, "DECODE_MAX_SPLITS": max_splits}
+        for per_sm, tile, max_splits in grid
     ]
-    many_list = [{"DECODE_MANY": (per_sm, *tile)} for per_sm, tile in many]
     if quick:
-        few_list, many_list = few_list[:2], many_list[:2]
-    for shapes, settings_list in ((FEW_SHAPES, few_list), (MANY_SHAPES, many_list)):
-        for batch, context in shapes:
-            case = Case(batch, context, 1)
-            for settings in settings_list:
-                row = _time_decode(case, settings)
-                rows += [row] if row else []
-            del case
-            torch.cuda.empty_cache()
-        for name, value in defaults.items():
-            setattr(pa, name, value)
-    for batch, context in FEW_SHAPES + MANY_SHAPES:
+        settings_list = settings_list[:2]
+    for batch, context in DECODE_SHAPES:
+        case = Case(batch, context, 1)
+        for settings in settings_list:
+            row = _time_decode(case, settings)
+            rows += [row] if row else []
+        del case
+        torch.cuda.empty_cache()
+    for name, value in defaults.items():
+        setattr(pa, name, value)
+    for batch, context in DECODE_SHAPES:
         best = min(
             (r for r in rows if (r["batch"], r["context"]) == (batch, context)),
             key=lambda r: r["us"],
