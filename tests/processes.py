@@ -52,6 +52,12 @@ class ServedProcess:
         self.target = f"{match.group(1)}:{match.group(2)}"
         self.channel = grpc.insecure_channel(self.target)
 
+    def stderr(self) -> str:
+        """What the process has written to stderr so far (read without moving
+        the file offset the process writes at)."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()

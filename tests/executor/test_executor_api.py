@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import queue
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +78,9 @@ class Served:
         return self.process.stub
 
 
-def _serve(model_dir: Path) -> Iterator[Served]:
-    with ExecutorProcess(model_dir, num_blocks=NUM_BLOCKS, extra_args=LIMITS) as process:
+def _serve(model_dir: Path, *extra_args: str) -> Iterator[Served]:
+    args = (*LIMITS, *extra_args)
+    with ExecutorProcess(model_dir, num_blocks=NUM_BLOCKS, extra_args=args) as process:
         info = process.stub.GetInfo(executor_pb2.GetInfoRequest())
         owner = common_pb2.Owner(owner_id="early", epoch=1)
         error = refused(process.stub.Step, executor_pb2.StepRequest(owner=owner))
@@ -88,7 +91,7 @@ def _serve(model_dir: Path) -> Iterator[Served]:
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model_dir = tmp_path_factory.mktemp("api") / "llama"
     make_tiny_model(model_dir, "llama", seed=7)
-    yield from _serve(model_dir)
+    yield from _serve(model_dir, "--log-format", "json")
 
 
 @pytest.fixture(scope="module")
@@ -551,6 +554,17 @@ def test_reset_by_the_same_owner_restarts_its_session(llama: Served) -> None:
     again = Seq(0, [1, 2], 0)
     take_samples([again], stub.Step(prefill(owner, again, "a", P_A)))
     assert again.output == a.output == hf_greedy(llama.model_dir, P_A, 1)
+
+
+def test_asked_for_json_logs_the_executor_writes_only_json_lines(llama: Served) -> None:
+    # The llama executor runs with --log-format json: every stderr line is a
+    # JSON object (no progress bar), ending with the one that says it serves.
+    deadline = time.monotonic() + 30
+    while "executor serving" not in llama.process.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    records = [json.loads(line) for line in llama.process.stderr().splitlines() if line.strip()]
+    serving = [r for r in records if r["event"] == "executor serving"]
+    assert serving and serving[0]["level"] == "info" and serving[0]["num_blocks"] == NUM_BLOCKS
 
 
 def test_get_info_describes_the_executor_and_its_incarnation(llama: Served) -> None:

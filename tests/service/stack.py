@@ -18,9 +18,18 @@ class Process(ServedProcess):
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
 
-def serve(model_dir: Path, *, executors: int = 1, num_blocks: int = 256, extra=()) -> Process:
+def serve(
+    model_dir: Path,
+    *,
+    executors: int = 1,
+    num_blocks: int = 256,
+    extra=(),
+    log_format: str = "console",
+) -> Process:
     return Process(
         [
+            "--log-format",
+            log_format,
             "serve",
             "--model",
             str(model_dir),

@@ -57,8 +57,20 @@ def assert_nothing_held(stub) -> scheduler_pb2.GetStatsResponse:
 @pytest.fixture(scope="module")
 def stack(model_dirs: dict[str, Path]):
     extra = ("--metrics-port", "0")
-    with serve(model_dirs["llama"], executors=2, num_blocks=48, extra=extra) as process:
+    with serve(
+        model_dirs["llama"], executors=2, num_blocks=48, extra=extra, log_format="json"
+    ) as process:
         yield process
+
+
+def test_asked_for_json_logs_the_stack_writes_only_json_lines(stack) -> None:
+    # ``pagedkv --log-format json serve`` passes the format to its executors:
+    # every stderr line of the scheduler and both executors is a JSON object.
+    collect(stack.stub, greedy_request(PROMPTS[0], 4))
+    records = [json.loads(line) for line in stack.stderr().splitlines() if line.strip()]
+    executors = [r for r in records if r.get("event") == "executor serving"]
+    assert len(executors) == 2
+    assert any(r.get("component", "").startswith("pagedkv.scheduler") for r in records)
 
 
 def test_greedy_output_through_the_stack_equals_hugging_face(stack, model_dirs) -> None:

@@ -26,9 +26,8 @@ ENTRY_POINT_GROUP = "pagedkv.commands"
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every installed subcommand."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format``, for ``configure_logging``."""
     parser.add_argument("--log-level", default="INFO", help="log level (default: INFO)")
     parser.add_argument(
         "--log-format",
@@ -36,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("console", "json"),
         help="console (default) or json: one JSON object per line, for log collectors",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every installed subcommand."""
+    parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
+    add_logging_arguments(parser)
     groups: dict[tuple[str, ...], Any] = {
         (): parser.add_subparsers(dest="command", metavar="COMMAND")
     }

@@ -46,7 +46,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
         return 2
-    with tqdm(total=2, desc="executor: loading the model", file=sys.stderr) as bar:
+    # No progress bar among JSON log lines (ours or transformers').
+    quiet = args.log_format == "json"
+    if quiet:
+        hf_logging.disable_progress_bar()
+    with tqdm(total=2, desc="executor: loading the model", file=sys.stderr, disable=quiet) as bar:
         runner = ModelRunner(config)
         bar.set_description("executor: warming up")
         bar.update()

@@ -81,6 +81,7 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
         if device == "cuda" and args.executors > 1:
             device = f"cuda:{i}"
         command = [sys.executable, "-m", "pagedkv.executor", "--model", model, "--port", "0"]
+        command += ["--log-format", args.log_format, "--log-level", args.log_level]
         command += ["--device", device, "--kernel-backend", backend, "--dtype", args.dtype]
         command += ["--load-format", args.load_format]
         command += ["--max-num-rows", str(args.max_num_seqs)]

@@ -177,8 +177,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from pagedkv.common.cli import add_logging_arguments
+    from pagedkv.common.logging import configure_logging
     from pagedkv.scheduler.bench.cli import add_scheduler_bench_arguments
 
     parser = argparse.ArgumentParser(prog="python -m pagedkv.scheduler.bench.service")
     add_scheduler_bench_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    add_logging_arguments(parser)
+    parsed = parser.parse_args()
+    configure_logging(parsed.log_format, parsed.log_level)
+    sys.exit(main(parsed))
