@@ -114,7 +114,7 @@ class Client:
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def __enter__(self) -> Client:
         return self
@@ -276,7 +276,7 @@ class AsyncClient:
         self.target = target
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(target)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self

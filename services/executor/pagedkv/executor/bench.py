@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-LLAMA_1B = dict(
+LLAMA_1B: dict[str, Any] = dict(
     hidden_size=2048,
     num_hidden_layers=16,
     num_attention_heads=32,

@@ -320,7 +320,8 @@ class ModelRunner:
             )
         if not len(inputs.sample_positions):
             return None
-        return output.logits[0].float()
+        logits: torch.Tensor = output.logits[0].float()
+        return logits
 
     def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:
         sampling = [self.rows.sampling[row] for row in rows.tolist()]

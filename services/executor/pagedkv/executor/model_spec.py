@@ -72,9 +72,9 @@ class ModelSpec:
 
 
 def _layer_windows(config: Any) -> tuple[int | None, ...]:
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
+    num_layers = int(config.num_hidden_layers)
+    window: int | None = getattr(config, "sliding_window", None)
+    layer_types: list[str] | None = getattr(config, "layer_types", None)
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if not window or getattr(config, "use_sliding_window", True) is False:

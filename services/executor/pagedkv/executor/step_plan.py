@@ -181,9 +181,9 @@ def plan_message(
 
     Raises InvalidArgument or AlreadyExists naming the field.
     """
-    is_step = isinstance(message, executor_pb2.StepRequest)
+    step = message if isinstance(message, executor_pb2.StepRequest) else None
     num_groups = rows.num_groups
-    freed = np.asarray(message.freed_rows if is_step else (), dtype=np.int64)
+    freed = np.asarray(step.freed_rows if step is not None else (), dtype=np.int64)
     _check_rows_live("freed_rows", freed, rows.live, rows.max_num_rows)
     live_after = rows.live.copy()
     live_after[freed] = False
@@ -247,18 +247,18 @@ def plan_message(
     table_columns = np.repeat(starts, counts) + id_offsets
 
     copies = plan_copies(
-        message.copy_src_block_ids if is_step else (),
-        message.copy_dst_block_ids if is_step else (),
+        step.copy_src_block_ids if step is not None else (),
+        step.copy_dst_block_ids if step is not None else (),
         limits,
     )
 
     # Tokens.
-    if is_step:
-        scheduled = np.asarray(message.num_scheduled_tokens, dtype=np.int64)
-        computed = np.asarray(message.num_computed_tokens, dtype=np.int64)
-        cont = np.asarray(message.continue_from_sampled, dtype=bool)
-        sample = np.asarray(message.needs_sample, dtype=bool)
-        tokens = np.asarray(message.token_ids, dtype=np.int64)
+    if step is not None:
+        scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+        computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
+        cont = np.asarray(step.continue_from_sampled, dtype=bool)
+        sample = np.asarray(step.needs_sample, dtype=bool)
+        tokens = np.asarray(step.token_ids, dtype=np.int64)
     else:
         scheduled = computed = np.zeros(num_entries, dtype=np.int64)
         cont = sample = np.zeros(num_entries, dtype=bool)

@@ -36,7 +36,7 @@ class ExecutorClient:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._stream: Any = None
 
     async def connect(self) -> executor_pb2.GetInfoResponse:

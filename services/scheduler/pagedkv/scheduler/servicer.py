@@ -69,7 +69,7 @@ async def start_server(service: SchedulerService, address: str) -> tuple[grpc.ai
     free port); returns it and the bound port."""
     server = grpc.aio.server()
     servicer = SchedulerServicer(service)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
