@@ -31,15 +31,24 @@ def hf_greedy_cuda(model_dir: Path, prompt: list[int], num_tokens: int) -> list[
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("backend", "eager"), [("triton", False), ("triton", True), ("torch", False)]
+)
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_executor_process_on_cuda_matches_hugging_face(
-    model_dirs: dict[str, Path], arch: str, backend: str
+    model_dirs: dict[str, Path], arch: str, backend: str, eager: bool
 ) -> None:
-    with ExecutorProcess(model_dirs[arch], backend=backend, device="cuda") as executor:
+    # With the Triton kernels decode steps replay CUDA graphs unless
+    # --enforce-eager; the torch kernels always run eagerly.
+    extra = ("--enforce-eager",) if eager else ()
+    with ExecutorProcess(
+        model_dirs[arch], backend=backend, device="cuda", extra_args=extra
+    ) as executor:
         driver = Driver(executor.stub)
         assert driver.info.device.startswith("cuda")
         seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
         outputs = driver.run(seqs, chunk_size=16)
+        graphs = "decode graphs captured" in executor.stderr()
+    assert graphs == (backend == "triton" and not eager)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)

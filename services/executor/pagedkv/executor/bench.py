@@ -6,10 +6,11 @@ vocab 32000) in bf16 with random (dummy) weights.
    against Hugging Face's sdpa forward of the same weights over the whole
    sequences.
 2. One decode step at batch 64 x context 768 through ``Executor.step``
-   (in-process) and through a gRPC ``Step`` on 127.0.0.1: wall time per step,
-   the host's phases (validation and row updates, metadata, the model's
-   launches, sampling, the wait for the tokens), and the GPU time of the same
-   work with the host out of the way (the GPU spins while the host enqueues).
+   (in-process, with CUDA graphs and without) and through a gRPC ``Step`` on
+   127.0.0.1: wall time per step, the host's phases without graphs
+   (validation and row updates, metadata, the model's launches, sampling,
+   the wait for the tokens), and the GPU time of the same work with the host
+   out of the way (the GPU spins while the host enqueues).
 
 Writes a JSON file and a markdown summary.
 """
@@ -176,7 +177,15 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         walls.append((time.perf_counter() - start) * 1e6)
         device_us.append(response.device_time_us)
         host_us.append(response.host_time_us)
-    for _ in range(iters):  # the same work, phase by phase
+    graphs, runner.graphs = runner.graphs, None  # the same steps without CUDA graphs
+    eager_walls = []
+    for _ in range(iters):
+        request = _decode_request(executor, step_id)
+        step_id += 1
+        start = time.perf_counter()
+        executor.step(request)
+        eager_walls.append((time.perf_counter() - start) * 1e6)
+    for _ in range(iters):  # the eager work, phase by phase
         request = _decode_request(executor, step_id)
         step_id += 1
         torch.cuda.synchronize()
@@ -197,6 +206,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         runner.rows.pending_sample[plan.rows] = True
         for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             phases[key].append(value * 1e6)
+    runner.graphs = graphs
     gpu = []
     for _ in range(iters):  # GPU time with every launch queued before the GPU starts
         request = _decode_request(executor, step_id)
@@ -216,11 +226,13 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
     return {
         "batch": BATCH,
         "context": CONTEXT,
+        "cuda_graphs": graphs is not None,
         "step_wall_us": median(walls),
+        "eager_step_wall_us": median(eager_walls),
         "step_host_time_us": median(host_us),
         "step_device_time_us": median(device_us),
         "gpu_only_us": median(gpu),
-        "host_phases_us": {k: median(v) for k, v in phases.items()},
+        "eager_host_phases_us": {k: median(v) for k, v in phases.items()},
     }, step_id
 
 
@@ -323,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_step": decode,
     }
     Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
-    phases = decode["host_phases_us"]
+    phases = decode["eager_host_phases_us"]
     lines = [
         f"{results['gpu']}, torch {results['torch']}, triton {results['triton']}, "
         f"transformers {results['transformers']}; ~1.1B llama, bf16, dummy weights; "
@@ -338,10 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         f"decode step, batch {BATCH} x context {CONTEXT}:",
         f"  Executor.step wall {decode['step_wall_us']:.0f} us "
         f"(host {decode['step_host_time_us']:.0f}, "
-        f"device events {decode['step_device_time_us']:.0f})",
+        f"device events {decode['step_device_time_us']:.0f}; "
+        f"CUDA graphs {'on' if decode['cuda_graphs'] else 'off'}); "
+        f"without graphs {decode['eager_step_wall_us']:.0f} us",
         f"  gRPC Step on 127.0.0.1 wall {decode['grpc_step_wall_us']:.0f} us",
         f"  GPU time with the host out of the way: {decode['gpu_only_us']:.0f} us",
-        "  host phases (us): " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
+        "  host phases without graphs (us): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
     ]
     text = "\n".join(lines)
     print(text)

@@ -39,6 +39,11 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--max-model-len", type=int, help="default: the model's positions")
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: launch every decode step's kernels one by one",
+    )
     parser.set_defaults(handler=_run)
 
 

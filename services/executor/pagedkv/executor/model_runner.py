@@ -17,6 +17,7 @@ import torch
 
 from pagedkv.common.logging import get_logger
 from pagedkv.executor import attention
+from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
 from pagedkv.executor.rows import Rows, to_device
@@ -46,6 +47,7 @@ class RunnerConfig:
     max_model_len: int | None = None
     max_logprobs: int = 20
     seed: int = 0
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -113,6 +115,7 @@ class ModelRunner:
             self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None  # captured by warm_up
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
         self.limits = Limits(
@@ -201,6 +204,17 @@ class ModelRunner:
         self.rows.block_tables.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if not profile and self.uses_cuda_graphs:
+            max_batch = min(self.config.max_num_rows, self.config.max_num_batched_tokens)
+            self.graphs = DecodeGraphs(self, max_batch)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs once warmed up: asked for, on CUDA,
+        with the Triton kernels (the torch ones wait for the host)."""
+        return (
+            self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
+        )
 
     # -- a step ---------------------------------------------------------------
 
@@ -225,14 +239,21 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """One packed forward over ``rows`` (tokens ``[c, c + s)`` of each,
         already in the rows' histories) and sampling where asked; the samples
-        become the rows' last samples (on the device)."""
-        inputs = self.prepare(rows, num_computed, num_scheduled, needs_sample)
-        logits = self.logits(inputs)
-        if logits is None:
-            return None
-        params = self._sampling_params(rows[needs_sample], inputs.sample_positions)
+        become the rows' last samples (on the device). Decodes replay a
+        captured graph when there is one."""
+        if self.graphs is not None and self.graphs.fits(num_scheduled, needs_sample):
+            logits, sampled_rows = self.graphs.run(rows, num_computed)
+            sample_positions = num_computed + 1
+        else:
+            inputs = self.prepare(rows, num_computed, num_scheduled, needs_sample)
+            maybe_logits = self.logits(inputs)
+            if maybe_logits is None:
+                return None
+            logits, sampled_rows = maybe_logits, inputs.sampled_rows
+            sample_positions = inputs.sample_positions
+        params = self._sampling_params(rows[needs_sample], sample_positions)
         result = sample(logits, params, self.generator)
-        self.rows.last_sampled[inputs.sampled_rows] = result.token_ids
+        self.rows.last_sampled[sampled_rows] = result.token_ids
         return result
 
     def prepare(
@@ -284,19 +305,13 @@ class ModelRunner:
             self.backend.compute_slot_mapping(qsl_t, positions_t, table, block_size, max_query_len)
             for table in block_tables
         )
-        meta = attention.AttentionMetadata(
-            backend=self.backend,
-            key_caches=self.kv.key_caches,
-            value_caches=self.kv.value_caches,
-            layer_groups=tuple(self.kv.layer_groups),
-            group_windows=tuple(g.spec.sliding_window for g in self.groups),
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
-            seq_lens=seq_lens_t.to(torch.int32),
-            query_start_loc=qsl_t,
+        meta = self.metadata(
+            block_tables,
+            slot_mappings,
+            seq_lens_t.to(torch.int32),
+            qsl_t,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            softcap=self.spec.softcap,
         )
         return ForwardInputs(
             input_ids=self.rows.token_ids[token_rows_t, positions_t],
@@ -305,6 +320,32 @@ class ModelRunner:
             sample_positions=seq_lens[needs_sample],
             sampled_rows=sampled_t,
             metadata=meta,
+        )
+
+    def metadata(
+        self,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: tuple[torch.Tensor, ...],
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> attention.AttentionMetadata:
+        """A forward's attention metadata over this runner's KV memory."""
+        return attention.AttentionMetadata(
+            backend=self.backend,
+            key_caches=self.kv.key_caches,
+            value_caches=self.kv.value_caches,
+            layer_groups=tuple(self.kv.layer_groups),
+            group_windows=tuple(g.spec.sliding_window for g in self.groups),
+            block_tables=block_tables,
+            slot_mappings=slot_mappings,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            softcap=self.spec.softcap,
         )
 
     def logits(self, inputs: ForwardInputs) -> torch.Tensor | None:

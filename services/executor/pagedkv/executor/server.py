@@ -42,6 +42,7 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_logprobs=args.max_logprobs,
             seed=args.seed,
+            cuda_graphs=not args.enforce_eager,
         )
     except ValueError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)

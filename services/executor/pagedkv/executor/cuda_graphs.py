@@ -1,0 +1,122 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+In eager mode the host launches every kernel of the model one by one, tens
+per layer, and a decode step of a 1B model spends most of its time there.
+``DecodeGraphs`` captures the whole decode forward once per batch size in
+``BATCH_SIZES`` (up to the executor's limits): the gather of the input tokens
+and block tables, the slot mappings, the model and its LM head. A step in
+which every entry decodes one token and samples copies its rows and
+positions into the graphs' input buffer and replays the smallest graph that
+holds it. Padding entries read row 0 at position 0 and write no K/V (slot
+-1); their logits are dropped. Attention is sized for ``max_model_len``, so
+a graph serves any context.
+
+Only on CUDA with the Triton kernels: the torch backend waits for the host.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedkv.common.logging import get_logger
+from pagedkv.executor.rows import to_device
+
+if TYPE_CHECKING:
+    from pagedkv.executor.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """One captured decode forward per batch size up to ``max_batch``."""
+
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        self.runner = runner
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        largest = self.sizes[-1]
+        device = runner.device
+        # Row 0: each entry's row; row 1: the position of its token (-1: padding).
+        self.inputs = torch.zeros((2, largest), dtype=torch.int64, device=device)
+        self.inputs[1].fill_(-1)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):  # the largest first: the others reuse its memory
+                self._forward(size)  # compiles and settles the allocator outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[size] = self._forward(size)
+                self.graphs[size] = graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        log.info(
+            "decode graphs captured",
+            batch_sizes=self.sizes,
+            seconds=round(time.perf_counter() - start, 2),
+        )
+
+    def fits(self, num_scheduled: np.ndarray, needs_sample: np.ndarray) -> bool:
+        """Whether a step is all one-token decodes that sample, few enough."""
+        return (
+            0 < len(num_scheduled) <= self.sizes[-1]
+            and bool((num_scheduled == 1).all())
+            and bool(needs_sample.all())
+        )
+
+    def run(self, rows: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays a graph for one-token decodes of ``rows`` at ``positions``;
+        returns float32 logits ``[len(rows), vocab]`` and the rows on the device."""
+        count = len(rows)
+        size = next(s for s in self.sizes if s >= count)
+        host = np.zeros((2, size), dtype=np.int64)
+        host[1, count:] = -1
+        host[0, :count] = rows
+        host[1, :count] = positions
+        self.inputs[:, :size].copy_(to_device(host, self.runner.device))
+        self.graphs[size].replay()
+        return self.logits[size][:count].float(), self.inputs[0, :count]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        runner = self.runner
+        rows, raw_positions = self.inputs[0, :size], self.inputs[1, :size]
+        padding = raw_positions < 0
+        positions = raw_positions.clamp(min=0)
+        query_start_loc = self.query_start_loc[: size + 1]
+        block_tables = tuple(
+            runner.rows.block_tables[g].index_select(0, rows) for g in range(len(runner.groups))
+        )
+        slot_mappings = tuple(
+            runner.backend.compute_slot_mapping(
+                query_start_loc, positions, table, runner.config.block_size, 1
+            ).masked_fill_(padding, -1)
+            for table in block_tables
+        )
+        meta = runner.metadata(
+            block_tables,
+            slot_mappings,
+            (positions + 1).to(torch.int32),
+            query_start_loc,
+            max_query_len=1,
+            max_seq_len=runner.spec.max_model_len,
+        )
+        with torch.inference_mode():
+            output = runner.model(
+                input_ids=runner.rows.token_ids[rows, positions][None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=0,
+                pagedkv_metadata=meta,
+            )
+        logits: torch.Tensor = output.logits[0]
+        return logits
