@@ -139,6 +139,18 @@ def test_decode_path_merges_many_context_splits(sliding_window: int | None) -> N
     torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_decode_sized_for_a_longer_bound_gives_the_same_output(sliding_window: int | None) -> None:
+    # CUDA graphs launch the decode path sized for max_model_len: every
+    # sequence still splits its own context.
+    batch = build_batch([0, 15, 16, 31, 300], [1] * 5, num_q_heads=4, num_kv_heads=1)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    out = run(paged_attention.paged_attention, *args, max_query_len=1, max_seq_len=8192, **kwargs)
+    torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
+
+
 def test_prefill_with_a_window_far_into_a_long_context() -> None:
     # The tile's first key (rounded down to the key tile) is well past 0.
     batch = build_batch([300, 5], [20, 40], num_q_heads=2, num_kv_heads=1)

@@ -278,7 +278,6 @@ def _decode_split_kernel(
     num_q_heads,
     num_queries_per_kv,
     num_splits,
-    split_size,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -310,6 +309,9 @@ def _decode_split_kernel(
         other=0.0,
     )
 
+    # Each sequence's own context is split (in whole steps), so a launch sized
+    # for a longer bound (a CUDA graph's) still spreads a short one out.
+    split_size = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
     if USE_WINDOW:
@@ -497,7 +499,6 @@ def _decode(
     num_sms = _num_sms(query.device)
     block_n, num_warps, num_stages = DECODE_TILE
     num_splits = _num_splits(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms)
-    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     split = num_splits > 1
     partials = num_seqs * num_q_heads * num_splits if split else 0
     partial_out = torch.empty(partials * head_size, dtype=torch.float32, device=query.device)
@@ -528,7 +529,6 @@ def _decode(
         num_q_heads,
         num_queries_per_kv,
         num_splits,
-        split_size,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_SIZE=key_cache.shape[1],
