@@ -462,8 +462,12 @@ DECODE_TILE = (64, 4, 2)
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# The merge kernel's dims per program.
-DECODE_MERGE_DIMS = 32
+# The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
+# values (splits x dims), at least DECODE_MERGE_MIN_DIMS dims: a long split
+# list is spread over more programs, a short one kept whole (on the H200,
+# 32-dim slices were the fastest with tens of splits, whole heads with two).
+DECODE_MERGE_ELEMENTS = 4096
+DECODE_MERGE_MIN_DIMS = 32
 
 
 @functools.cache
@@ -541,7 +545,8 @@ def _decode(
         num_stages=num_stages,
     )
     if split:
-        merge_dims = min(DECODE_MERGE_DIMS, block_d)
+        block_s = triton.next_power_of_2(num_splits)
+        merge_dims = min(block_d, max(DECODE_MERGE_MIN_DIMS, DECODE_MERGE_ELEMENTS // block_s))
         _decode_merge_kernel[(num_seqs, num_q_heads, triton.cdiv(head_size, merge_dims))](
             partial_out,
             partial_lse,
@@ -551,7 +556,7 @@ def _decode(
             num_q_heads,
             num_splits,
             head_size,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=block_s,
             BLOCK_D=merge_dims,
         )
 
