@@ -57,6 +57,9 @@ def register_serve(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="executors without CUDA graphs"
+    )
     _scheduler_args(parser)
     parser.set_defaults(handler=_run_serve)
 

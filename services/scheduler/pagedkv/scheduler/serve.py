@@ -88,6 +88,8 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.num_blocks is not None:
             command += ["--num-blocks", str(args.num_blocks)]
+        if args.enforce_eager:
+            command.append("--enforce-eager")
         commands.append(command)
     return commands
 

@@ -58,6 +58,9 @@ def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-backend", choices=("triton", "torch"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="executors without CUDA graphs"
+    )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)

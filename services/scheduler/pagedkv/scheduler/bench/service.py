@@ -142,7 +142,15 @@ def main(args: argparse.Namespace) -> int:
     result["output_tokens_per_s_one_step_in_flight"] = steps["output_tokens_per_s"]
     settings = {
         k: getattr(args, k)
-        for k in ("device", "executors", "requests", "prompt_len", "max_tokens", "load_format")
+        for k in (
+            "device",
+            "executors",
+            "requests",
+            "prompt_len",
+            "max_tokens",
+            "load_format",
+            "enforce_eager",
+        )
     }
     report = {"machine": _machine(args.device), "settings": settings, **result}
     full = result["full_batch_steps"]
