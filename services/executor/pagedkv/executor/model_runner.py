@@ -172,9 +172,15 @@ class ModelRunner:
 
     def warm_up(self, num_blocks: int | None = None, profile: bool = False) -> None:
         """Runs a prefill at the largest step and a decode over scratch rows,
-        compiling kernels (and, when profiling, reaching peak activations).
-        Leaves rows, samples and the generator as they were."""
-        num_blocks = num_blocks or self.limits.num_blocks
+        compiling kernels (and, when profiling, reaching peak activations),
+        then captures the decode graphs (not when profiling). Leaves rows,
+        samples and the generator as they were."""
+        self._warm_up_forwards(num_blocks or self.limits.num_blocks, profile)
+        if not profile and self.uses_cuda_graphs:
+            max_batch = min(self.config.max_num_rows, self.config.max_num_batched_tokens)
+            self.graphs = DecodeGraphs(self, max_batch)
+
+    def _warm_up_forwards(self, num_blocks: int, profile: bool) -> None:
         block_size = self.config.block_size
         tokens = (
             self.config.max_num_batched_tokens
@@ -204,9 +210,6 @@ class ModelRunner:
         self.rows.block_tables.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if not profile and self.uses_cuda_graphs:
-            max_batch = min(self.config.max_num_rows, self.config.max_num_batched_tokens)
-            self.graphs = DecodeGraphs(self, max_batch)
 
     @property
     def uses_cuda_graphs(self) -> bool:
