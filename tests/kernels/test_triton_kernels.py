@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.kernels import cache_ops, paged_attention, reference, slot_mapping
+from pagedkv.kernels import cache_ops, decode_attention, paged_attention, reference, slot_mapping
 from tests.kernels.test_reference import BLOCK_SIZE, MIXED, build_batch
 
 NAMES = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")
@@ -164,10 +164,10 @@ def test_prefill_with_a_window_far_into_a_long_context() -> None:
 def test_decode_splits_fill_one_wave_of_programs(num_sms: int) -> None:
     # Split programs never exceed what the GPU holds at once (a second,
     # partial wave idles most of it), and a long context is split.
-    slots = paged_attention.DECODE_PROGRAMS_PER_SM * num_sms
+    slots = decode_attention.DECODE_PROGRAMS_PER_SM * num_sms
     for pairs in range(1, 3 * slots):
-        splits = paged_attention._num_splits(pairs, 1 << 20, 64, num_sms)
+        splits = decode_attention.split_count(pairs, 1 << 20, 64, num_sms)
         assert splits >= 1
         assert pairs * splits <= max(slots, pairs)
-        if pairs <= slots // 2 and splits < paged_attention.DECODE_MAX_SPLITS:
+        if pairs <= slots // 2 and splits < decode_attention.DECODE_MAX_SPLITS:
             assert pairs * splits > slots // 2

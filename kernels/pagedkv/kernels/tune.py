@@ -1,10 +1,11 @@
 """``python -m pagedkv.kernels.tune``: sweeps the launch constants of
 ``paged_attention`` on a GPU and prints the best per shape.
 
-The constants live in ``pagedkv.kernels.paged_attention`` (``DECODE_*`` and
-``PREFILL_TILE``); this sets them, times the benchmark's shapes with the same
-timer as ``pagedkv bench kernels``, and writes every measurement to a JSON
-file, so that a choice of constants can be traced to its numbers.
+The constants live in ``pagedkv.kernels.decode_attention`` (``DECODE_*``)
+and ``pagedkv.kernels.paged_attention`` (``PREFILL_TILE``); this sets them,
+times the benchmark's shapes with the same timer as ``pagedkv bench
+kernels``, and writes every measurement to a JSON file, so that a choice of
+constants can be traced to its numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import triton
 
+from pagedkv.kernels import decode_attention as da
 from pagedkv.kernels import paged_attention as pa
 from pagedkv.kernels.bench import Case, time_us
 
@@ -39,7 +41,7 @@ PREFILL_SHAPES = [(8, 0, 2048), (8, 4096, 512)]
 def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
     batch, context = case.batch, case.context
     for name, value in settings.items():
-        setattr(pa, name, value)
+        setattr(da, name, value)
     try:
         us = time_us(case.ours, iters=10)
     except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:
@@ -58,7 +60,7 @@ def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
 def sweep_decode(quick: bool) -> list[dict[str, Any]]:
     """Programs per multiprocessor the splits aim for, tiles and split limits."""
     rows = []
-    defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("DECODE_")}
+    defaults = {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
     grid = itertools.product(
         (3, 4, 6, 8),
         ((64, 4, 2), (64, 2, 2), (32, 4, 2), (128, 4, 2)),
@@ -78,7 +80,7 @@ def sweep_decode(quick: bool) -> list[dict[str, Any]]:
         del case
         torch.cuda.empty_cache()
     for name, value in defaults.items():
-        setattr(pa, name, value)
+        setattr(da, name, value)
     for batch, context in DECODE_SHAPES:
         best = min(
             (r for r in rows if (r["batch"], r["context"]) == (batch, context)),

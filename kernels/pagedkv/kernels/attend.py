@@ -1,0 +1,101 @@
+"""The online-softmax step that both attention kernels share: one K/V tile
+at a time through a sequence's block table, scores in base 2."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# A score no real one reaches; finite so that exp() never sees inf - inf.
+MASKED = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def load_tile(
+    ptrs,  # [BLOCK_N, BLOCK_D] pointers into a K or V cache
+    row_valid,  # [BLOCK_N]
+    dim_valid,  # [BLOCK_D]
+    ROW_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """One K or V tile; masks only what may be out of range (rows past the
+    keys when ``ROW_MASK``, padded dims unless ``EVEN_D``)."""
+    if ROW_MASK:
+        tile = tl.load(ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    elif EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=dim_valid[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def attend(
+    q,  # [ROWS, BLOCK_D] query rows
+    q_pos,  # [ROWS] position of each row
+    m_i,  # [ROWS] running max score (base 2)
+    l_i,  # [ROWS] running sum of exp2(score - m_i)
+    acc,  # [ROWS, BLOCK_D] running weighted sum of values, float32
+    kv_start,
+    kv_end,
+    seq,
+    kv_head,
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    scale,
+    softcap,
+    sliding_window,
+    dims,  # [BLOCK_D]
+    dim_valid,  # [BLOCK_D]
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
+    sequence's KV head, read ``BLOCK_N`` at a time through its block table.
+    ``MASK`` off promises full tiles that every row sees in whole (below the
+    causal diagonal, no window): no load or score masks then. Scores are kept
+    in base 2."""
+    for start in range(kv_start, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_end
+        table = block_table_ptr + seq * block_table_stride + k_pos // BLOCK_SIZE
+        if MASK:
+            pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
+        else:
+            pages = tl.load(table).to(tl.int64)
+        kv_offsets = (
+            pages * cache_stride_b
+            + (k_pos % BLOCK_SIZE) * cache_stride_s
+            + kv_head * cache_stride_h
+        )
+        kv_ptrs = kv_offsets[:, None] + dims[None, :]
+        k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
+        qk = tl.dot(q, tl.trans(k))
+        if USE_SOFTCAP:
+            scores = qk * scale
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
+        else:
+            scores = qk * (scale * LOG2E)  # softmax in base 2: exp2 is one instruction
+        if MASK:
+            allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            scores = tl.where(allowed, scores, MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc

@@ -1,0 +1,325 @@
+"""Flash-decoding over paged K/V: batches where every sequence has one new token.
+
+One program per (sequence, KV head, split of the context) reads each K/V
+byte once for all the query heads that share it; a second kernel merges the
+splits by their log-sum-exp. Launch constants come from
+``python -m pagedkv.kernels.tune`` on the H200. Oracle:
+``reference.paged_attention``; the entry point is
+``paged_attention.paged_attention``, which checks the arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.attend import MASKED, attend
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr,  # [num_seqs, num_q_heads, head_size] (one new token per sequence)
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32, base-2 log-sum-exp
+    out_ptr,  # [num_seqs, num_q_heads, head_size]
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    scale,
+    softcap,
+    sliding_window,
+    head_size,
+    num_q_heads,
+    num_queries_per_kv,
+    num_splits,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Flash-decoding: one (sequence, KV head, split of the context) per
+    program; the query heads sharing the KV head are the rows, so each K/V
+    byte is read once for all of them. With ``SPLIT`` each program stores its
+    partial output and log-sum-exp for ``_decode_merge_kernel``; without,
+    there is one split and the program stores the output."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    q_pos = seq_len - 1
+
+    groups = tl.arange(0, BLOCK_G)
+    group_valid = groups < num_queries_per_kv
+    heads = kv_head * num_queries_per_kv + groups
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    q = tl.load(
+        query_ptr + seq * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
+        mask=group_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # Each sequence's own context is split (in whole steps), so a launch sized
+    # for a longer bound (a CUDA graph's) still spreads a short one out.
+    split_size = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_size
+    end = tl.minimum(start + split_size, seq_len)
+    if USE_WINDOW:
+        first = tl.maximum(q_pos - sliding_window + 1, 0)
+        start = tl.maximum(start, (first // BLOCK_N) * BLOCK_N)
+
+    m_i = tl.full([BLOCK_G], MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    q_pos_rows = tl.zeros([BLOCK_G], dtype=tl.int64) + q_pos
+    # Whole tiles need no mask (every key is at or before the query); the
+    # last, partial one does, and so does every tile under a window.
+    full_end = start
+    if not USE_WINDOW:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = attend(
+        q,
+        q_pos_rows,
+        m_i,
+        l_i,
+        acc,
+        start,
+        full_end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_SIZE,
+        BLOCK_N,
+        EVEN_D,
+        False,
+    )
+    m_i, l_i, acc = attend(
+        q,
+        q_pos_rows,
+        m_i,
+        l_i,
+        acc,
+        full_end,
+        end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale,
+        softcap,
+        sliding_window,
+        dims,
+        dim_valid,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_SIZE,
+        BLOCK_N,
+        EVEN_D,
+        True,
+    )
+
+    if SPLIT:
+        # An empty split (past the sequence, or before its window) has l_i == 0.
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), MASKED)  # base 2
+        row = (seq * num_q_heads + heads) * num_splits + split
+        tl.store(
+            partial_out_ptr + row[:, None] * head_size + dims[None, :],
+            out,
+            mask=group_valid[:, None] & dim_valid[None, :],
+        )
+        tl.store(partial_lse_ptr + row, lse, mask=group_valid)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
+    out_ptr,  # [num_seqs, num_q_heads, head_size]
+    out_stride_t,
+    out_stride_h,
+    num_q_heads,
+    num_splits,
+    head_size,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding, second pass: one program per (sequence, query head,
+    ``BLOCK_D`` dims) weighs its splits' outputs by their sums, all
+    ``num_splits <= BLOCK_S`` splits in one load."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    row = (seq * num_q_heads + head) * num_splits
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=MASKED)
+    weights = tl.exp2(lse - tl.max(lse, 0))  # 0 for empty splits
+    parts = tl.load(
+        partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(
+        out_ptr + seq * out_stride_t + head * out_stride_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+# Decode tuning, from ``python -m pagedkv.kernels.tune`` on the H200 (results
+# in tests/benchmarks/results/kernels-tune-h200.json). DECODE_TILE: keys per
+# step, warps and pipeline stages. DECODE_PROGRAMS_PER_SM: how many of those
+# programs a multiprocessor holds at once (at head size 128 registers allow
+# 4); the context is split into as many pieces as fill that in one wave, as
+# a second, partial wave would leave most of the GPU idle. A split takes at
+# least DECODE_MIN_STEPS_PER_SPLIT steps.
+DECODE_TILE = (64, 4, 2)
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 256
+DECODE_MIN_STEPS_PER_SPLIT = 1
+# The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
+# values (splits x dims), at least DECODE_MERGE_MIN_DIMS dims: a long split
+# list is spread over more programs, a short one kept whole (on the H200,
+# 32-dim slices were the fastest with tens of splits, whole heads with two).
+DECODE_MERGE_ELEMENTS = 4096
+DECODE_MERGE_MIN_DIMS = 32
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (8 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def split_count(num_pairs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Splits of each (sequence, KV head)'s context: as many as the GPU holds
+    programs in one wave, and no more than the longest context has steps."""
+    wanted = DECODE_PROGRAMS_PER_SM * num_sms // num_pairs
+    longest = triton.cdiv(max_seq_len, DECODE_MIN_STEPS_PER_SPLIT * block_n)
+    return int(max(1, min(wanted, longest, DECODE_MAX_SPLITS)))
+
+
+def decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_seq_len: int,
+) -> None:
+    """Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` for a batch of
+    one-token decodes (``query`` holds one token per sequence), arguments
+    checked by the caller; ``max_seq_len`` is an upper bound of ``seq_lens``
+    and sizes the launch."""
+    num_seqs, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_sms = sm_count(query.device)
+    block_n, num_warps, num_stages = DECODE_TILE
+    num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms)
+    split = num_splits > 1
+    partials = num_seqs * num_q_heads * num_splits if split else 0
+    partial_out = torch.empty(partials * head_size, dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty(partials, dtype=torch.float32, device=query.device)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        out,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        scale,
+        softcap or 1.0,
+        sliding_window or 0,
+        head_size,
+        num_q_heads,
+        num_queries_per_kv,
+        num_splits,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(num_queries_per_kv)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_size,
+        SPLIT=split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        block_s = triton.next_power_of_2(num_splits)
+        merge_dims = min(block_d, max(DECODE_MERGE_MIN_DIMS, DECODE_MERGE_ELEMENTS // block_s))
+        _decode_merge_kernel[(num_seqs, num_q_heads, triton.cdiv(head_size, merge_dims))](
+            partial_out,
+            partial_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            num_splits,
+            head_size,
+            BLOCK_S=block_s,
+            BLOCK_D=merge_dims,
+        )
