@@ -27,6 +27,27 @@ def test_services_log_one_json_object_per_line() -> None:
     assert "timestamp" in record
 
 
+def test_json_logs_turn_library_records_and_warnings_into_json_lines() -> None:
+    code = (
+        "import logging, warnings\n"
+        "from pagedkv.common.logging import configure_logging\n"
+        "configure_logging('json')\n"
+        "logging.getLogger('some.library').warning('careful %s', 'now')\n"
+        "warnings.warn('old API')\n"
+        "try:\n"
+        "    1 / 0\n"
+        "except ZeroDivisionError:\n"
+        "    logging.getLogger('some.library').exception('failed')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    library, warning, failure = (json.loads(line) for line in out.stderr.splitlines())
+    assert library["event"] == "careful now"
+    assert library["component"] == "some.library" and library["level"] == "warning"
+    assert "timestamp" in library
+    assert warning["component"] == "py.warnings" and "old API" in warning["event"]
+    assert failure["level"] == "error" and "ZeroDivisionError" in failure["exception"]
+
+
 def test_cli_logs_readable_lines() -> None:
     text = _log_with("console")
     assert "hello" in text and "request_id" in text

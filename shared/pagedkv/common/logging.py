@@ -15,8 +15,10 @@ def configure_logging(fmt: LogFormat = "console", level: str = "INFO") -> None:
     """Sets up structlog (and the stdlib root logger) for this process.
 
     Services call it with ``"json"`` (one JSON object per line on stderr, for
-    log collectors); the CLI with ``"console"``. Calling it again replaces the
-    previous configuration.
+    log collectors); the CLI with ``"console"``. With ``"json"``, records of
+    the standard library's loggers (libraries such as transformers and grpc)
+    and Python warnings are JSON lines too, their ``component`` the logger's
+    name. Calling it again replaces the previous configuration.
     """
     numeric_level = logging.getLevelName(level.upper())
     if not isinstance(numeric_level, int):
@@ -38,7 +40,36 @@ def configure_logging(fmt: LogFormat = "console", level: str = "INFO") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=numeric_level, stream=sys.stderr, format="%(message)s", force=True)
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=[
+                    structlog.stdlib.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    _component_from_record,
+                ],
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info,
+                    renderer,
+                ],
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.basicConfig(level=numeric_level, handlers=[handler], force=True)
+    logging.captureWarnings(fmt == "json")
+
+
+def _component_from_record(
+    logger: object, method_name: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A standard-library record's logger name as its ``component``."""
+    record = event_dict.get("_record")
+    if record is not None:
+        event_dict.setdefault("component", record.name)
+    return event_dict
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

@@ -314,7 +314,10 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AsyncGenerator[GenerateChunk, None]:
         """As ``Client.generate``, as an async generator (not a coroutine: use
-        ``async for chunk in client.generate(...)``)."""
+        ``async for chunk in client.generate(...)``). To stop early, close it
+        (``await stream.aclose()``, or ``contextlib.aclosing``): a stream
+        merely dropped is closed, and its call cancelled, only once Python
+        collects it."""
         request = generate_request(
             prompt,
             token_ids=token_ids,
