@@ -85,7 +85,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     requests: list[scheduler_pb2.GenerateRequest] = field(default_factory=list)
     stats_code: grpc.StatusCode | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
-    """Set when a "hang" call saw ``context.is_active()`` turn False."""
+    """Set when a "hang" call ends before its handler gives up (after 5 s): by
+    its termination callback, which runs even when the server stops pulling
+    the handler's responses once the client cancels."""
 
     def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: Any
@@ -96,6 +98,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if script.startswith("fail:"):
             context.abort(grpc.StatusCode[script.removeprefix("fail:")], DETAILS)
         n = max(request.sampling.n, 1)
+        gave_up = threading.Event()
+        if script == "hang":
+            context.add_callback(lambda: gave_up.is_set() or self.cancelled.set())
         yield scheduler_pb2.GenerateResponse(
             request_id=rid,
             outputs=[
@@ -107,8 +112,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
             deadline = time.monotonic() + 5
             while context.is_active() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            if not context.is_active():
-                self.cancelled.set()
+            if context.is_active():
+                gave_up.set()
             return
         yield scheduler_pb2.GenerateResponse(
             request_id=rid,
