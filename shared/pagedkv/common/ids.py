@@ -15,3 +15,10 @@ RequestId = NewType("RequestId", str)
 
 NULL_BLOCK_ID = BlockId(0)
 """The null block: a placeholder in block tables, never handed out."""
+
+MAX_EPOCH = 2**63 - 1
+"""The largest fencing epoch an executor accepts (``Owner.epoch`` in
+common.proto); a scheduler never hands out a larger one."""
+
+MAX_REQUEST_ID_BYTES = 256
+"""The longest client request id, in bytes of UTF-8 (``GenerateRequest``)."""

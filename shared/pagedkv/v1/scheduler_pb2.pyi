@@ -132,7 +132,7 @@ class IntegrityCheck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch")
+    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,10 @@ class ExecutorStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     num_blocks: int
@@ -151,20 +155,26 @@ class ExecutorStats(_message.Message):
     prefix_cache_hits: int
     incarnation_id: str
     epoch: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_usable_blocks: int
+    suspect: bool
+    down_reason: str
+    num_recoveries: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id")
+    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id", "num_internal_errors")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_INTERNAL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_running: int
     num_waiting: int
     num_preemptions: int
     integrity: IntegrityCheck
     scheduler_id: str
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+    num_internal_errors: int
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., num_internal_errors: _Optional[int] = ...) -> None: ...
