@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedkv.common.errors import FailedPrecondition, InvalidArgument
+from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
@@ -32,11 +33,15 @@ log = get_logger(__name__)
 
 
 def _check_owner_fields(owner: common_pb2.Owner) -> None:
-    """InvalidArgument for an owner no lease can have (see Owner in common.proto)."""
+    """InvalidArgument for an owner no lease can have (see Owner in common.proto):
+    checked before fencing, so that an epoch past ``MAX_EPOCH`` never becomes
+    the owner's (no scheduler could take over with ``epoch + 1`` in a uint64)."""
     if not owner.owner_id:
         raise InvalidArgument("owner.owner_id: required")
     if owner.epoch == 0:
         raise InvalidArgument("owner.epoch: 0 is no epoch (epochs start at 1)")
+    if owner.epoch > MAX_EPOCH:
+        raise InvalidArgument(f"owner.epoch: {owner.epoch} > the largest epoch {MAX_EPOCH}")
 
 
 class Executor:
