@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
+
+from pagedkv.common.cli import ModelArgumentError, check_model_argument
 
 
 def register(subparsers: Any, name: str) -> None:
@@ -48,6 +51,11 @@ def register(subparsers: Any, name: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    try:
+        check_model_argument(args.model)
+    except ModelArgumentError as exc:
+        print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pagedkv.executor.server import serve
 

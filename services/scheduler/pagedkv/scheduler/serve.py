@@ -15,6 +15,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+from pagedkv.common.cli import ModelArgumentError, check_model_argument
 from pagedkv.common.errors import ServiceError
 from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
@@ -95,6 +96,15 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """The ``pagedkv serve`` handler: 0 after a clean stop, 1 when the
+    scheduler fails, 2 for a ``--model`` that names no model (said in one
+    line before any executor starts)."""
+    if args.model is not None:
+        try:
+            check_model_argument(args.model)
+        except ModelArgumentError as exc:
+            print(f"pagedkv serve: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
     with _model_dir(args.model) as model:
         args.model = model
         executors = ExecutorProcesses(executor_commands(args, model))

@@ -1,0 +1,107 @@
+"""What a new user meets first: a wrong ``--model`` is refused in one line
+before anything loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv.common.cli import main
+
+MISSING = "/no/such/dir"
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache, for this process and the ones it starts."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def _cache_model(cache: Path, repo_id: str, files: dict[str, str]) -> None:
+    """Lays out ``repo_id`` at revision main as huggingface_hub caches it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+
+
+def _one_line_error(err: str) -> str:
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "executor"])
+def test_a_missing_model_directory_is_one_line_and_exit_2(
+    command: str, empty_hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--model", MISSING]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line == f"pagedkv {command}: --model {MISSING}: no such directory"
+
+
+@pytest.mark.parametrize("command", ["serve", "executor"])
+def test_a_directory_without_config_json_is_not_a_model(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "weights.bin").write_text("")
+    assert main([command, "--model", str(tmp_path)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line == f"pagedkv {command}: --model {tmp_path}: not a model directory: no config.json"
+
+
+def test_a_file_is_not_a_model_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    model = tmp_path / "config.json"
+    assert main(["serve", "--model", str(model)]) == 2
+    assert _one_line_error(capsys.readouterr().err).endswith(": not a directory")
+
+
+def test_an_uncached_hub_id_says_it_is_not_in_the_local_cache(
+    empty_hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--model", "some-org/some-model"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith("pagedkv serve: --model some-org/some-model: no such directory, and ")
+    assert "no config.json of this hub id in the local Hugging Face cache" in line
+
+
+def test_a_cached_hub_id_passes_and_one_cached_without_config_does_not(
+    empty_hub_cache: Path,
+) -> None:
+    from pagedkv.common.cli import ModelArgumentError, check_model_argument
+
+    _cache_model(empty_hub_cache, "org/cached", {"config.json": "{}"})
+    _cache_model(empty_hub_cache, "org/no-config", {"tokenizer.json": "{}"})
+    check_model_argument("org/cached")
+    with pytest.raises(ModelArgumentError, match=r"no config\.json"):
+        check_model_argument("org/no-config")
+
+
+def test_python_m_pagedkv_executor_refuses_a_missing_model_in_one_line(
+    empty_hub_cache: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv.executor", "--model", MISSING],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    line = _one_line_error(done.stderr)
+    assert line == f"pagedkv executor: --model {MISSING}: no such directory"
