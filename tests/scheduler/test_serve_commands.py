@@ -1,9 +1,20 @@
-"""``pagedkv serve`` hands its executor options to each child executor's command line."""
+"""``pagedkv serve``: the options it hands each child executor, and what a running one
+shows and binds."""
 
 from __future__ import annotations
 
+import re
+import socket
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
 from pagedkv.common.cli import build_parser
 from pagedkv.scheduler.serve import executor_commands
+from tests.processes import ServedProcess
 
 
 def _commands(*argv: str) -> list[list[str]]:
@@ -39,3 +50,40 @@ def test_by_default_executors_run_the_torch_kernels_on_the_cpu_with_console_logs
     assert _option(command, "--kernel-backend") == "torch"
     assert _option(command, "--log-format") == "console"
     assert "--enforce-eager" not in command and "--num-blocks" not in command
+
+
+# --- a running `pagedkv serve` ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServedProcess]:
+    """``pagedkv serve`` with two executors on a tiny model, metrics on a free port."""
+    command = [sys.executable, "-m", "pagedkv.common.cli", "serve", "--executors", "2"]
+    command += ["--num-blocks", "16", "--host", "127.0.0.1", "--port", "0"]
+    command += ["--metrics-port", "0"]
+    with ServedProcess(command) as process:
+        yield process
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of this machine's TCP sockets listening on ``port``
+    (from /proc/net/tcp and tcp6: IPv4 as dotted quads, IPv6 as hex)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    if len(address) == 8:
+                        address = socket.inet_ntoa(struct.pack("<I", int(address, 16)))
+                    found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket table")
+def test_metrics_listen_on_the_host_given_not_on_every_interface(served: ServedProcess) -> None:
+    match = re.search(r"metrics on :(\d+)", served.ready_line)
+    assert match is not None, served.ready_line
+    assert _listening_addresses(int(match.group(1))) == {"127.0.0.1"}

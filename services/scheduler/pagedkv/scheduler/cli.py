@@ -10,7 +10,9 @@ from typing import Any
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port, on --host"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
     parser.add_argument(

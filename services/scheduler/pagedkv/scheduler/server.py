@@ -34,14 +34,15 @@ async def serve_scheduler(
     ready_line: str = "scheduler",
 ) -> None:
     """Runs a scheduler until SIGTERM or SIGINT; prints ``<ready_line> ready
-    on HOST:PORT ...`` once it serves."""
+    on HOST:PORT ...`` once it serves. The metrics endpoint (with
+    ``metrics_port``) listens on ``host`` too, like the gRPC server."""
     metrics = SchedulerMetrics()
     service = SchedulerService(config, metrics)
     await service.start()
     server, bound = await start_server(service, f"{host}:{port}")
     extra = ""
     if metrics_port is not None:
-        extra = f", metrics on :{metrics.serve(metrics_port)}"
+        extra = f", metrics on :{metrics.serve(metrics_port, host)}"
     print(
         f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
         f"model {service.info.model_id}{extra})",
