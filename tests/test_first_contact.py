@@ -1,15 +1,18 @@
 """What a new user meets first: a wrong ``--model`` is refused in one line
-before anything loads."""
+before anything loads, and every command's --help states its defaults."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
-from pagedkv.common.cli import main
+from pagedkv.common.cli import ENTRY_POINT_GROUP, build_parser, main
 
 MISSING = "/no/such/dir"
 
@@ -105,3 +108,77 @@ def test_python_m_pagedkv_executor_refuses_a_missing_model_in_one_line(
     assert done.returncode == 2
     line = _one_line_error(done.stderr)
     assert line == f"pagedkv executor: --model {MISSING}: no such directory"
+
+
+# --- every command's --help states its defaults -----------------------------------
+
+
+def _commands() -> list[tuple[str, ...]]:
+    """Every command path registered under the ``pagedkv.commands`` entry points."""
+    return sorted(tuple(ep.name.split(".")) for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _parser_of(path: tuple[str, ...]) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for name in path:
+        (subparsers,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = subparsers.choices[name]
+    return parser
+
+
+def _option_entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in a --help text (first option string -> its lines joined)."""
+    entries: dict[str, str] = {}
+    current: str | None = None
+    for line in help_text.splitlines():
+        match = re.match(r"  (-[\w-]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = line.strip()
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def _has_a_default_worth_showing(action: argparse.Action) -> bool:
+    default = action.default
+    if not action.option_strings or action.help == argparse.SUPPRESS:
+        return False
+    return default not in (None, argparse.SUPPRESS) and not isinstance(default, bool | list)
+
+
+def test_the_commands_are_found() -> None:
+    paths = _commands()
+    for expected in [("serve",), ("scheduler",), ("executor",), ("generate",), ("stats",)]:
+        assert expected in paths
+    assert ("bench", "blocks") in paths and ("make-tiny-model",) in paths
+
+
+@pytest.mark.parametrize("path", [(), *_commands()], ids=lambda p: " ".join(p) or "pagedkv")
+def test_every_command_help_states_the_defaults_of_its_options(
+    path: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*path, "--help"])
+    assert exited.value.code == 0
+    entries = _option_entries(capsys.readouterr().out)
+    parser = _parser_of(path)
+    checked = [a for a in parser._actions if _has_a_default_worth_showing(a)]
+    for action in checked:
+        entry = entries[action.option_strings[0]]
+        assert "default" in entry, entry
+
+
+def test_python_m_pagedkv_executor_help_states_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pagedkv.executor.__main__ import main as executor_main
+
+    with pytest.raises(SystemExit):
+        executor_main(["--help"])
+    entries = _option_entries(capsys.readouterr().out)
+    assert "(default: 16)" in entries["--block-size"]
+    assert "(default: 127.0.0.1)" in entries["--host"]
+    assert "(default: INFO)" in entries["--log-level"]

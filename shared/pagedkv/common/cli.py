@@ -8,7 +8,9 @@ no executor commands). An entry point's name is the command path with dots
 argparse subparsers, with its arguments and help, and sets ``handler`` (a
 function of the parsed namespace returning an exit code) with
 ``parser.set_defaults``. Register functions must import nothing heavy:
-the command's own module is imported only when it runs.
+the command's own module is imported only when it runs. Every option's
+default is stated in --help (``show_defaults``), so help texts need not
+repeat it.
 """
 
 from __future__ import annotations
@@ -24,18 +26,54 @@ from pagedkv.common.logging import configure_logging
 
 ENTRY_POINT_GROUP = "pagedkv.commands"
 
+DEFAULT_SCHEDULER_PORT = 50051
+"""Where ``pagedkv serve`` and ``pagedkv scheduler`` listen unless ``--port``
+says otherwise, and so the port of a client target that names none."""
+
 Handler = Callable[[argparse.Namespace], int]
+
+
+def target_with_port(target: str) -> str:
+    """A Scheduler target as gRPC takes it: ``HOST`` and ``[IPV6]`` get
+    ``DEFAULT_SCHEDULER_PORT`` (gRPC alone would take 443); ``HOST:PORT``
+    and URIs with a scheme (``dns:///host:port``, ``unix:/path``) are kept."""
+    if ":" not in target or (target.startswith("[") and target.endswith("]")):
+        return f"{target}:{DEFAULT_SCHEDULER_PORT}"
+    return target
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     """``--log-level`` and ``--log-format``, for ``configure_logging``."""
-    parser.add_argument("--log-level", default="INFO", help="log level (default: INFO)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument(
         "--log-format",
         default="console",
         choices=("console", "json"),
-        help="console (default) or json: one JSON object per line, for log collectors",
+        help="json: one JSON object per line, for log collectors",
     )
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Makes --help state the default of every option of ``parser`` and of
+    its subcommands, at any depth: "(default: X)" is added to the help of
+    each option whose default is a value (not None, a flag's False or an
+    empty list) unless its help already speaks of a default. Mutates the
+    parsers' actions; call it once the parser is complete."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+            continue
+        default, help_text = action.default, action.help or ""
+        if (
+            not action.option_strings
+            or help_text == argparse.SUPPRESS
+            or default in (None, argparse.SUPPRESS)
+            or isinstance(default, bool | list)
+            or "default" in help_text
+        ):
+            continue
+        action.help = f"{help_text} (default: %(default)s)".lstrip()
 
 
 class ModelArgumentError(ValueError):
@@ -91,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[prefix] = sub.add_subparsers(dest="_".join(prefix), metavar="COMMAND")
         register = ep.load()
         register(groups[path[:-1]], path[-1])
+    show_defaults(parser)
     return parser
 
 

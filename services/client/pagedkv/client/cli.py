@@ -13,7 +13,10 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
@@ -24,6 +27,8 @@ output:
   Without --json, a single sequence (--n 1, no beam search) is printed as its
   text arrives. With --n > 1 or --beam-width >= 2, each sequence (or beam, best
   first) is printed at the end under a "--- sequence I (REASON) ---" header.
+  On a terminal, control characters of the text other than newline and tab
+  are shown escaped (\\x1b); piped output carries the text unchanged.
   A usage line goes to stderr. Logprobs are only shown with --json.
 
   With --json, each chunk of the stream is one JSON object on its own line:
@@ -31,6 +36,19 @@ output:
   and "stop_token_id", "error_message", "logprobs" when set}], "beams" (beam
   search, final chunk), "usage" (final chunk only)}.
 """
+
+
+_TERMINAL_ESCAPES = {
+    code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)] if chr(code) not in "\n\t"
+}
+"""Control characters (Unicode category Cc) but newline and tab, to their
+escapes: a model can emit any byte, and a terminal acts on these."""
+
+
+def terminal_text(text: str) -> str:
+    """``text`` with control characters other than newline and tab shown as
+    escapes (ESC as ``\\x1b``), to write model output to a terminal."""
+    return text.translate(_TERMINAL_ESCAPES)
 
 
 def _token_id_list(value: str) -> list[int]:
@@ -46,8 +64,11 @@ def _token_id_list(value: str) -> list[int]:
     return ids
 
 
+TARGET_HELP = f"HOST[:PORT] (default port: {DEFAULT_SCHEDULER_PORT}, where pagedkv serve listens)"
+
+
 def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="the Scheduler's address, HOST:PORT")
+    parser.add_argument("--target", required=True, help=f"the Scheduler's address, {TARGET_HELP}")
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
 
 
@@ -65,8 +86,8 @@ def register_generate(subparsers: Any, name: str) -> None:
     prompt.add_argument(
         "--token-ids", type=_token_id_list, help="already-tokenized prompt, e.g. 1,2,3"
     )
-    parser.add_argument("--max-tokens", type=int, required=True, help="per sequence")
-    parser.add_argument("--n", type=int, default=1, help="independent samples (default: 1)")
+    parser.add_argument("--max-tokens", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--n", type=int, default=1, help="independent samples")
     parser.add_argument("--temperature", type=float, help="0: greedy (default: 1.0)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0: disabled (default)")
@@ -102,15 +123,16 @@ def register_demo(subparsers: Any, name: str) -> None:
         ),
     )
     parser.add_argument(
-        "--target", help="an already running Scheduler, HOST:PORT (default: start one)"
+        "--target",
+        help=f"an already running Scheduler, {TARGET_HELP}; without it, one is started",
     )
     parser.add_argument("--model", help="without --target: model directory (default: tiny llama)")
     parser.add_argument(
         "--executors", type=int, default=2, help="without --target: executor processes"
     )
-    parser.add_argument("--requests", type=int, default=24, help="chat requests (default: 24)")
+    parser.add_argument("--requests", type=int, default=24, help="chat requests")
     parser.add_argument("--concurrency", type=int, default=8, help="chat streams at a time")
-    parser.add_argument("--max-tokens", type=int, default=64, help="per sequence (default: 64)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sequence")
     parser.set_defaults(handler=_run_demo)
 
 
@@ -133,6 +155,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     streams_text = not args.json and args.n <= 1 and args.beam_width < 2
     chunks: list[GenerateChunk] = []
     out = sys.stdout
+    shown = terminal_text if out.isatty() else str
     try:
         with Client(args.target, timeout=args.timeout) as client:
             stream = client.generate(
@@ -154,7 +177,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                 if args.json:
                     out.write(json.dumps(_chunk_json(chunk)) + "\n")
                 elif streams_text:
-                    out.write("".join(seq.text for seq in chunk.sequences))
+                    out.write(shown("".join(seq.text for seq in chunk.sequences)))
                 out.flush()
     except ValueError as exc:
         print(f"pagedkv: {exc}", file=sys.stderr)
@@ -169,7 +192,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if streams_text:
         out.write("\n")
     else:
-        out.write(_completion_text(completion))
+        out.write(_completion_text(completion, shown))
     reasons = ",".join(r.value if r else "-" for r in completion.finish_reasons)
     usage = completion.usage
     print(
@@ -225,16 +248,17 @@ def _chunk_json(chunk: GenerateChunk) -> dict[str, object]:
     return line
 
 
-def _completion_text(completion: Completion) -> str:
-    """Every sequence (or beam) under its own header, for --n > 1 and beam search."""
+def _completion_text(completion: Completion, shown: Callable[[str], str]) -> str:
+    """Every sequence (or beam) under its own header, for --n > 1 and beam
+    search; each text passed through ``shown``."""
     parts: list[str] = []
     for i, text in enumerate(completion.texts):
         reason = completion.finish_reasons[i]
-        parts.append(f"--- sequence {i} ({reason.value if reason else '-'}) ---\n{text}\n")
+        parts.append(f"--- sequence {i} ({reason.value if reason else '-'}) ---\n{shown(text)}\n")
     for i, beam in enumerate(completion.beams):
         reason_text = beam.finish_reason.value if beam.finish_reason else "-"
         header = f"beam {i} ({reason_text}, logprob {beam.cumulative_logprob:.4f})"
-        parts.append(f"--- {header} ---\n{beam.text}\n")
+        parts.append(f"--- {header} ---\n{shown(beam.text)}\n")
     return "".join(parts)
 
 

@@ -27,6 +27,7 @@ from pagedkv.client.types import (
     chunk_from_proto,
     stats_from_proto,
 )
+from pagedkv.common.cli import target_with_port
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 _UINT32_MAX = 2**32 - 1
@@ -103,7 +104,9 @@ def _deadline(call_timeout: float | None, default: float | None) -> float | None
 
 
 class Client:
-    """A blocking client of one Scheduler at ``target`` ("host:port").
+    """A blocking client of one Scheduler at ``target``: "host:port", or a
+    host alone for the scheduler's default port 50051 (the ``target``
+    attribute holds the port either way).
 
     Owns its channel: close it with ``close()`` or a ``with`` block. Safe to
     share between threads. ``timeout`` (seconds) is the default deadline of
@@ -111,9 +114,9 @@ class Client:
     """
 
     def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.target = target
+        self.target = target_with_port(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(self.target)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -265,7 +268,8 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio client of one Scheduler at ``target`` ("host:port").
+    """An asyncio client of one Scheduler at ``target`` ("host:port", or a
+    host alone for the default port 50051).
 
     The ``grpc.aio`` twin of ``Client``, with the same methods as coroutines
     (``generate`` returns an async iterator). Create it inside the event loop
@@ -273,9 +277,9 @@ class AsyncClient:
     """
 
     def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.target = target
+        self.target = target_with_port(target)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = grpc.aio.insecure_channel(self.target)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

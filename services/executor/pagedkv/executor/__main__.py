@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedkv.common.cli import add_logging_arguments
+from pagedkv.common.cli import add_logging_arguments, show_defaults
 from pagedkv.common.logging import configure_logging
 from pagedkv.executor.cli import register
 
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     register(subparsers, "executor")
     add_logging_arguments(subparsers.choices["executor"])
+    show_defaults(parser)
     args = parser.parse_args(["executor", *(sys.argv[1:] if argv is None else argv)])
     configure_logging(args.log_format, args.log_level)
     return int(args.handler(args))

@@ -20,11 +20,14 @@ def register(subparsers: Any, name: str) -> None:
         ),
     )
     parser.add_argument("--model", required=True, help="model directory (or hub id, if cached)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16")
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="auto: the model's (float32 on cpu)",
     )
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int, help="KV blocks, the null block included")
@@ -34,13 +37,19 @@ def register(subparsers: Any, name: str) -> None:
         default=0.9,
         help="fraction of the GPU for weights, activations and KV (default: 0.9)",
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kernel-backend", default="triton", choices=("triton", "torch"))
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--kernel-backend", default="triton", choices=("triton", "torch"), help="attention kernels"
+    )
+    parser.add_argument(
+        "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
+    )
     parser.add_argument("--max-num-rows", type=int, default=256, help="live requests at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     parser.add_argument("--max-model-len", type=int, help="default: the model's positions")
-    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument(
+        "--max-logprobs", type=int, default=20, help="top logprobs a request may ask for"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--enforce-eager",

@@ -6,10 +6,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
+
 
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_SCHEDULER_PORT,
+        help="0: any free port (printed); clients take this port for a target without one",
+    )
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port, on --host"
     )
@@ -30,7 +37,12 @@ def register_scheduler(subparsers: Any, name: str) -> None:
         ),
     )
     parser.add_argument(
-        "--executor", action="append", required=True, metavar="HOST:PORT", dest="executors"
+        "--executor",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        dest="executors",
+        help="a running executor (repeat for each)",
     )
     parser.add_argument(
         "--model", help="model directory for the tokenizer (default: the executors' model id)"
@@ -49,13 +61,20 @@ def register_serve(subparsers: Any, name: str) -> None:
         ),
     )
     parser.add_argument("--model", help="model directory (default: a tiny llama)")
-    parser.add_argument("--executors", type=int, default=1, help="executor processes (K)")
+    parser.add_argument("--executors", type=int, default=1, help="executor processes, K")
     parser.add_argument("--device", default="cpu", help="executors' device (cuda: one GPU each)")
     parser.add_argument("--num-blocks", type=int, help="KV blocks per executor")
     parser.add_argument(
-        "--kernel-backend", choices=("triton", "torch"), help="default: torch on cpu"
+        "--kernel-backend",
+        choices=("triton", "torch"),
+        help="attention kernels (default: torch on cpu, triton on cuda)",
     )
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="auto: the model's (float32 on cpu)",
+    )
     parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
     )
