@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from pagedkv.client import AsyncClient, Client
+from pagedkv.client.types import stats_from_proto
 from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT, main, target_with_port
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -138,3 +139,130 @@ def test_serve_and_scheduler_listen_on_the_default_scheduler_port() -> None:
     parser = build_parser()
     assert parser.parse_args(["serve"]).port == DEFAULT_SCHEDULER_PORT
     assert parser.parse_args(["scheduler", "--executor", "h:1"]).port == DEFAULT_SCHEDULER_PORT
+
+
+# --- pagedkv stats ------------------------------------------------------------------
+
+
+def _stats(**fields: Any) -> scheduler_pb2.GetStatsResponse:
+    """Two executors: one healthy but suspect and fully free, one down after
+    a recovery; ``fields`` override the response's own fields."""
+    return scheduler_pb2.GetStatsResponse(
+        scheduler_id="sched-b",
+        executors=[
+            scheduler_pb2.ExecutorStats(
+                address="127.0.0.1:7001",
+                healthy=True,
+                num_blocks=2048,
+                num_usable_blocks=2047,
+                num_free_blocks=2047,
+                suspect=True,
+            ),
+            scheduler_pb2.ExecutorStats(
+                address="127.0.0.1:7002",
+                healthy=False,
+                num_blocks=64,
+                num_usable_blocks=63,
+                num_free_blocks=0,
+                down_reason="timeout: step 12 took longer than 120 s",
+                num_recoveries=1,
+            ),
+        ],
+        integrity=scheduler_pb2.IntegrityCheck(ok=True),
+        **fields,
+    )
+
+
+class StatsScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, response: scheduler_pb2.GetStatsResponse) -> None:
+        self.response = response
+
+    def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, context: Any
+    ) -> scheduler_pb2.GetStatsResponse:
+        return self.response
+
+
+@pytest.fixture
+def stats_target() -> Iterator[tuple[StatsScheduler, str]]:
+    servicer = StatsScheduler(_stats(num_internal_errors=3))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def test_stats_reads_usable_blocks_suspects_down_reasons_and_internal_errors() -> None:
+    stats = stats_from_proto(_stats(num_internal_errors=3))
+    suspect, down = stats.executors
+    assert (suspect.num_blocks, suspect.num_usable_blocks, suspect.num_free_blocks) == (
+        2048,
+        2047,
+        2047,
+    )
+    assert suspect.suspect and suspect.healthy and suspect.down_reason == ""
+    assert not down.healthy and down.down_reason.startswith("timeout:")
+    assert (down.num_recoveries, stats.num_internal_errors) == (1, 3)
+
+
+def test_stats_command_shows_usable_capacity_states_and_why_an_executor_is_down(
+    stats_target: tuple[StatsScheduler, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, target = stats_target
+    assert main(["stats", "--target", target]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "scheduler sched-b",
+        "EXECUTOR        STATE    FREE/USABLE BLOCKS  KV USAGE  PREFIX HIT RATE  RECOVERIES",
+        "127.0.0.1:7001  suspect           2047/2047      0.0%                -           0",
+        "127.0.0.1:7002  DOWN                   0/63      0.0%                -           1",
+        "usable blocks: all but the null block 0 of each pool, which holds no KV",
+        "suspect: healthy, but its step in flight has run far longer than its recent steps",
+        "127.0.0.1:7002 is down: timeout: step 12 took longer than 120 s",
+        "running 0, waiting 0, preemptions 0, internal errors 3 (see the scheduler's log), "
+        "integrity ok",
+    ]
+    assert main(["stats", "--target", target, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["num_internal_errors"] == 3
+    assert [ex["num_usable_blocks"] for ex in obj["executors"]] == [2047, 63]
+    assert [ex["down_reason"] for ex in obj["executors"]] == [
+        "",
+        "timeout: step 12 took longer than 120 s",
+    ]
+
+
+def test_an_older_server_without_usable_blocks_gets_num_blocks_minus_one(
+    stats_target: tuple[StatsScheduler, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, target = stats_target
+    older = _stats()
+    for ex in older.executors:
+        ex.ClearField("num_usable_blocks")
+    servicer.response = older
+    with Client(target) as client:
+        stats = client.stats()
+    assert [ex.num_usable_blocks for ex in stats.executors] == [2047, 63]
+
+
+def test_demo_report_counts_held_blocks_out_of_the_usable_ones() -> None:
+    from pagedkv.client.demo import stats_report
+
+    response = _stats(num_internal_errors=0)
+    response.executors[0].num_free_blocks = 2040
+    lines = stats_report(stats_from_proto(response)).splitlines()
+    assert [line.split("  ")[0] for line in lines[:3]] == [
+        "EXECUTOR",
+        "127.0.0.1:7001",
+        "127.0.0.1:7002",
+    ]
+    assert [line.split() for line in lines[1:3]] == [
+        ["127.0.0.1:7001", "suspect", "0.0%", "2040/2047", "7", "0/0", "tokens"],
+        ["127.0.0.1:7002", "DOWN", "0.0%", "0/63", "-", "0/0", "tokens"],
+    ]
+    assert lines[3:] == [
+        "usable blocks: all but the null block 0 of each pool, which holds no KV",
+        "127.0.0.1:7002 is down: timeout: step 12 took longer than 120 s",
+        "running 0, waiting 0, preemptions 0, integrity ok; 7 blocks held; internal errors 0",
+    ]

@@ -350,13 +350,17 @@ def test_stats_from_proto_converts_executors_and_hit_rate() -> None:
     assert stats == Stats(
         scheduler_id="sched-a",
         executors=(
-            ExecutorStats("10.0.0.1:7001", True, 1025, 768, 0.25, 200, 50, "inc-1", 3),
-            ExecutorStats("10.0.0.2:7001", False, 9, 0, 0.0, 0, 0, "", 0),
+            # num_usable_blocks unset (a server older than the field): num_blocks - 1
+            ExecutorStats(
+                "10.0.0.1:7001", True, 1025, 768, 0.25, 200, 50, "inc-1", 3, 1024, False, "", 0
+            ),
+            ExecutorStats("10.0.0.2:7001", False, 9, 0, 0.0, 0, 0, "", 0, 8, False, "", 0),
         ),
         num_running=4,
         num_waiting=2,
         num_preemptions=7,
         integrity=IntegrityCheck(ok=True, message=""),
+        num_internal_errors=0,
     )
     assert [ex.prefix_cache_hit_rate for ex in stats.executors] == [0.25, None]
 
@@ -534,10 +538,11 @@ def test_stats_command_prints_a_table_or_json(
     assert main(["stats", "--target", served.target]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "scheduler sched-a",
-        "EXECUTOR       HEALTHY  BLOCKS  FREE  KV USAGE  PREFIX HIT RATE",
-        "10.0.0.1:7001      yes    1025   768     25.0%            25.0%",
-        "10.0.0.2:7001       NO       9     0      0.0%                -",
-        "running 4, waiting 2, preemptions 7, integrity ok",
+        "EXECUTOR       STATE    FREE/USABLE BLOCKS  KV USAGE  PREFIX HIT RATE  RECOVERIES",
+        "10.0.0.1:7001  healthy            768/1024     25.0%            25.0%           0",
+        "10.0.0.2:7001  DOWN                    0/8      0.0%                -           0",
+        "usable blocks: all but the null block 0 of each pool, which holds no KV",
+        "running 4, waiting 2, preemptions 7, internal errors 0, integrity ok",
     ]
     assert main(["stats", "--target", served.target, "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)

@@ -13,14 +13,14 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
-    from pagedkv.client.types import Completion, GenerateChunk, Stats
+    from pagedkv.client.types import Completion, ExecutorStats, GenerateChunk, Stats
 
 _GENERATE_EPILOG = """\
 output:
@@ -283,29 +283,64 @@ def _stats_json(stats: Stats) -> dict[str, object]:
     return obj
 
 
+NULL_BLOCK_NOTE = "usable blocks: all but the null block 0 of each pool, which holds no KV"
+SUSPECT_NOTE = "suspect: healthy, but its step in flight has run far longer than its recent steps"
+
+
+def executor_state(ex: ExecutorStats) -> str:
+    """ "healthy", "suspect" (healthy, a step running long) or "DOWN"."""
+    if not ex.healthy:
+        return "DOWN"
+    return "suspect" if ex.suspect else "healthy"
+
+
+def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], num_left: int = 1) -> list[str]:
+    """Lines of a table: the first ``num_left`` columns left-aligned, the
+    others (numbers) right-aligned."""
+    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(width) if col < num_left else cell.rjust(width)
+            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [header, *rows]
+    ]
+
+
 def _stats_table(stats: Stats) -> str:
-    """One row per executor, then the replica's load and integrity."""
-    header = ("EXECUTOR", "HEALTHY", "BLOCKS", "FREE", "KV USAGE", "PREFIX HIT RATE")
+    """One row per executor, notes on what the table shows, why executors
+    are down, then the replica's load, internal errors and integrity."""
+    header = (
+        "EXECUTOR", "STATE", "FREE/USABLE BLOCKS", "KV USAGE", "PREFIX HIT RATE", "RECOVERIES"
+    )  # fmt: skip
     rows = [
         (
             ex.address,
-            "yes" if ex.healthy else "NO",
-            str(ex.num_blocks),
-            str(ex.num_free_blocks),
+            executor_state(ex),
+            f"{ex.num_free_blocks}/{ex.num_usable_blocks}",
             f"{ex.kv_cache_usage:.1%}",
             "-" if ex.prefix_cache_hit_rate is None else f"{ex.prefix_cache_hit_rate:.1%}",
+            str(ex.num_recoveries),
         )
         for ex in stats.executors
     ]
-    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
-    lines = [f"scheduler {stats.scheduler_id or '-'}"]
-    for row in [header, *rows]:
-        cells = [row[0].ljust(widths[0])]
-        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-    integrity = "ok" if stats.integrity.ok else f"FAILED: {stats.integrity.message}"
+    lines = [f"scheduler {stats.scheduler_id or '-'}", *table(header, rows, 2), NULL_BLOCK_NOTE]
+    if any(ex.healthy and ex.suspect for ex in stats.executors):
+        lines.append(SUSPECT_NOTE)
+    lines += [f"{ex.address} is down: {ex.down_reason}" for ex in stats.executors if ex.down_reason]
     lines.append(
         f"running {stats.num_running}, waiting {stats.num_waiting}, "
-        f"preemptions {stats.num_preemptions}, integrity {integrity}"
+        f"preemptions {stats.num_preemptions}, {internal_errors(stats)}, "
+        f"integrity {integrity(stats)}"
     )
     return "\n".join(lines) + "\n"
+
+
+def internal_errors(stats: Stats) -> str:
+    """ "internal errors N", pointing at the log when N > 0."""
+    n = stats.num_internal_errors
+    return f"internal errors {n}" + (" (see the scheduler's log)" if n else "")
+
+
+def integrity(stats: Stats) -> str:
+    return "ok" if stats.integrity.ok else f"FAILED: {stats.integrity.message}"

@@ -33,6 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedkv.client.cli import NULL_BLOCK_NOTE, executor_state, integrity, internal_errors, table
 from pagedkv.client.client import AsyncClient
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.types import Completion, GenerateChunk, Stats
@@ -173,9 +174,10 @@ async def stream(
 
 
 def num_held_blocks(stats: Stats) -> int:
-    """Blocks held by live requests, over the healthy executors (the null
-    block, free blocks and cached blocks without a holder excluded)."""
-    return sum(ex.num_blocks - 1 - ex.num_free_blocks for ex in stats.executors if ex.healthy)
+    """Blocks held by live requests, over the healthy executors (free blocks
+    and cached blocks without a holder excluded; the null block is never
+    usable)."""
+    return sum(ex.num_usable_blocks - ex.num_free_blocks for ex in stats.executors if ex.healthy)
 
 
 async def chat_phase(client: AsyncClient, args: argparse.Namespace) -> list[Completion]:
@@ -270,30 +272,30 @@ def printable(text: str) -> str:
 
 def stats_report(stats: Stats) -> str:
     """The final GetStats snapshot as a small table and a summary line."""
-    header = ("EXECUTOR", "KV USAGE", "FREE/TOTAL BLOCKS", "HELD", "PREFIX CACHE HITS SINCE START")
+    header = (
+        "EXECUTOR", "STATE", "KV USAGE", "FREE/USABLE BLOCKS", "HELD",
+        "PREFIX CACHE HITS SINCE START",
+    )  # fmt: skip
     rows = [
         (
-            ex.address + ("" if ex.healthy else " (down)"),
+            ex.address,
+            executor_state(ex),
             f"{ex.kv_cache_usage:.1%}",
-            f"{ex.num_free_blocks}/{ex.num_blocks}",
-            str(ex.num_blocks - 1 - ex.num_free_blocks),
+            f"{ex.num_free_blocks}/{ex.num_usable_blocks}",
+            str(ex.num_usable_blocks - ex.num_free_blocks) if ex.healthy else "-",
             f"{ex.prefix_cache_hits:,}/{ex.prefix_cache_queries:,} tokens"
             + ("" if ex.prefix_cache_hit_rate is None else f" ({ex.prefix_cache_hit_rate:.1%})"),
         )
         for ex in stats.executors
     ]
-    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [row[0].ljust(widths[0])]
-        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-    integrity = "ok" if stats.integrity.ok else f"FAILED: {stats.integrity.message}"
+    lines = [*table(header, rows, 2), NULL_BLOCK_NOTE]
+    lines += [f"{ex.address} is down: {ex.down_reason}" for ex in stats.executors if ex.down_reason]
     held = num_held_blocks(stats)
     lines.append(
         f"running {stats.num_running}, waiting {stats.num_waiting}, preemptions "
-        f"{stats.num_preemptions}, integrity {integrity}; {held} blocks held"
+        f"{stats.num_preemptions}, integrity {integrity(stats)}; {held} blocks held"
         + (" (every request finished and freed its blocks)" if held == 0 else "")
+        + f"; {internal_errors(stats)}"
     )
     return "\n".join(lines) + "\n"
 

@@ -186,10 +186,12 @@ class ExecutorStats:
 
     address: str
     healthy: bool
+    """The executor answered its last call or health check."""
     num_blocks: int
     """Blocks in the pool, the null block 0 included."""
     num_free_blocks: int
-    """Free blocks plus cached ones with no holder (eviction candidates)."""
+    """Free blocks plus cached ones with no holder (eviction candidates), out
+    of ``num_usable_blocks``."""
     kv_cache_usage: float
     """Fraction of usable blocks in use, 0.0 to 1.0."""
     prefix_cache_queries: int
@@ -199,6 +201,17 @@ class ExecutorStats:
     incarnation_id: str
     epoch: int
     """This scheduler's fencing epoch on the executor; 0 if it holds no lease."""
+    num_usable_blocks: int
+    """Blocks that can hold KV: ``num_blocks - 1`` (the null block 0 never
+    does). Servers older than the field leave it out; it is then computed."""
+    suspect: bool
+    """Healthy, but its step in flight has run far longer than its recent
+    steps (it may be hung; it is marked down at the executor timeout)."""
+    down_reason: str
+    """Empty while healthy; otherwise why it was marked down, starting with
+    the cause: "transport:", "timeout:" or "fenced:"."""
+    num_recoveries: int
+    """Times it came back after being marked down."""
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -229,6 +242,10 @@ class Stats:
     num_preemptions: int
     """Since start; a request preempted twice counts twice."""
     integrity: IntegrityCheck
+    num_internal_errors: int
+    """Errors in the scheduler's own code since start; each ended the
+    requests it concerned with ``FinishReason.ERROR`` (the scheduler's log
+    says more)."""
 
 
 # --- proto -> types: the only place that reads response protos ---------------
@@ -302,6 +319,10 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
                 prefix_cache_hits=ex.prefix_cache_hits,
                 incarnation_id=ex.incarnation_id,
                 epoch=ex.epoch,
+                num_usable_blocks=ex.num_usable_blocks or max(ex.num_blocks - 1, 0),
+                suspect=ex.suspect,
+                down_reason=ex.down_reason,
+                num_recoveries=ex.num_recoveries,
             )
             for ex in msg.executors
         ),
@@ -309,4 +330,5 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
         num_waiting=msg.num_waiting,
         num_preemptions=msg.num_preemptions,
         integrity=IntegrityCheck(ok=msg.integrity.ok, message=msg.integrity.message),
+        num_internal_errors=msg.num_internal_errors,
     )
