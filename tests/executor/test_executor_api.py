@@ -778,6 +778,54 @@ def test_health_reports_serving_and_reflection_lists_the_executor(llama: Served)
     assert {m.name for m in service.methods} == {m.name for m in expected.methods}
 
 
+# -- undecodable requests -----------------------------------------------------
+
+GARBAGE = b"\xff\xff\xff"  # no protobuf message: a field number whose varint never ends
+
+
+def assert_undecodable(error: grpc.RpcError, message_name: str) -> None:
+    details = f"the request is not a valid {message_name} message"
+    assert (error.code(), error.details()) == (INVALID, details)
+
+
+def test_an_undecodable_request_is_invalid_argument_and_changes_nothing(llama: Served) -> None:
+    stub, channel = llama.stub, llama.process.channel
+    owner = take_over(stub)
+    unary = [
+        (f"/pagedkv.v1.Executor/{m.name}", m.input_type.full_name)
+        for m in executor_pb2.DESCRIPTOR.services_by_name["Executor"].methods
+        if not m.client_streaming
+    ]
+    unary.append(("/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest"))
+    for method, message_name in unary:
+        assert_undecodable(refused(channel.unary_unary(method), GARBAGE), message_name)
+    # A well-formed message whose string is not UTF-8 does not decode either.
+    takeover = common_pb2.Owner(owner_id="zz", epoch=next(EPOCHS))
+    not_utf8 = executor_pb2.ResetRequest(owner=takeover).SerializeToString()
+    not_utf8 = not_utf8.replace(b"zz", b"\xff\xff")
+    reset = channel.unary_unary("/pagedkv.v1.Executor/Reset")
+    assert_undecodable(refused(reset, not_utf8), "pagedkv.v1.ResetRequest")
+    assert stub.GetInfo(executor_pb2.GetInfoRequest()).owner == owner
+    # On the step stream, the steps before it are answered; it ends the
+    # stream with its status, and nothing after it applies.
+    a = Seq(0, [1, 2], 0)
+    messages = [
+        prefill(owner, a, "a", P_A).SerializeToString(),
+        GARBAGE,
+        prefill(owner, Seq(1, [3], 0), "late", P_C).SerializeToString(),
+    ]
+    responses = channel.stream_stream("/pagedkv.v1.Executor/StepStream")(iter(messages))
+    take_samples([a], executor_pb2.StepResponse.FromString(next(responses)))
+    with pytest.raises(grpc.RpcError) as error:
+        next(responses)
+    assert_undecodable(error.value, "pagedkv.v1.StepRequest")
+    free_nothing(stub, owner, rows=[1], request_ids=["late"])
+    # The executor serves on.
+    for _ in range(3):
+        take_samples([a], stub.Step(decode(owner, [a])))
+    assert a.output == hf_greedy(llama.model_dir, P_A, 4)
+
+
 # -- sampling -----------------------------------------------------------------
 
 SEEDED = common_pb2.SamplingParams(temperature=0.8, top_k=20, seed=123)

@@ -1,5 +1,6 @@
 """The Executor gRPC service: ``ExecutorServicer``, its error interceptor and
-the server around them (with gRPC health and reflection)."""
+the server around them (with gRPC health and reflection; an undecodable
+request is INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
+from pagedkv.common.request_decoding import RequestDecodingInterceptor
 from pagedkv.executor.engine import Executor
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
@@ -90,7 +92,7 @@ def build_server(executor: Executor, address: str) -> tuple[grpc.Server, int]:
     port); returns it and the bound port."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[RequestDecodingInterceptor(), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -1,5 +1,6 @@
 """The Scheduler gRPC service (grpc.aio): ``SchedulerServicer`` and the
-server around it, with gRPC health and reflection."""
+server around it, with gRPC health and reflection (an undecodable request is
+INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
+from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -67,7 +69,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 async def start_server(service: SchedulerService, address: str) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server for ``service`` on ``address`` (port 0: any
     free port); returns it and the bound port."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[AsyncRequestDecodingInterceptor()])
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
