@@ -16,11 +16,19 @@ PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
 setup: $(STAMP)
 
+# Says what it does before each step; pip shows what it collects, downloads
+# (with a progress bar on a terminal) and installs.
 $(STAMP): $(PART_FILES) constraints.txt requirements-dev.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt -r requirements-dev.txt \
+	@if [ ! -x $(BIN)/python ]; then \
+		echo "setup: creating the virtual environment $(VENV) with $(PYTHON)"; \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	@echo "setup: installing pagedkv's parts (editable) and the dev tools into $(VENV);"
+	@echo "setup: the first time, pip downloads torch, triton and transformers (minutes)"
+	$(BIN)/pip install --progress-bar on -c constraints.txt -r requirements-dev.txt \
 		$(foreach p,$(PARTS),-e ./$(p))
-	touch $@
+	@touch $@
+	@echo "setup: done; $(VENV) is ready"
 
 # Tests that need Redis start their own private server; this makes sure the
 # binary is there.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -182,3 +183,22 @@ def test_python_m_pagedkv_executor_help_states_defaults(
     assert "(default: 16)" in entries["--block-size"]
     assert "(default: 127.0.0.1)" in entries["--host"]
     assert "(default: INFO)" in entries["--log-level"]
+
+
+# --- make setup -------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_setup_says_what_it_does_and_lets_pip_show_its_progress(tmp_path: Path) -> None:
+    dry_run = subprocess.run(
+        ["make", "--dry-run", "--always-make", "setup", f"VENV={tmp_path / 'venv'}"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = dry_run.stdout.splitlines()
+    (pip,) = (i for i, line in enumerate(lines) if "pip install" in line)
+    assert any(line.startswith('echo "setup: installing') for line in lines[:pip])
+    assert "--quiet" not in lines[pip].split() and "-q" not in lines[pip].split()
+    assert lines[-1].startswith('echo "setup: done')

@@ -4,9 +4,11 @@ targets without a port mean the scheduler's default port."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
+import re
 import sys
 from collections.abc import Iterator
 from concurrent import futures
@@ -266,3 +268,32 @@ def test_demo_report_counts_held_blocks_out_of_the_usable_ones() -> None:
         "127.0.0.1:7002 is down: timeout: step 12 took longer than 120 s",
         "running 0, waiting 0, preemptions 0, integrity ok; 7 blocks held; internal errors 0",
     ]
+
+
+class DemoScheduler(RawBytesScheduler, StatsScheduler):
+    """Streams ``RAW`` and answers GetStats, for the demo's phases."""
+
+
+def test_the_demo_labels_its_comparison_request_and_its_n4_request(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pagedkv.client.demo import sharing_phase
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = DemoScheduler(_stats())
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    async def run() -> None:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            await sharing_phase(client, argparse.Namespace(max_tokens=2))
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(grace=None)
+    out, err = capsys.readouterr()
+    assert "after a 1-sample request of it\n      to compare the KV blocks each holds" in out
+    bars = [line.split(":")[0] for line in re.split(r"[\r\n]+", err) if line.strip()]
+    assert set(bars) == {"1 sample, to compare", "n=4 samples"}

@@ -3,6 +3,7 @@ shows and binds."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 import struct
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.common.cli import build_parser
+from pagedkv.common.cli import build_parser, main
 from pagedkv.scheduler.serve import executor_commands
+from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.processes import ServedProcess
 
 
@@ -42,6 +44,7 @@ def test_each_executor_gets_its_own_gpu_and_the_shared_options() -> None:
         assert _option(command, "--num-blocks") == "64"
         assert _option(command, "--max-num-rows") == "8"
         assert "--enforce-eager" in command
+        assert "--no-progress" in command  # serve reports start-up itself
 
 
 def test_by_default_executors_run_the_torch_kernels_on_the_cpu_with_console_logs() -> None:
@@ -87,3 +90,37 @@ def test_metrics_listen_on_the_host_given_not_on_every_interface(served: ServedP
     match = re.search(r"metrics on :(\d+)", served.ready_line)
     assert match is not None, served.ready_line
     assert _listening_addresses(int(match.group(1))) == {"127.0.0.1"}
+
+
+def test_start_up_is_one_labelled_ready_line_per_executor_without_progress_bars(
+    served: ServedProcess,
+) -> None:
+    stderr = served.stderr()
+    lines = [line for line in stderr.splitlines() if re.search(r"\] executor ready\b", line)]
+    fields = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+    assert sorted(f["executor"] for f in fields) == ["1/2", "2/2"]
+    ready = [(f["address"], f["executor"]) for f in fields]
+    stats = scheduler_pb2_grpc.SchedulerStub(served.channel).GetStats(
+        scheduler_pb2.GetStatsRequest()
+    )
+    assert {address for address, _ in ready} == {ex.address for ex in stats.executors}
+    assert "Loading weights" not in stderr  # transformers' bars are off too
+
+
+def test_an_executor_that_exits_early_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedkv.scheduler import serve
+
+    def commands(args: argparse.Namespace, model: str) -> list[list[str]]:
+        return [[sys.executable, "-c", "import sys; sys.exit(3)"]]
+
+    monkeypatch.setattr(serve, "executor_commands", commands)
+    model = Path(__file__).parent  # any directory will do once the check passes
+    monkeypatch.setattr(serve, "check_model_argument", lambda model: None)
+    assert main(["serve", "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "pagedkv serve: executor 1/1 exited with status 3 before it was ready (its log is above)"
+    )

@@ -228,15 +228,20 @@ async def sharing_phase(client: AsyncClient, args: argparse.Namespace) -> Comple
     samples of the same prompt, each measured after its first chunk."""
     n = 4
     prompt = chat_prompt(SYSTEM_PROMPTS[0], SHARING_QUESTION)
-    print(f"[2/2] one request with n={n} samples of one prompt (temperature 0.8)", flush=True)
+    print(
+        f"[2/2] one request with n={n} samples of one prompt (temperature 0.8), after a "
+        "1-sample request of it\n      to compare the KV blocks each holds",
+        flush=True,
+    )
     held: dict[int, int] = {}
     completion: Completion | None = None
-    for num_seqs, max_tokens in ((1, 8), (n, args.max_tokens)):
+    runs = ((1, 8, "1 sample, to compare"), (n, args.max_tokens, f"n={n} samples"))
+    for num_seqs, max_tokens, label in runs:
 
         async def measure(num_seqs: int = num_seqs) -> None:
             held[num_seqs] = num_held_blocks(await client.stats())
 
-        bar = StreamBar(f"n={num_seqs}", num_seqs * max_tokens, 1)
+        bar = StreamBar(label, num_seqs * max_tokens, 1)
         try:
             completion = await stream(
                 client,

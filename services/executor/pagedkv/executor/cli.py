@@ -56,6 +56,12 @@ def register(subparsers: Any, name: str) -> None:
         action="store_true",
         help="no CUDA graphs: launch every decode step's kernels one by one",
     )
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bars on stderr (pagedkv serve reports its executors' start-up itself)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -66,6 +72,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.progress:
+        from huggingface_hub.utils.tqdm import disable_progress_bars
+
+        disable_progress_bars()  # transformers' and the hub's, before transformers loads
     from pagedkv.executor.server import serve
 
     return serve(args)
