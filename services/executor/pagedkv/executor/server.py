@@ -48,7 +48,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
         return 2
     # No progress bar among JSON log lines (ours or transformers').
-    quiet = args.log_format == "json"
+    quiet = args.log_format == "json" or not args.progress
     if quiet:
         hf_logging.disable_progress_bar()
     with tqdm(total=2, desc="executor: loading the model", file=sys.stderr, disable=quiet) as bar:

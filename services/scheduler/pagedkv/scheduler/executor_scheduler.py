@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
@@ -56,6 +57,15 @@ class ScheduledStep:
     entries: list[Entry]
 
 
+class Processed(NamedTuple):
+    """What applying a step's samples did: the generations with news, and
+    the generations whose handling raised (the scheduler's own bugs; the
+    caller fails them, the others went on)."""
+
+    touched: set[Generation]
+    errors: list[tuple[Generation, Exception]]
+
+
 def _order(seq: Sequence) -> tuple[int, float, int]:
     return (seq.generation.priority, seq.generation.arrival, seq.index)
 
@@ -85,6 +95,9 @@ class ExecutorScheduler:
         self.freed_rows: list[int] = []  # rows to free in the next step
         self.step_id = 0
         self.num_preemptions = 0
+        # The sequence being scheduled, encoded or applied: when the
+        # scheduler's own code raises, the request it concerns.
+        self.current: Sequence | None = None
 
     # -- membership -----------------------------------------------------------
 
@@ -139,6 +152,7 @@ class ExecutorScheduler:
         (this executor is gone: its state is dropped, not freed)."""
         moved = [s for s in self.sequences if not s.finished]
         for seq in moved:
+            seq.generation.reserved_rows.clear()  # rows of this executor
             seq.row = None
             seq.table_lengths = None
             seq.token_unsent = False
@@ -175,6 +189,7 @@ class ExecutorScheduler:
                 break
             if seq not in self.running:  # preempted for an earlier one
                 continue
+            self.current = seq
             request = seq.request
             # A sample still in flight (async stepping): its token is not
             # known here yet; the executor continues from it, and the slot
@@ -203,6 +218,7 @@ class ExecutorScheduler:
             budget -= num_new + ahead
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            self.current = seq
             generation = seq.generation
             rows_needed = 1
             if not seq.admitted and generation.beam is not None:
@@ -231,9 +247,12 @@ class ExecutorScheduler:
             entries.append(self._entry(seq, num_new, None))
             scheduled.add(seq)
             budget -= num_new
+        self.current = None
         if not entries and not self.freed_rows:
             return None
-        return self._message(entries)
+        step = self._message(entries)
+        self.current = None
+        return step
 
     def _entry(self, seq: Sequence, num_new: int, allocation: Allocation | None) -> Entry:
         """An entry of ``num_new`` tokens; the request's computed count moves
@@ -260,6 +279,7 @@ class ExecutorScheduler:
         self.freed_rows = []
         for entry in new:
             seq = entry.seq
+            self.current = seq
             assert seq.row is not None
             message.new_requests.add(
                 request_id=seq.seq_id,
@@ -274,6 +294,7 @@ class ExecutorScheduler:
         block_ids: list[int] = []
         for entry in ordered:
             seq = entry.seq
+            self.current = seq
             request = seq.request
             scheduled.append(entry.num_scheduled)
             computed.append(request.num_computed_tokens)
@@ -320,47 +341,63 @@ class ExecutorScheduler:
 
     # -- results --------------------------------------------------------------
 
-    def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> set[Generation]:
-        """Applies a step's samples; returns the generations with news."""
+    def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> Processed:
+        """Applies a step's samples. A generation whose handling raises is
+        left as it is and reported in ``errors``; the others go on."""
         touched: set[Generation] = set()
         beams: set[Generation] = set()
+        errors: list[tuple[Generation, Exception]] = []
         samples = iter(range(len(response.sampled_token_ids)))
         top_offset = 0
         for entry in step.entries:
-            seq = entry.seq
-            current = entry.epoch == seq.epoch and seq.state is SequenceState.RUNNING
             if not entry.needs_sample:
                 continue
-            if not current:  # aborted, preempted or moved while the step ran
-                top_offset += response.num_top_logprobs[next(samples)]
-                continue
-            seq.inflight_samples -= 1
             i = next(samples)
-            token = response.sampled_token_ids[i]
-            num_top = response.num_top_logprobs[i]
-            if seq.generation.beam is not None:
-                top = slice(top_offset, top_offset + num_top)
-                seq.candidates = list(
-                    zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
-                )
-                top_offset += num_top
-                beams.add(seq.generation)
-                continue
-            if seq.generation.sampling.HasField("logprobs"):
-                seq.pending_logprobs.append(
-                    scheduler_pb2.TokenLogprobs(
-                        logprob=response.sampled_logprobs[i],
-                        top_token_ids=response.top_token_ids[top_offset : top_offset + num_top],
-                        top_logprobs=response.top_logprobs[top_offset : top_offset + num_top],
-                    )
-                )
-            top_offset += num_top
-            self._append(seq, token)
-            touched.add(seq.generation)
+            top = slice(top_offset, top_offset + response.num_top_logprobs[i])
+            top_offset = top.stop
+            seq = entry.seq
+            if entry.epoch != seq.epoch or seq.state is not SequenceState.RUNNING:
+                continue  # aborted, preempted or moved while the step ran
+            self.current = seq
+            try:
+                if self._apply(seq, response, i, top):
+                    beams.add(seq.generation)
+                else:
+                    touched.add(seq.generation)
+            except Exception as exc:
+                errors.append((seq.generation, exc))
         for generation in beams:
-            if self._beam_round(generation):
-                touched.add(generation)
-        return touched
+            self.current = generation.sequences[0] if generation.sequences else None
+            try:
+                if self._beam_round(generation):
+                    touched.add(generation)
+            except Exception as exc:
+                errors.append((generation, exc))
+        self.current = None
+        failed = {generation for generation, _ in errors}
+        return Processed(touched - failed, errors)
+
+    def _apply(
+        self, seq: Sequence, response: executor_pb2.StepResponse, i: int, top: slice
+    ) -> bool:
+        """Applies sample ``i`` to ``seq``; returns whether it is a beam's
+        candidates (chosen from in the beam round)."""
+        seq.inflight_samples -= 1
+        if seq.generation.beam is not None:
+            seq.candidates = list(
+                zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
+            )
+            return True
+        if seq.generation.sampling.HasField("logprobs"):
+            seq.pending_logprobs.append(
+                scheduler_pb2.TokenLogprobs(
+                    logprob=response.sampled_logprobs[i],
+                    top_token_ids=response.top_token_ids[top],
+                    top_logprobs=response.top_logprobs[top],
+                )
+            )
+        self._append(seq, response.sampled_token_ids[i])
+        return False
 
     def _beam_round(self, generation: Generation) -> bool:
         """Once every live beam has its candidates: prunes, forks and extends
@@ -412,7 +449,7 @@ class ExecutorScheduler:
         assert generation.beam is not None
         generation.beam.num_forks += 1
         request = self.kv.make_request(
-            f"{generation.request_id}/beam{generation.beam.num_forks}",
+            generation.new_seq_id(),
             parent.request.token_ids,
             cache_salt=generation.cache_salt or None,
             priority=generation.priority,

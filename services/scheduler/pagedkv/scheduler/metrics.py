@@ -13,7 +13,9 @@ Metric names (``_total`` on counters as exposed):
 * counters: ``pagedkv_prefix_cache_queries_total{executor}`` and
   ``pagedkv_prefix_cache_hits_total{executor}`` (both in tokens),
   ``pagedkv_preemptions_total``, ``pagedkv_requests_finished_total{finish_reason}``,
-  ``pagedkv_prompt_tokens_total``, ``pagedkv_generation_tokens_total``;
+  ``pagedkv_prompt_tokens_total``, ``pagedkv_generation_tokens_total``,
+  ``pagedkv_internal_errors_total``, ``pagedkv_executors_down_total{executor,cause}``,
+  ``pagedkv_executor_recoveries_total{executor}``;
 * histograms (seconds): ``pagedkv_step_seconds{executor}``,
   ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``.
 
@@ -131,6 +133,23 @@ class SchedulerMetrics:
             buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
             registry=r,
         )
+        self._internal_errors = Counter(
+            "pagedkv_internal_errors",
+            "Errors in the scheduler's own code (each failed the requests it concerned).",
+            registry=r,
+        )
+        self._executors_down = Counter(
+            "pagedkv_executors_down",
+            "Executors marked down, by cause (transport, timeout, fenced).",
+            ["executor", "cause"],
+            registry=r,
+        )
+        self._executor_recoveries = Counter(
+            "pagedkv_executor_recoveries",
+            "Executors taken back after being marked down.",
+            ["executor"],
+            registry=r,
+        )
         self._inter_token_latency = Histogram(
             "pagedkv_inter_token_latency_seconds",
             "Time between consecutive output tokens of a request.",
@@ -194,6 +213,18 @@ class SchedulerMetrics:
         """Count one finished request under ``reason`` (stop, length, abort, error)."""
         self._finished.labels(reason).inc()
 
+    def count_internal_error(self) -> None:
+        """Count one error in the scheduler's own code."""
+        self._internal_errors.inc()
+
+    def count_executor_down(self, executor: str, cause: str) -> None:
+        """Count an executor marked down for ``cause``."""
+        self._executors_down.labels(executor=executor, cause=cause).inc()
+
+    def count_recovery(self, executor: str) -> None:
+        """Count an executor taken back after it was down."""
+        self._executor_recoveries.labels(executor=executor).inc()
+
     def count_tokens(self, prompt: int, generated: int) -> None:
         """Count ``prompt`` admitted prompt tokens and ``generated`` output tokens."""
         assert prompt >= 0 and generated >= 0, (prompt, generated)
@@ -220,7 +251,7 @@ class SchedulerMetrics:
         """The Prometheus text exposition (format 0.0.4) of this registry."""
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve this registry over HTTP on ``host:port`` in a daemon thread.
 
         Port 0 picks a free port. Returns the port bound (prometheus_client

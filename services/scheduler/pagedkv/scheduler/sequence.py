@@ -40,6 +40,7 @@ class Sequence:
     row: int | None = None  # its executor row while the executor knows it
     finish_reason: int = FinishReason.FINISH_REASON_UNSPECIFIED
     stop_token_id: int | None = None
+    error_message: str = ""  # with FINISH_REASON_ERROR: what failed, for humans
     # Output since the last chunk, and logprobs per output token.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
@@ -70,10 +71,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.state is SequenceState.FINISHED
 
-    def finish(self, reason: int, stop_token_id: int | None = None) -> None:
+    def finish(
+        self, reason: int, stop_token_id: int | None = None, error_message: str = ""
+    ) -> None:
         self.state = SequenceState.FINISHED
         self.finish_reason = reason
         self.stop_token_id = stop_token_id
+        self.error_message = error_message
 
 
 @dataclass(eq=False)
@@ -102,6 +106,17 @@ class Generation:
     beam: BeamSearch | None = None  # beam search (beam_width >= 2)
     tokenizer: TextTokenizer | None = None  # for the beams' text
     reserved_rows: list[int] = field(default_factory=list)  # rows kept for its forks
+    # The scheduler's own serial number of this call: sequences are named
+    # from it, never from the client's request_id (which is free text).
+    key: int = 0
+    num_seq_ids: int = 0
+
+    def new_seq_id(self) -> str:
+        """A name for a new sequence of this generation (its block-core
+        request id and its id on the executor), unique in the scheduler."""
+        seq_id = f"{self.key}.{self.num_seq_ids}"
+        self.num_seq_ids += 1
+        return seq_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,6 +161,7 @@ class Generation:
                 output.finish_reason = seq.finish_reason  # type: ignore[assignment]
                 if seq.stop_token_id is not None:
                     output.stop_token_id = seq.stop_token_id
+                output.error_message = seq.error_message
                 seq.finish_reported = True
             seq.pending_token_ids = []
             seq.pending_logprobs = []
@@ -161,9 +177,16 @@ class Generation:
             self.chunks.put_nowait(response)
 
     def _finish_beams(self, response: scheduler_pb2.GenerateResponse) -> None:
-        """The final chunk of a beam search: the best beams and usage."""
+        """The final chunk of a beam search: the best beams and usage (a
+        failed search: one output saying what failed)."""
         assert self.beam is not None
-        best = self.beam.best()
+        failed = [s for s in self.sequences if s.finish_reason == FinishReason.FINISH_REASON_ERROR]
+        best = [] if failed else self.beam.best()
+        if failed:
+            response.outputs.add(
+                finish_reason=FinishReason.FINISH_REASON_ERROR,
+                error_message=failed[0].error_message,
+            )
         for beam in best:
             text = self.tokenizer.decode(beam.token_ids) if self.tokenizer else ""
             response.beams.add(

@@ -4,35 +4,40 @@ back to the Generate streams. One asyncio loop; no threads.
 Each executor has a step loop (a task) that schedules, sends one step on its
 stream, applies the samples and queues chunks; the executors' loops run
 concurrently. A generation is placed on one executor when it arrives: the
-longest cached prefix, then the most free blocks. An executor that fails or
-times out is marked down and its sequences are recomputed elsewhere, or end
-with FINISH_REASON_ERROR and UNAVAILABLE when no executor is left.
+longest cached prefix, then the most free blocks.
+
+An error in the scheduler's own code fails the generation it concerns, not
+the executor; executors lost and taken back: ``failover.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
+import itertools
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedkv.common.errors import (
     AlreadyExists,
+    InvalidArgument,
     ResourceExhausted,
+    ServiceError,
     Unavailable,
 )
+from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
+from pagedkv.scheduler.executor_client import ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
+from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.validation import prompt_token_ids, validate_sampling
-from pagedkv.v1 import executor_pb2, scheduler_pb2
+from pagedkv.v1 import scheduler_pb2
+
+__all__ = ["SchedulerConfig", "SchedulerService", "StepTiming"]
 
 log = get_logger(__name__)
 
@@ -49,45 +54,22 @@ class StepTiming(NamedTuple):
     process_s: float  # applying the samples and queuing chunks (scheduler CPU)
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    executors: tuple[str, ...]
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    executor_timeout: float = 120.0
-    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
-    scheduler_id: str = ""
-    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
-
-
-class SchedulerService:
+class SchedulerService(ExecutorFailover):
     """Owns the executors, the generations and their step loops."""
 
     def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
-        self.config = config
-        self.scheduler_id = config.scheduler_id or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
-        self.metrics = metrics
-        self.clients: dict[str, ExecutorClient] = {}
-        self.schedulers: dict[str, ExecutorScheduler] = {}
-        self.down: dict[str, str] = {}  # address -> why
-        self.generations: dict[str, Generation] = {}
+        super().__init__(config, metrics)
         self.tokenizer: TextTokenizer | None = None
-        self.info = executor_pb2.GetInfoResponse()
-        self._wake: dict[str, asyncio.Event] = {}
-        self._tasks: list[asyncio.Task[None]] = []
-        self._preemptions_of_down = 0  # preemptions on executors now down
+        self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
 
     # -- life -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Takes over every executor that answers; raises Unavailable if none does."""
+        """Takes over every executor that answers (the others are probed
+        until they do); raises Unavailable if none does."""
         for address in self.config.executors:
-            client = ExecutorClient(
-                address, self.scheduler_id, timeout=self.config.executor_timeout
-            )
+            client = self._client(address)
             self.clients[address] = client
             try:
                 info = await client.connect()
@@ -100,43 +82,47 @@ class SchedulerService:
                     f"executor {address} serves {info.model_id!r}, not {self.info.model_id!r}"
                 )
             self.info = info
-            self.schedulers[address] = ExecutorScheduler(
-                address,
-                info,
-                client.owner,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-            )
-            self._wake[address] = asyncio.Event()
-            log.info(
-                "executor taken over",
-                executor=address,
-                epoch=client.owner.epoch,
-                num_blocks=info.num_blocks,
-            )
+            self._adopt(address, client, info)
         if not self.schedulers:
             raise Unavailable("no executor answered: " + "; ".join(self.down.values()))
         self.tokenizer = TextTokenizer.from_model_dir(self.config.model_dir or self.info.model_id)
         for address in self.schedulers:
-            self._tasks.append(asyncio.create_task(self._loop(address)))
+            self._spawn(self._loop(address))
+        for address in self.down:
+            self._spawn(self._recover(address))
 
     async def stop(self) -> None:
         """Ends every live generation (ABORT) and closes the executors."""
         for generation in list(self.generations.values()):
             self.abort(generation.request_id)
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for client in self.clients.values():
             await client.close()
 
     # -- requests -------------------------------------------------------------
 
     def submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
-        """Validates a Generate call and queues it; raises the service errors."""
+        """Validates a Generate call and queues it; raises the service errors
+        (an error in the scheduler's own code: INTERNAL, nothing queued)."""
+        try:
+            return self._submit(request)
+        except ServiceError:
+            raise
+        except Exception as exc:
+            raise self._internal_error(exc, "submit", request_id=request.request_id) from exc
+
+    def _submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
         if not self.schedulers:
-            raise Unavailable("no executor is available")
+            raise Unavailable("no executor is available: " + "; ".join(self.down.values()))
         request_id = request.request_id or uuid.uuid4().hex
+        size = len(request_id.encode())
+        if size > MAX_REQUEST_ID_BYTES:
+            raise InvalidArgument(
+                f"request_id: {size} bytes; at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8"
+            )
         if request_id in self.generations:
             raise AlreadyExists(f"request_id: {request_id!r} is live")
         prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
@@ -177,12 +163,13 @@ class SchedulerService:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             beam=valid.beam,
             tokenizer=self.tokenizer,
+            key=next(self._keys),
         )
         block_size = info.block_size
         kv = next(iter(self.schedulers.values())).kv  # every executor serves one model
         for index in range(n):
             seq_request = kv.make_request(
-                f"{request_id}/{index}" if n > 1 else request_id,
+                generation.new_seq_id(),
                 prompt,
                 cache_salt=request.cache_salt or None,
                 max_tokens=max_tokens,
@@ -222,62 +209,92 @@ class SchedulerService:
             seq.finish(FinishReason.FINISH_REASON_ABORT)
         for seq in ended:
             scheduler = self.schedulers.get(seq.executor or "")
-            if scheduler is not None:
+            if scheduler is None:
+                continue
+            try:
                 scheduler.release(seq)
-                self._wake[scheduler.address].set()
-        generation.flush()
-        self._count_finished(generation)
+            except Exception as exc:  # its executor's accounting is in doubt
+                self._internal_error(exc, "abort", request_id=request_id)
+                self._resync.add(scheduler.address)
+            self._wake[scheduler.address].set()
+        self._end(generation)
         return True
 
     # -- the step loops -------------------------------------------------------
 
     async def _loop(self, address: str) -> None:
-        try:
-            await self._step_loop(address)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug here must not hang its requests
-            log.exception("step loop failed", executor=address)
-            if address in self.schedulers:
-                self._executor_down(address, f"scheduler error: {exc!r}")
+        """Steps the executor until it is down; contains the scheduler's own
+        errors (see the module docstring)."""
+        while address in self.schedulers:
+            scheduler = self.schedulers[address]
+            try:
+                await self._step_loop(scheduler)
+            except asyncio.CancelledError:
+                raise
+            except ExecutorDown as exc:
+                owner = None if exc.cause == "timeout" else await self._owner_if_fenced(address)
+                if owner is not None:
+                    self._executor_down(address, f"fenced: {owner}", "fenced")
+                    return
+                if exc.cause != "refused":
+                    self._executor_down(address, str(exc), exc.cause)
+                    return
+                # It refused what we sent: the message was wrong, our bug.
+                self._internal_error(exc, "step refused", executor=address)
+                self._unattributed_error(scheduler)
+            except Resync:
+                pass
+            except Exception as exc:
+                error = self._internal_error(exc, "step loop", executor=address)
+                culprit = scheduler.current
+                if culprit is None:
+                    self._unattributed_error(scheduler)
+                else:
+                    self._fail(culprit.generation, error)
+            if not await self._resync_executor(address):
+                return
 
-    async def _step_loop(self, address: str) -> None:
+    async def _step_loop(self, scheduler: ExecutorScheduler) -> None:
         """Async stepping: step N + 1 is built and sent while the executor
         runs step N, so scheduling overlaps the executor's work; at most
-        ``config.pipeline_depth`` steps are in flight."""
-        scheduler = self.schedulers[address]
+        ``config.pipeline_depth`` steps are in flight. Raises ExecutorDown,
+        Resync, or the scheduler's own errors."""
+        address = scheduler.address
         client = self.clients[address]
         wake = self._wake[address]
         clock = time.perf_counter
-        inflight: deque[tuple[ScheduledStep, float, float]] = deque()
+        inflight: deque[tuple[ScheduledStep, float, float, float]] = deque()
         depth = self.config.pipeline_depth
         while True:
-            step = None
+            if address in self._resync:
+                raise Resync
             if len(inflight) < depth:
                 t0 = clock()
                 step = scheduler.schedule()
                 if step is not None:
                     t1 = clock()
-                    try:
-                        await client.send(step.request)
-                    except ExecutorDown as exc:
-                        self._executor_down(address, str(exc))
-                        return
-                    inflight.append((step, t0, t1))
+                    sent_at = time.monotonic()
+                    await client.send(step.request)
+                    inflight.append((step, t0, t1, sent_at))
                     if len(inflight) < depth:
                         continue
             if not inflight:
                 wake.clear()
                 await wake.wait()
                 continue
-            sent, t0, t1 = inflight.popleft()
-            try:
-                response = await client.receive()
-            except ExecutorDown as exc:
-                self._executor_down(address, str(exc))
-                return
+            sent, t0, t1, sent_at = inflight.popleft()
+            response = await client.receive(sent_at)
             t2 = clock()
-            touched = scheduler.process(sent, response)
+            touched, errors = scheduler.process(sent, response)
+            for generation, exc in errors:
+                error = self._internal_error(
+                    exc, "process", executor=address, request_id=generation.request_id
+                )
+                self._fail(generation, error)
+            if errors and not scheduler.kv.check_integrity().ok:
+                raise Resync
+            if not errors:
+                self._unattributed.pop(address, None)
             self._publish(touched, scheduler, t2 - t0)
             self.step_timings.append(
                 StepTiming(
@@ -297,6 +314,7 @@ class SchedulerService:
     ) -> None:
         now = time.monotonic()
         metrics = self.metrics
+        address = scheduler.address
         for generation in touched:
             if metrics is not None:
                 if generation.first_token_at is None:
@@ -306,70 +324,22 @@ class SchedulerService:
             if generation.first_token_at is None:
                 generation.first_token_at = now
             generation.last_token_at = now
-            generation.flush()
+            try:
+                generation.flush()
+            except Exception as exc:
+                self._fail(generation, self._internal_error(exc, "flush", executor=address))
+                continue
             if generation.done and self.generations.get(generation.request_id) is generation:
                 del self.generations[generation.request_id]
                 self._count_finished(generation)
         if metrics is not None:
             kv = scheduler.kv
             stats = kv.prefix_cache_stats
-            address = scheduler.address
             metrics.observe_step(address, seconds)
             metrics.set_kv_usage(address, kv.usage)
             metrics.set_prefix_cache(address, stats.queries, stats.hits)
             metrics.set_preemptions(self.num_preemptions)
             metrics.set_queue_sizes(self.num_running, self.num_waiting)
-
-    def _count_finished(self, generation: Generation) -> None:
-        reasons = sorted(
-            {
-                FinishReason.Name(s.finish_reason).removeprefix("FINISH_REASON_").lower()
-                for s in generation.sequences
-            }
-        )
-        log.info(
-            "request finished",
-            request_id=generation.request_id,
-            finish_reasons=reasons,
-            completion_tokens=sum(s.request.num_output_tokens for s in generation.sequences),
-            cached_prompt_tokens=generation.num_cached_prompt_tokens,
-            seconds=round(time.monotonic() - generation.arrival, 4),
-        )
-        if self.metrics is None:
-            return
-        for seq in generation.sequences:
-            name = FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
-            self.metrics.count_finished(name)
-        self.metrics.count_tokens(
-            prompt=0, generated=sum(s.request.num_output_tokens for s in generation.sequences)
-        )
-
-    def _executor_down(self, address: str, why: str) -> None:
-        """Marks an executor down and recomputes its sequences elsewhere."""
-        log.warning("executor down", executor=address, error=why)
-        self.down[address] = why
-        scheduler = self.schedulers.pop(address)
-        self._preemptions_of_down += scheduler.num_preemptions
-        moved = scheduler.evacuate()
-        targets: dict[Generation, str] = {}  # a generation's sequences stay together
-        for seq in moved:
-            generation = seq.generation
-            if seq.finished:
-                continue
-            if not self.schedulers:
-                seq.finish(FinishReason.FINISH_REASON_ERROR)
-                generation.flush()
-                if self.generations.pop(generation.request_id, None) is not None:
-                    generation.chunks.put_nowait(Unavailable(f"every executor is down ({why})"))
-                continue
-            if generation not in targets:
-                targets[generation] = max(
-                    self.schedulers,
-                    key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks(),
-                )
-            target = targets[generation]
-            self.schedulers[target].add(seq)
-            self._wake[target].set()
 
     # -- stats ----------------------------------------------------------------
 
@@ -393,14 +363,22 @@ class SchedulerService:
             scheduler_id=self.scheduler_id,
         )
         problems = []
+        response.num_internal_errors = self.num_internal_errors
         for address, client in self.clients.items():
             scheduler = self.schedulers.get(address)
-            executor = response.executors.add(address=address, healthy=scheduler is not None)
+            executor = response.executors.add(
+                address=address,
+                healthy=scheduler is not None,
+                down_reason=self.down.get(address, ""),
+                num_recoveries=self.recoveries.get(address, 0),
+            )
             if scheduler is None:
                 continue
             kv = scheduler.kv
             prefix = kv.prefix_cache_stats
+            executor.suspect = client.suspect
             executor.num_blocks = scheduler.info.num_blocks
+            executor.num_usable_blocks = scheduler.info.num_blocks - 1
             executor.num_free_blocks = kv.pool.get_num_free_blocks()
             executor.kv_cache_usage = kv.usage
             executor.prefix_cache_queries = prefix.queries

@@ -1,0 +1,313 @@
+"""How the scheduler meets failure: generations that end in error, executors
+lost and taken back (see the "Failures" section of docs/scheduler.md).
+
+``ExecutorFailover`` holds the executors' connections and scheduling state
+and every path that changes which executors are in service: adoption,
+resync after the scheduler's own error, marking down by cause, and probing a
+down executor until it can be taken back. ``SchedulerService`` builds on it
+with requests and step loops.
+
+Failures are told apart by cause (docs/scheduler.md, "Failures"):
+
+* an error in the scheduler's own code ends the generation it concerns with
+  FINISH_REASON_ERROR and INTERNAL; when the executor's accounting can no
+  longer be trusted (the step was half built, the pool check fails, the
+  executor refused a step) the executor is *resynced*: taken over again with
+  a higher epoch and a cold cache, its other sequences recomputed there;
+* a broken connection (``transport``), a step past the executor timeout
+  (``timeout``) or another owner's takeover (``fenced``) marks the executor
+  down: its sequences are recomputed elsewhere, or end with
+  FINISH_REASON_ERROR and UNAVAILABLE when no executor is left, and the
+  executor is probed with backoff until it can be taken back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.common.errors import ServiceError, Unavailable
+from pagedkv.common.ids import MAX_EPOCH
+from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.metrics import SchedulerMetrics
+from pagedkv.scheduler.sequence import FinishReason, Generation
+from pagedkv.v1 import executor_pb2
+
+log = get_logger(__name__)
+
+PROBE_BACKOFF_S = (0.25, 5.0)  # first and longest wait between probes of a down executor
+MAX_UNATTRIBUTED_ERRORS = 3  # in a row on one executor: its generations fail
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    executors: tuple[str, ...]
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    executor_timeout: float = 120.0
+    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
+    scheduler_id: str = ""
+    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
+
+
+class Resync(Exception):
+    """The executor's accounting must be rebuilt (raised inside its loop)."""
+
+
+class ExecutorFailover:
+    """The executors in service and out of it, and how generations fail."""
+
+    def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None) -> None:
+        self.config = config
+        self.scheduler_id = config.scheduler_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.metrics = metrics
+        self.info = executor_pb2.GetInfoResponse()  # the model every executor serves
+        self.clients: dict[str, ExecutorClient] = {}
+        self.schedulers: dict[str, ExecutorScheduler] = {}  # executors in service
+        self.down: dict[str, str] = {}  # address -> why ("cause: detail")
+        self.recoveries: dict[str, int] = {}  # address -> times taken back
+        self.generations: dict[str, Generation] = {}
+        self.num_internal_errors = 0
+        self._wake: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._resync: set[str] = set()  # executors whose accounting must be rebuilt
+        self._unattributed: dict[str, int] = {}  # errors in a row with no culprit
+        self._preemptions_of_down = 0  # preemptions on executors dropped since
+
+    async def _loop(self, address: str) -> None:
+        """The executor's step loop (``SchedulerService``)."""
+        raise NotImplementedError
+
+    def _client(self, address: str) -> ExecutorClient:
+        return ExecutorClient(address, self.scheduler_id, timeout=self.config.executor_timeout)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _adopt(
+        self, address: str, client: ExecutorClient, info: executor_pb2.GetInfoResponse
+    ) -> ExecutorScheduler:
+        """Starts scheduling on an executor just taken over (cold: its cache
+        index starts empty) and starts its step loop unless one runs."""
+        self.clients[address] = client
+        scheduler = ExecutorScheduler(
+            address,
+            info,
+            client.owner,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+        self.schedulers[address] = scheduler
+        self.down.pop(address, None)
+        self._wake.setdefault(address, asyncio.Event()).set()
+        log.info(
+            "executor taken over",
+            executor=address,
+            epoch=client.owner.epoch,
+            num_blocks=info.num_blocks,
+            incarnation=info.incarnation_id,
+        )
+        return scheduler
+
+    def _end(self, generation: Generation, error: ServiceError | None = None) -> None:
+        """Queues a finished generation's last chunk (then ``error``, the
+        status its stream ends with) and forgets it."""
+        try:
+            generation.flush()
+        except Exception as exc:
+            error = error or self._internal_error(exc, "flush", request_id=generation.request_id)
+        if error is not None:
+            generation.done = True
+            generation.chunks.put_nowait(error)
+        if self.generations.get(generation.request_id) is generation:
+            del self.generations[generation.request_id]
+        self._count_finished(generation)
+
+    def _fail(self, generation: Generation, error: ServiceError) -> None:
+        """Ends a generation with FINISH_REASON_ERROR (its blocks released)
+        and its stream with ``error``. A release that raises leaves its
+        executor to be resynced."""
+        if generation.done:
+            return
+        for seq in generation.sequences:
+            if not seq.finished:
+                seq.finish(FinishReason.FINISH_REASON_ERROR, error_message=str(error))
+        for seq in generation.sequences:
+            scheduler = self.schedulers.get(seq.executor or "")
+            if scheduler is None:
+                continue
+            try:
+                scheduler.release(seq)
+            except Exception as exc:
+                self._internal_error(exc, "release", request_id=generation.request_id)
+                self._resync.add(scheduler.address)
+            self._wake[scheduler.address].set()
+        self._end(generation, error)
+
+    def _internal_error(self, exc: BaseException, where: str, **context: Any) -> ServiceError:
+        """Logs and counts an error in the scheduler's own code; returns the
+        INTERNAL error its requests end with (an id ties it to the log)."""
+        error_id = uuid.uuid4().hex[:12]
+        self.num_internal_errors += 1
+        if self.metrics is not None:
+            self.metrics.count_internal_error()
+        log.error("internal error", where=where, error_id=error_id, exc_info=exc, **context)
+        return ServiceError(f"internal error in the scheduler (error id {error_id})")
+
+    def _unattributed_error(self, scheduler: ExecutorScheduler) -> None:
+        """Counts an error with no known culprit on this executor; after
+        MAX_UNATTRIBUTED_ERRORS in a row every generation there fails, so a
+        bug that recurs on every recompute cannot loop forever."""
+        address = scheduler.address
+        count = self._unattributed.get(address, 0) + 1
+        self._unattributed[address] = count
+        if count < MAX_UNATTRIBUTED_ERRORS:
+            return
+        self._unattributed[address] = 0
+        error = ServiceError(
+            f"internal error in the scheduler: {count} in a row on executor {address}"
+        )
+        for generation in {seq.generation for seq in scheduler.sequences}:
+            self._fail(generation, error)
+
+    async def _owner_if_fenced(self, address: str) -> str | None:
+        """The executor's owner when it is not us any more (None: it still
+        is ours, or it does not answer)."""
+        client = self.clients[address]
+        try:
+            info = await client.get_info(timeout=min(PROBE_TIMEOUT_S, client.timeout))
+        except ExecutorDown:
+            return None
+        if client.owned_by_us(info):
+            return None
+        return f"owned by {info.owner.owner_id!r} at epoch {info.owner.epoch}"
+
+    async def _resync_executor(self, address: str) -> bool:
+        """Takes the executor over again (a higher epoch frees its rows and
+        fences steps in flight), with a cold cache index, and queues its
+        unfinished sequences there to be recomputed. Returns False when it
+        could not be taken over (it is then marked down)."""
+        self._resync.discard(address)
+        client = self.clients[address]
+        try:
+            info = await client.connect()
+        except ExecutorDown as exc:
+            self._executor_down(address, str(exc), exc.cause)
+            return False
+        old = self.schedulers[address]
+        self._preemptions_of_down += old.num_preemptions
+        moved = old.evacuate()
+        scheduler = self._adopt(address, client, info)
+        for seq in moved:
+            if not seq.finished:
+                scheduler.add(seq)
+        log.warning("executor resynced", executor=address, requeued=len(moved))
+        return True
+
+    def _count_finished(self, generation: Generation) -> None:
+        reasons = sorted(
+            {
+                FinishReason.Name(s.finish_reason).removeprefix("FINISH_REASON_").lower()
+                for s in generation.sequences
+            }
+        )
+        log.info(
+            "request finished",
+            request_id=generation.request_id,
+            finish_reasons=reasons,
+            completion_tokens=sum(s.request.num_output_tokens for s in generation.sequences),
+            cached_prompt_tokens=generation.num_cached_prompt_tokens,
+            seconds=round(time.monotonic() - generation.arrival, 4),
+        )
+        if self.metrics is None:
+            return
+        for seq in generation.sequences:
+            name = FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.metrics.count_finished(name)
+        self.metrics.count_tokens(
+            prompt=0, generated=sum(s.request.num_output_tokens for s in generation.sequences)
+        )
+
+    def _executor_down(self, address: str, why: str, cause: str) -> None:
+        """Marks an executor down, recomputes its sequences elsewhere (or ends
+        them with FINISH_REASON_ERROR and UNAVAILABLE when none is left) and
+        starts probing it."""
+        log.warning("executor down", executor=address, cause=cause, error=why)
+        self.down[address] = why
+        if self.metrics is not None:
+            self.metrics.count_executor_down(address, cause)
+        scheduler = self.schedulers.pop(address)
+        self._resync.discard(address)
+        self._preemptions_of_down += scheduler.num_preemptions
+        moved = scheduler.evacuate()
+        targets: dict[Generation, str] = {}  # a generation's sequences stay together
+        for seq in moved:
+            generation = seq.generation
+            if seq.finished or generation.done:
+                continue
+            if not self.schedulers:
+                self._fail(generation, Unavailable(f"every executor is down ({why})"))
+                continue
+            if generation not in targets:
+                targets[generation] = max(
+                    self.schedulers,
+                    key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks(),
+                )
+            target = targets[generation]
+            self.schedulers[target].add(seq)
+            self._wake[target].set()
+        self._spawn(self._recover(address))
+
+    async def _recover(self, address: str) -> None:
+        """Probes a down executor with backoff (GetInfo on a fresh channel)
+        and takes it back when it answers: a new incarnation as a fresh
+        executor, the same one (it hung, or lost its connection) re-adopted
+        with a higher epoch. Both start cold: steps in flight when it went
+        down may or may not have run, so no cached block is provably intact.
+        An executor another owner has taken over is left to that owner."""
+        await self.clients[address].close()
+        delay, longest = PROBE_BACKOFF_S
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, longest)
+            client = self._client(address)
+            try:
+                info = await client.get_info(timeout=min(PROBE_TIMEOUT_S, client.timeout))
+                why = self._not_adoptable(address, info)
+                if why is None:
+                    info = await client.connect(info)
+            except ExecutorDown as exc:
+                why = str(exc)
+            if why is not None:
+                self.down[address] = self.down[address].split(";")[0] + f"; now: {why}"
+                await client.close()
+                continue
+            self.recoveries[address] = self.recoveries.get(address, 0) + 1
+            if self.metrics is not None:
+                self.metrics.count_recovery(address)
+            self._adopt(address, client, info)
+            self._spawn(self._loop(address))
+            return
+
+    def _not_adoptable(self, address: str, info: executor_pb2.GetInfoResponse) -> str | None:
+        """Why a probed executor cannot be taken back (None: it can)."""
+        if info.model_id != self.info.model_id:
+            return f"it serves {info.model_id!r}, not {self.info.model_id!r}"
+        owner = info.owner.owner_id
+        if owner and owner != self.scheduler_id:
+            return f"owned by {owner!r} at epoch {info.owner.epoch}"
+        if info.owner.epoch >= MAX_EPOCH:
+            return f"its epoch {info.owner.epoch} is the maximum; restart it"
+        return None
