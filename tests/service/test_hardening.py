@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from pagedkv.common.errors import ServiceError
+from pagedkv.common.logging import configure_logging
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
@@ -136,6 +137,7 @@ def test_a_scheduler_bug_fails_only_the_requests_it_concerns(
     model = model_dirs["llama"]
     expected = hf_greedy(model, PROMPT, 24)
     _inject(monkeypatch, method, "boom", 3)
+    configure_logging("console", "INFO")  # onto this test's stderr, not an earlier one's
 
     async def main(target: str) -> None:
         config = SchedulerConfig(executors=(target,), model_dir=str(model))
