@@ -105,6 +105,7 @@ def test_start_up_is_one_labelled_ready_line_per_executor_without_progress_bars(
     )
     assert {address for address, _ in ready} == {ex.address for ex in stats.executors}
     assert "Loading weights" not in stderr  # transformers' bars are off too
+    assert "\r" not in stderr  # and the executors' own start-up bars
 
 
 def test_an_executor_that_exits_early_is_one_line_not_a_traceback(
