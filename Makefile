@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint proto run bench-blocks redis clean
+.PHONY: setup test lint proto run bench-blocks redis gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ run: setup
 # Refreshes the committed block-core results.
 bench-blocks: setup
 	$(BIN)/pagedkv bench blocks --repeat 5 --output tests/benchmarks/results/blocks-cpu.json
+
+# Downloads into .whl/ the pinned wheels that a GPU machine without internet
+# access lacks; there, `bash tests/gpu/run-gpu-tests.sh` runs the GPU tests.
+gpu-wheels:
+	PYTHON=$(PYTHON) bash tests/gpu/device-wheels.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Runs the GPU tests on a GPU machine without internet access whose Python
+# (3.12, with CUDA torch, triton and transformers) lacks some of the project's
+# pins. Bring the repository there with the wheels of
+# tests/gpu/device-wheels.sh in .whl/, then, from anywhere:
+#
+#   bash tests/gpu/run-gpu-tests.sh
+#
+# It installs those wheels into SITE (/tmp/site), puts the parts' sources on
+# PYTHONPATH (nothing of pagedkv is installed; their `pagedkv` subcommands are
+# registered beside the wheels), prints what it runs with, then runs
+#   - the tests marked gpu in tests/executor and tests/kernels, and
+#   - the tests that drive executor servers end to end over gRPC
+#     (tests/executor/test_executor_api.py, tests/service/test_hardening.py).
+# The log goes to gpu-tests.log in OUT when OUT is set, else in TMPDIR (/tmp).
+# Exits non-zero when either pytest run fails.
+set -euo pipefail  # the status is main's, through tee
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+LOG=${OUT:-${TMPDIR:-/tmp}}/gpu-tests.log
+PARTS=(shared services/scheduler services/client services/executor kernels)
+
+setup() {
+  mkdir -p "$SITE"
+  local wheels=("$WHEEL_DIR"/*.whl)
+  if [[ -e "${wheels[0]}" ]]; then
+    echo "run-gpu-tests: installing ${#wheels[@]} wheels from $WHEEL_DIR into $SITE"
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target "$SITE" "${wheels[@]}"
+  else
+    echo "run-gpu-tests: no wheels in $WHEEL_DIR (tests/gpu/device-wheels.sh makes them)"
+  fi
+
+  # `pagedkv` finds its subcommands through entry points: give each part a
+  # minimal .dist-info (name, version, entry points) read from its pyproject.
+  "$PYTHON" - "$SITE" "${PARTS[@]}" <<'PY'
+import sys
+import tomllib
+from pathlib import Path
+
+site = Path(sys.argv[1])
+for part in sys.argv[2:]:
+    project = tomllib.loads((Path(part) / "pyproject.toml").read_text())["project"]
+    name, version = project["name"], project["version"]
+    groups = dict(project.get("entry-points", {}))
+    if "scripts" in project:
+        groups["console_scripts"] = project["scripts"]
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    )
+    lines = []
+    for group, points in groups.items():
+        lines += [f"[{group}]", *(f"{key} = {value}" for key, value in points.items()), ""]
+    (info / "entry_points.txt").write_text("\n".join(lines))
+PY
+
+  local path=$SITE part
+  for part in "${PARTS[@]}"; do
+    path+=":$ROOT/$part"
+  done
+  export PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH}
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+}
+
+report() {
+  "$PYTHON" - <<'PY'
+import importlib.metadata as metadata
+import platform
+
+import torch
+
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+for name in ("triton", "transformers", "tokenizers", "numpy", "grpcio", "protobuf",
+             "grpcio-health-checking", "grpcio-reflection", "structlog",
+             "prometheus-client", "xxhash", "pytest", "pytest-timeout"):
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        print(name, "MISSING")
+# The generated code checks the protobuf and grpcio versions at import.
+import pagedkv.v1.executor_pb2_grpc
+import pagedkv.v1.scheduler_pb2_grpc
+print("pagedkv.v1 imports")
+PY
+}
+
+main() {
+  setup
+  report
+  local status=0
+  echo "run-gpu-tests: pytest -m gpu tests/executor tests/kernels"
+  "$PYTHON" -m pytest -m gpu tests/executor tests/kernels -q || status=1
+  echo "run-gpu-tests: pytest tests/executor/test_executor_api.py tests/service/test_hardening.py"
+  "$PYTHON" -m pytest tests/executor/test_executor_api.py tests/service/test_hardening.py -q \
+    || status=1
+  if [[ $status == 0 ]]; then echo "run-gpu-tests: passed"; else echo "run-gpu-tests: FAILED"; fi
+  return "$status"
+}
+
+mkdir -p "$(dirname "$LOG")"
+echo "run-gpu-tests: log in $LOG"
+main 2>&1 | tee "$LOG"
