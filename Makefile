@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint proto run bench-blocks redis gpu-wheels clean
+.PHONY: setup test lint proto run bench-blocks redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,12 @@ run: setup
 # Refreshes the committed block-core results.
 bench-blocks: setup
 	$(BIN)/pagedkv bench blocks --repeat 5 --output tests/benchmarks/results/blocks-cpu.json
+
+# The stateful fuzz suite's long profile against the live stack (CI runs a
+# short, derandomized one): PAGEDKV_FUZZ_EXAMPLES random bursts (default 300),
+# failures kept in .hypothesis/ for replay.
+fuzz: setup redis
+	PAGEDKV_FUZZ_EXAMPLES=$${PAGEDKV_FUZZ_EXAMPLES:-300} $(BIN)/python -m pytest tests/service/test_fuzz.py
 
 # Downloads into .whl/ the pinned wheels that a GPU machine without internet
 # access lacks; there, `bash tests/gpu/run-gpu-tests.sh` runs the GPU tests.

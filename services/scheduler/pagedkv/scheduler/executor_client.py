@@ -147,13 +147,29 @@ class ExecutorClient:
     async def send(self, request: executor_pb2.StepRequest) -> None:
         """Sends a step without waiting for any response (async stepping:
         responses come back in order, one per step)."""
+        stream = self._stream
         try:
-            if self._stream is None:
+            if stream is None:
                 raise ExecutorDown("transport", f"{self.address}: no step stream")
-            await asyncio.wait_for(self._stream.write(request), self.timeout)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, ExecutorDown) as exc:
+            await asyncio.wait_for(stream.write(request), self.timeout)
+        except (asyncio.TimeoutError, ExecutorDown) as exc:
             self._drop_stream()
             raise _down(exc, self.address, self.timeout) from exc
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            # A write fails once the stream has ended; its status says why.
+            down = await self._ended(stream)
+            self._drop_stream()
+            raise down from exc
+
+    async def _ended(self, stream: Any) -> ExecutorDown:
+        """Why a step stream that gives no more responses has ended (its status)."""
+        try:
+            code = await asyncio.wait_for(stream.code(), PROBE_TIMEOUT_S)
+            details = await asyncio.wait_for(stream.details(), PROBE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return ExecutorDown("transport", f"{self.address}: the step stream ended")
+        detail = f"{self.address}: the step stream ended: {code.name}: {details}"
+        return ExecutorDown(_status_cause(code), detail)
 
     @property
     def suspect_after(self) -> float:
@@ -206,12 +222,7 @@ class ExecutorClient:
             raise ExecutorDown("transport", f"{self.address}: no step stream")
         response = await self._stream.read()
         if response is grpc.aio.EOF:
-            code = await self._stream.code()
-            details = await self._stream.details()
-            raise ExecutorDown(
-                _status_cause(code),
-                f"{self.address}: the step stream ended: {code.name}: {details}",
-            )
+            raise await self._ended(self._stream)
         assert isinstance(response, executor_pb2.StepResponse)
         return response
 

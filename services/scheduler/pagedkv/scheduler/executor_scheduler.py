@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
-from pagedkv.scheduler.kv_cache_types import Allocation
+from pagedkv.scheduler.kv_cache_types import Allocation, BlockCopy
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence, SequenceState
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 
@@ -53,8 +53,32 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledStep:
+    """A step's message and entries. ``before``: copy-only messages to send
+    first, in order (see ``copy_phases``); usually none."""
+
     request: executor_pb2.StepRequest
     entries: list[Entry]
+    before: tuple[executor_pb2.StepRequest, ...] = ()
+
+
+def copy_phases(copies: list[BlockCopy]) -> list[list[BlockCopy]]:
+    """Splits a step's copy-on-write copies, in the order they were made,
+    into phases the executor can apply each at once (its destinations
+    distinct, none of them a source), so that applying the phases in turn is
+    the same as applying the copies one by one. A block freed and handed out
+    again in the same step (a preemption between two allocations) can be a
+    source and then a destination, or a destination twice."""
+    phases: list[list[BlockCopy]] = [[]]
+    sources: set[int] = set()
+    destinations: set[int] = set()
+    for copy in copies:
+        if copy.src in destinations or copy.dst in sources or copy.dst in destinations:
+            phases.append([])
+            sources, destinations = set(), set()
+        phases[-1].append(copy)
+        sources.add(copy.src)
+        destinations.add(copy.dst)
+    return phases
 
 
 class Processed(NamedTuple):
@@ -273,8 +297,11 @@ class ExecutorScheduler:
         new = [e for e in entries if e.seq.table_lengths is None]
         old = [e for e in entries if e.seq.table_lengths is not None]
         ordered = new + old
-        message = executor_pb2.StepRequest(owner=self.owner, step_id=self.step_id)
-        self.step_id += 1
+        *early, copies = copy_phases(self.kv.take_copy_ops())
+        before: list[executor_pb2.StepRequest] = []
+        for phase in early:  # rare: see copy_phases
+            before.append(self._copy_message(phase))
+        message = self._copy_message(copies)
         message.freed_rows.extend(self.freed_rows)
         self.freed_rows = []
         for entry in new:
@@ -334,10 +361,18 @@ class ExecutorScheduler:
         message.block_table_starts.extend(starts)
         message.new_block_counts.extend(counts)
         message.new_block_ids.extend(block_ids)
-        for copy in self.kv.take_copy_ops():
-            message.copy_src_block_ids.append(copy.src)
-            message.copy_dst_block_ids.append(copy.dst)
-        return ScheduledStep(message, ordered)
+        return ScheduledStep(message, ordered, tuple(before))
+
+    def _copy_message(self, copies: list[BlockCopy]) -> executor_pb2.StepRequest:
+        """A StepRequest with the next step id and ``copies`` (nothing else)."""
+        message = executor_pb2.StepRequest(
+            owner=self.owner,
+            step_id=self.step_id,
+            copy_src_block_ids=[c.src for c in copies],
+            copy_dst_block_ids=[c.dst for c in copies],
+        )
+        self.step_id += 1
+        return message
 
     # -- results --------------------------------------------------------------
 

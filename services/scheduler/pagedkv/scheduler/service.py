@@ -274,6 +274,9 @@ class SchedulerService(ExecutorFailover):
                 if step is not None:
                     t1 = clock()
                     sent_at = time.monotonic()
+                    for early in step.before:  # copy-only messages: no entries
+                        await client.send(early)
+                        inflight.append((ScheduledStep(early, []), t0, t1, sent_at))
                     await client.send(step.request)
                     inflight.append((step, t0, t1, sent_at))
                     if len(inflight) < depth:
