@@ -99,8 +99,9 @@ class ExecutorFailover:
     def _adopt(
         self, address: str, client: ExecutorClient, info: executor_pb2.GetInfoResponse
     ) -> ExecutorScheduler:
-        """Starts scheduling on an executor just taken over (cold: its cache
-        index starts empty) and starts its step loop unless one runs."""
+        """Puts an executor just taken over in service with fresh scheduling
+        state (cold: its cache index starts empty) and wakes its step loop;
+        the caller starts that loop if none runs."""
         self.clients[address] = client
         scheduler = ExecutorScheduler(
             address,

@@ -224,7 +224,7 @@ class SchedulerService(ExecutorFailover):
 
     async def _loop(self, address: str) -> None:
         """Steps the executor until it is down; contains the scheduler's own
-        errors (see the module docstring)."""
+        errors (see failover.py)."""
         while address in self.schedulers:
             scheduler = self.schedulers[address]
             try:
