@@ -4,6 +4,7 @@ before anything loads, and every command's --help states its defaults."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -190,12 +191,17 @@ def test_python_m_pagedkv_executor_help_states_defaults(
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_setup_says_what_it_does_and_lets_pip_show_its_progress(tmp_path: Path) -> None:
+    # Run as its own make, also under `make test` (no inherited make flags,
+    # no "Entering/Leaving directory" lines).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    venv = f"VENV={tmp_path / 'venv'}"
     dry_run = subprocess.run(
-        ["make", "--dry-run", "--always-make", "setup", f"VENV={tmp_path / 'venv'}"],
+        ["make", "--no-print-directory", "--dry-run", "--always-make", "setup", venv],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     lines = dry_run.stdout.splitlines()
     (pip,) = (i for i, line in enumerate(lines) if "pip install" in line)
