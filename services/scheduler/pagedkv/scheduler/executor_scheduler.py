@@ -401,7 +401,7 @@ class ExecutorScheduler:
                     touched.add(seq.generation)
             except Exception as exc:
                 errors.append((seq.generation, exc))
-        for generation in beams:
+        for generation in beams - {generation for generation, _ in errors}:
             self.current = generation.sequences[0] if generation.sequences else None
             try:
                 if self._beam_round(generation):

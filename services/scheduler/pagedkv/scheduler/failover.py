@@ -58,6 +58,10 @@ class SchedulerConfig:
     pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
 
 
+def _owner(info: executor_pb2.GetInfoResponse) -> str:
+    return f"owned by {info.owner.owner_id!r} at epoch {info.owner.epoch}"
+
+
 class Resync(Exception):
     """The executor's accounting must be rebuilt (raised inside its loop)."""
 
@@ -193,7 +197,7 @@ class ExecutorFailover:
             return None
         if client.owned_by_us(info):
             return None
-        return f"owned by {info.owner.owner_id!r} at epoch {info.owner.epoch}"
+        return _owner(info)
 
     async def _resync_executor(self, address: str) -> bool:
         """Takes the executor over again (a higher epoch frees its rows and
@@ -203,7 +207,11 @@ class ExecutorFailover:
         self._resync.discard(address)
         client = self.clients[address]
         try:
-            info = await client.connect()
+            info = await client.get_info()
+            if not client.owned_by_us(info):  # never take it from another owner
+                self._executor_down(address, f"fenced: {_owner(info)}", "fenced")
+                return False
+            info = await client.connect(info)
         except ExecutorDown as exc:
             self._executor_down(address, str(exc), exc.cause)
             return False
@@ -308,7 +316,7 @@ class ExecutorFailover:
             return f"it serves {info.model_id!r}, not {self.info.model_id!r}"
         owner = info.owner.owner_id
         if owner and owner != self.scheduler_id:
-            return f"owned by {owner!r} at epoch {info.owner.epoch}"
+            return _owner(info)
         if info.owner.epoch >= MAX_EPOCH:
             return f"its epoch {info.owner.epoch} is the maximum; restart it"
         return None
