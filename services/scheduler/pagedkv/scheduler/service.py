@@ -95,10 +95,13 @@ class SchedulerService(ExecutorFailover):
         """Ends every live generation (ABORT) and closes the executors."""
         for generation in list(self.generations.values()):
             self.abort(generation.request_id)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = set(self._tasks)
+        for _ in range(5):  # a cancellation can be lost in a race with a result
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         for client in self.clients.values():
             await client.close()
 
