@@ -72,10 +72,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not args.progress:
-        from huggingface_hub.utils.tqdm import disable_progress_bars
-
-        disable_progress_bars()  # transformers' and the hub's, before transformers loads
     from pagedkv.executor.server import serve
 
     return serve(args)

@@ -47,7 +47,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
         return 2
-    # No progress bar among JSON log lines (ours or transformers').
+    # No progress bars (ours or transformers') among JSON log lines, or under
+    # pagedkv serve (--no-progress), which reports start-up itself.
     quiet = args.log_format == "json" or not args.progress
     if quiet:
         hf_logging.disable_progress_bar()
