@@ -73,8 +73,19 @@ EXECUTOR_METHODS = {
     ("StepStream", True, True),
     ("CopyBlocks", False, False),
     ("Reset", False, False),
+    ("ListCachedBlocks", False, True),
 }
-FENCED_EXECUTOR_METHODS = {"Allocate", "Free", "Step", "StepStream", "CopyBlocks", "Reset"}
+# ListCachedBlocks changes nothing, but carries the owner so that only the
+# session a Reset just started reads the tags.
+FENCED_EXECUTOR_METHODS = {
+    "Allocate",
+    "Free",
+    "Step",
+    "StepStream",
+    "CopyBlocks",
+    "Reset",
+    "ListCachedBlocks",
+}
 
 
 def _service(module_name: str, service_name: str) -> ServiceDescriptor:

@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device")
+    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GetInfoResponse(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TAGGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     max_model_len: int
@@ -43,7 +44,8 @@ class GetInfoResponse(_message.Message):
     max_num_batched_tokens: int
     max_logprobs: int
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    num_tagged_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "row", "prompt_token_ids", "sampling")
@@ -58,7 +60,7 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., row: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids")
+    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,10 @@ class StepRequest(_message.Message):
     FREED_ROWS_FIELD_NUMBER: _ClassVar[int]
     COPY_SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNTAG_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TAG_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     owner: _common_pb2.Owner
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -89,7 +95,11 @@ class StepRequest(_message.Message):
     freed_rows: _containers.RepeatedScalarFieldContainer[int]
     copy_src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     copy_dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    untag_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tag_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tag_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    tag_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us")
@@ -164,10 +174,12 @@ class CopyBlocksResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("owner",)
+    __slots__ = ("owner", "drop_cached_blocks")
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    DROP_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     owner: _common_pb2.Owner
-    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ...) -> None: ...
+    drop_cached_blocks: bool
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., drop_cached_blocks: _Optional[bool] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("previous_owner", "incarnation_id")
@@ -176,3 +188,19 @@ class ResetResponse(_message.Message):
     previous_owner: _common_pb2.Owner
     incarnation_id: str
     def __init__(self, previous_owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
+
+class ListCachedBlocksRequest(_message.Message):
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: _common_pb2.Owner
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ...) -> None: ...
+
+class ListCachedBlocksResponse(_message.Message):
+    __slots__ = ("block_ids", "block_hashes", "group_ids")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_ids: _Optional[_Iterable[int]] = ...) -> None: ...

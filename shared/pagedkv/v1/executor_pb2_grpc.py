@@ -70,6 +70,11 @@ class ExecutorStub:
                 request_serializer=pagedkv_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.ListCachedBlocks = channel.unary_stream(
+                '/pagedkv.v1.Executor/ListCachedBlocks',
+                request_serializer=pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -140,6 +145,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCachedBlocks(self, request, context):
+        """Lists the tagged blocks (see "Block tags" above): what a scheduler that
+        just took the executor over reads to rebuild its prefix-cache index. In
+        tag order, oldest first, in chunks. Only the current owner may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +191,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=pagedkv_dot_v1_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'ListCachedBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ListCachedBlocks,
+                    request_deserializer=pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +388,33 @@ class Executor:
             '/pagedkv.v1.Executor/Reset',
             pagedkv_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
             pagedkv_dot_v1_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.v1.Executor/ListCachedBlocks',
+            pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksRequest.SerializeToString,
+            pagedkv_dot_v1_dot_executor__pb2.ListCachedBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

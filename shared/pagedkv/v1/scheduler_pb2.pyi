@@ -30,20 +30,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority", "resumed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -132,7 +134,7 @@ class IntegrityCheck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries")
+    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries", "draining", "num_adopted_cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class ExecutorStats(_message.Message):
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
     DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADOPTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     num_blocks: int
@@ -159,10 +163,38 @@ class ExecutorStats(_message.Message):
     suspect: bool
     down_reason: str
     num_recoveries: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ...) -> None: ...
+    draining: bool
+    num_adopted_cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ..., draining: _Optional[bool] = ..., num_adopted_cached_blocks: _Optional[int] = ...) -> None: ...
+
+class ClusterExecutor(_message.Message):
+    __slots__ = ("address", "incarnation_id", "owner_id", "epoch")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    incarnation_id: str
+    owner_id: str
+    epoch: int
+    def __init__(self, address: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., owner_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("enabled", "degraded", "detail", "scheduler_ids", "executors")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    degraded: bool
+    detail: str
+    scheduler_ids: _containers.RepeatedScalarFieldContainer[str]
+    executors: _containers.RepeatedCompositeFieldContainer[ClusterExecutor]
+    def __init__(self, enabled: _Optional[bool] = ..., degraded: _Optional[bool] = ..., detail: _Optional[str] = ..., scheduler_ids: _Optional[_Iterable[str]] = ..., executors: _Optional[_Iterable[_Union[ClusterExecutor, _Mapping]]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id", "num_internal_errors")
+    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id", "num_internal_errors", "cluster", "draining")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +202,8 @@ class GetStatsResponse(_message.Message):
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_INTERNAL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_running: int
     num_waiting: int
@@ -177,4 +211,6 @@ class GetStatsResponse(_message.Message):
     integrity: IntegrityCheck
     scheduler_id: str
     num_internal_errors: int
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., num_internal_errors: _Optional[int] = ...) -> None: ...
+    cluster: ClusterState
+    draining: bool
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., num_internal_errors: _Optional[int] = ..., cluster: _Optional[_Union[ClusterState, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
