@@ -43,6 +43,12 @@ class Request:
     scheduling path), output blocks when ``block_hashes`` is next read after
     they filled (appending a token costs no hashing).
 
+    ``num_prompt_tokens`` is where the outputs start. The tokens after it
+    count toward ``max_tokens``; a request made from a prompt plus tokens a
+    broken stream already delivered (``resumed_token_ids``) has it set back to
+    the prompt's length by its maker, so those count as outputs (as a beam
+    fork's inherited tokens do).
+
     ``num_computed_tokens`` counts tokens whose KV exists in the cache; the
     scheduler advances it, ``KVCacheManager.allocate_slots`` sets it on a
     prefix-cache hit, and it drops to 0 on preemption.

@@ -82,7 +82,13 @@ class Sequence:
 
 @dataclass(eq=False)
 class Generation:
-    """One Generate call: its params, sequences and response queue."""
+    """One Generate call: its params, sequences and response queue.
+
+    ``prompt_token_ids`` is the prompt alone. A resumed call's sequence starts
+    with the resumed tokens already in its request, after the prompt, as
+    outputs: they count toward max_tokens and ``usage.completion_tokens``
+    but were delivered by the broken stream, so no chunk carries them.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -168,7 +174,10 @@ class Generation:
             seq.pending_text = ""
         if all_finished:
             response.usage.prompt_tokens = self.num_prompt_tokens
-            response.usage.cached_prompt_tokens = self.num_cached_prompt_tokens
+            # A resumed sequence's cache hit can reach into its resumed tokens.
+            response.usage.cached_prompt_tokens = min(
+                self.num_cached_prompt_tokens, self.num_prompt_tokens
+            )
             response.usage.completion_tokens = sum(
                 s.request.num_output_tokens for s in self.sequences
             )

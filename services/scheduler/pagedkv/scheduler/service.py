@@ -34,7 +34,7 @@ from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
-from pagedkv.scheduler.validation import prompt_token_ids, validate_sampling
+from pagedkv.scheduler.validation import prompt_token_ids, resumed_token_ids, validate_sampling
 from pagedkv.v1 import scheduler_pb2
 
 __all__ = ["SchedulerConfig", "SchedulerService", "StepTiming"]
@@ -141,6 +141,7 @@ class SchedulerService(ExecutorFailover):
             request_id=request_id,
             executor=executor,
             prompt_tokens=len(prompt),
+            resumed_tokens=len(request.resumed_token_ids),
             max_tokens=generation.max_tokens,
             n=generation.n,
             beam_width=generation.beam.width if generation.beam else 0,
@@ -150,9 +151,16 @@ class SchedulerService(ExecutorFailover):
     def _generation(
         self, request_id: str, prompt: list[int], request: scheduler_pb2.GenerateRequest
     ) -> Generation:
+        """The generation of a validated call, its sequences' requests made.
+
+        A resumed call (``resumed_token_ids``) gets one sequence whose token
+        history is the prompt plus the resumed tokens, counted as outputs
+        (max_tokens, usage); its detokenizer has skipped their text.
+        """
         sampling = request.sampling
         info = self.info
         valid = validate_sampling(sampling, len(prompt), info)
+        resumed = resumed_token_ids(request, valid, len(prompt), info)
         n, max_tokens = valid.n, valid.max_tokens
         generation = Generation(
             request_id=request_id,
@@ -173,19 +181,23 @@ class SchedulerService(ExecutorFailover):
         for index in range(n):
             seq_request = kv.make_request(
                 generation.new_seq_id(),
-                prompt,
+                prompt + resumed,
                 cache_salt=request.cache_salt or None,
                 max_tokens=max_tokens,
                 priority=request.priority,
             )
+            seq_request.num_prompt_tokens = len(prompt)  # the resumed tokens are outputs
             detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            if detokenizer is not None:
+                detokenizer.skip(resumed)
             generation.sequences.append(
                 Sequence(generation, index, seq_request, detokenizer=detokenizer)
             )
-        needed = -(-(len(prompt) + 1) // block_size) + n
+        history = len(prompt) + len(resumed)
+        needed = -(-(history + 1) // block_size) + n
         if all(needed > s.info.num_blocks - 1 for s in self.schedulers.values()):
             raise ResourceExhausted(
-                f"prompt: {len(prompt)} tokens need {needed} blocks; executors have at most "
+                f"prompt: {history} tokens need {needed} blocks; executors have at most "
                 f"{max(s.info.num_blocks - 1 for s in self.schedulers.values())}"
             )
         return generation

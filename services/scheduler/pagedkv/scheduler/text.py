@@ -143,6 +143,18 @@ class IncrementalDetokenizer:
                 return self._emit_to(*cut)
         return ""
 
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Take output tokens whose text the caller already has (a resumed
+        stream's ``resumed_token_ids``), dropping their text.
+
+        Pushes them one at a time, as the scheduler pushes sampled tokens, so
+        the state is the one the broken stream's detokenizer had after them:
+        text it held back (an unfinished character) is held here too, and the
+        next delta starts exactly where the caller's text ends.
+        """
+        for token in token_ids:
+            self.push((token,))
+
     def flush(self) -> str:
         """Return all held-back text, U+FFFD included; call at the sequence's end.
 

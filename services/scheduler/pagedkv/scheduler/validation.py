@@ -1,5 +1,6 @@
 """Checks of a Generate call against the model the executors serve: the
-prompt and the sampling params. Errors name the field (``InvalidArgument``)."""
+prompt, the sampling params and the tokens of a resumed stream. Errors name
+the field (``InvalidArgument``)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,38 @@ def validate_sampling(
     if n > MAX_N:
         raise InvalidArgument(f"sampling.n: {n} > {MAX_N}")
     return ValidSampling(n, max_tokens, beam)
+
+
+def resumed_token_ids(
+    request: scheduler_pb2.GenerateRequest,
+    valid: ValidSampling,
+    prompt_len: int,
+    info: executor_pb2.GetInfoResponse,
+) -> list[int]:
+    """The output tokens a resumed stream already delivered (empty: a new
+    request), checked against the validated sampling: only one sequence
+    without beams, every id in the vocabulary, and room left for at least one
+    new token under max_tokens and max_model_len."""
+    resumed = list(request.resumed_token_ids)
+    if not resumed:
+        return resumed
+    if valid.beam is not None:
+        raise InvalidArgument("resumed_token_ids: a beam search cannot be resumed")
+    if valid.n > 1:
+        raise InvalidArgument(f"resumed_token_ids: only with n == 1 (n is {valid.n})")
+    for i, token in enumerate(resumed):
+        if token >= info.vocab_size:
+            raise InvalidArgument(
+                f"resumed_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
+            )
+    if prompt_len + len(resumed) >= info.max_model_len:
+        raise InvalidArgument(
+            f"resumed_token_ids: {prompt_len} prompt tokens + {len(resumed)} resumed "
+            f"leave no room in max_model_len {info.max_model_len}"
+        )
+    if len(resumed) >= valid.max_tokens:
+        raise InvalidArgument(
+            f"resumed_token_ids: {len(resumed)} tokens already reach "
+            f"sampling.max_tokens {valid.max_tokens}"
+        )
+    return resumed
