@@ -12,6 +12,12 @@ shared prefix's head blocks survive longest). A block that is still in the
 prefix-cache index stays there while it sits in the free queue, so a later
 request can take it back with ``touch``; its hash is dropped only when the
 block is popped for reuse (lazy eviction).
+
+Cache events: with ``record_events``, every change to the index is logged in
+order as a ``CacheEvent`` (a block stored under a hash, or removed from the
+index) until ``take_events`` drains the log. The scheduler turns the log into
+the executor's block tags and the Redis prefix mirror, so both follow the
+index exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId
+from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 
 
 class KVCacheBlock:
@@ -165,7 +172,14 @@ class BlockPool:
     each group has its own prefix-cache index (hash → block).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        num_groups: int = 1,
+        *,
+        record_events: bool = False,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -175,6 +189,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        self.events: list[CacheEvent] | None = [] if record_events else None
 
     # -- allocation -----------------------------------------------------------------
 
@@ -280,20 +295,72 @@ class BlockPool:
             ):
                 block.block_hash = block_hash
                 block.group_id = group_id
+                if self.events is not None:
+                    self.events.append(
+                        CacheEvent(CacheEventKind.STORED, block.block_id, block_hash, group_id)
+                    )
 
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
         del self.cached_blocks[block.group_id][block_hash]
         block.block_hash = None
+        if self.events is not None:
+            self.events.append(
+                CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, block.group_id)
+            )
+
+    def take_events(self) -> list[CacheEvent]:
+        """Drains the cache events logged since the last call, in order
+        (always empty without ``record_events``)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
+
+    def adopt_cached_blocks(self, cached: Iterable[CacheEvent]) -> int:
+        """Enters blocks whose KV is already on the executor into the index
+        of a pool that holds nothing yet (an executor taken over with its
+        cache) and returns how many it adopted. ``cached`` is in eviction
+        order, oldest first: adopted blocks move to the tail of the free
+        queue in that order, behind every block that holds nothing. An entry
+        it cannot adopt (a block or hash already indexed, caching off) is
+        logged as REMOVED when events are recorded, so its tag is dropped;
+        ids or groups out of range are skipped."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            raise ValueError("adopt_cached_blocks: the pool must hold no block")
+        queue = self.free_block_queue
+        num_adopted = 0
+        for entry in cached:
+            block_id, block_hash, group_id = entry.block_id, entry.block_hash, entry.group_id
+            if not 0 < block_id < self.num_blocks or not 0 <= group_id < len(self.cached_blocks):
+                continue
+            block = self.blocks[block_id]
+            index = self.cached_blocks[group_id]
+            if not self.enable_caching or block.block_hash is not None or block_hash in index:
+                if self.events is not None:
+                    self.events.append(entry._replace(kind=CacheEventKind.REMOVED))
+                continue
+            index[block_hash] = block
+            block.block_hash = block_hash
+            block.group_id = group_id
+            queue.remove(block)
+            queue.append(block)
+            num_adopted += 1
+        return num_adopted
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix-cache index. Refused (False) while any block is held."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
-        for index in self.cached_blocks:
-            for block in index.values():
+        for group_id, index in enumerate(self.cached_blocks):
+            for block_hash, block in index.items():
                 block.block_hash = None
+                if self.events is not None:
+                    self.events.append(
+                        CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, group_id)
+                    )
             index.clear()
         return True
 

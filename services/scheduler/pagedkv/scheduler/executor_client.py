@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 import grpc
 
-from pagedkv.common.ids import MAX_EPOCH
+from pagedkv.common.ids import MAX_EPOCH, BlockHash, BlockId
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = get_logger(__name__)
@@ -109,31 +110,59 @@ class ExecutorClient:
         return info
 
     async def connect(
-        self, info: executor_pb2.GetInfoResponse | None = None
+        self,
+        info: executor_pb2.GetInfoResponse | None = None,
+        *,
+        epoch: int | None = None,
+        drop_cached_blocks: bool = False,
     ) -> executor_pb2.GetInfoResponse:
-        """Takes the executor over with the epoch after its current one (a
-        standalone scheduler is its own lease authority), then opens the step
-        stream (a stream still open is dropped first). ``info``: a GetInfo
-        just read (read again otherwise)."""
+        """Takes the executor over, then opens the step stream (a stream
+        still open is dropped first). ``info``: a GetInfo just read (read
+        again otherwise). ``epoch``: the one a lease granted; by default the
+        epoch after the executor's current one (a standalone scheduler is its
+        own lease authority). ``drop_cached_blocks``: also drop its block
+        tags (start cold)."""
         self._drop_stream()
         if info is None:
             info = await self.get_info()
-        if info.owner.epoch >= MAX_EPOCH:
-            raise ExecutorDown(
-                "refused",
-                f"{self.address}: its epoch {info.owner.epoch} is the maximum; restart it",
-            )
-        self.owner.epoch = info.owner.epoch + 1
+        if epoch is None:
+            if info.owner.epoch >= MAX_EPOCH:
+                raise ExecutorDown(
+                    "refused",
+                    f"{self.address}: its epoch {info.owner.epoch} is the maximum; restart it",
+                )
+            epoch = info.owner.epoch + 1
+        self.owner.epoch = epoch
+        request = executor_pb2.ResetRequest(owner=self.owner, drop_cached_blocks=drop_cached_blocks)
         try:
-            await self._stub.Reset(
-                executor_pb2.ResetRequest(owner=self.owner), timeout=self.timeout
-            )
+            await self._stub.Reset(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _down(exc, self.address, self.timeout) from exc
         info.owner.CopyFrom(self.owner)
         self.info = info
         self._stream = self._stub.StepStream()
         return self.info
+
+    async def list_cached_blocks(self) -> list[CacheEvent]:
+        """The executor's tagged blocks, oldest first (right after
+        ``connect``: only the current owner may list them)."""
+        request = executor_pb2.ListCachedBlocksRequest(owner=self.owner)
+        cached: list[CacheEvent] = []
+        stored = CacheEventKind.STORED
+        try:
+            async for chunk in self._stub.ListCachedBlocks(request, timeout=self.timeout):
+                cached.extend(
+                    CacheEvent(stored, BlockId(b), BlockHash(h), g)
+                    for b, h, g in zip(
+                        chunk.block_ids, chunk.block_hashes, chunk.group_ids, strict=True
+                    )
+                )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an executor without tags
+                log.warning("executor lists no cached blocks", executor=self.address)
+                return []
+            raise _down(exc, self.address, self.timeout) from exc
+        return cached
 
     def owned_by_us(self, info: executor_pb2.GetInfoResponse) -> bool:
         """Whether ``info`` shows this client's owner and epoch."""

@@ -14,10 +14,12 @@ step). No I/O here: ``SchedulerService`` moves the messages.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.scheduler.cache_events import CacheEvent, tag_changes
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation, BlockCopy
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence, SequenceState
@@ -105,11 +107,22 @@ class ExecutorScheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        cached: Iterable[CacheEvent] = (),
     ) -> None:
+        """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
+        first) when it was taken over with its cache; they start in the
+        prefix-cache index (blocks that cannot be adopted are untagged in
+        the first step)."""
         self.address = address
         self.info = info
         self.owner = owner
-        self.kv = KVCacheManager(specs_from_info(info), info.num_blocks, model_id=info.model_id)
+        self.kv = KVCacheManager(
+            specs_from_info(info), info.num_blocks, model_id=info.model_id, record_events=True
+        )
+        self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
+        # Receives every batch of cache events as it goes out to the executor
+        # (the Redis prefix mirror); must not block.
+        self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
         self.num_groups = len(info.kv_cache_groups)
         self.max_num_seqs = min(max_num_seqs, info.max_num_rows)
         self.token_budget = min(max_num_batched_tokens, info.max_num_batched_tokens)
@@ -302,6 +315,16 @@ class ExecutorScheduler:
         for phase in early:  # rare: see copy_phases
             before.append(self._copy_message(phase))
         message = self._copy_message(copies)
+        events = self.kv.pool.take_events()
+        if events:
+            untag, tags = tag_changes(events)
+            # Untags go in the first message that may write into a block.
+            (before[0] if before else message).untag_block_ids.extend(untag)
+            message.tag_block_ids.extend([t.block_id for t in tags])
+            message.tag_block_hashes.extend([t.block_hash for t in tags])
+            message.tag_group_ids.extend([t.group_id for t in tags])
+            if self.on_cache_events is not None:
+                self.on_cache_events(events)
         message.freed_rows.extend(self.freed_rows)
         self.freed_rows = []
         for entry in new:

@@ -30,11 +30,12 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedkv.common.errors import ServiceError, Unavailable
 from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.metrics import SchedulerMetrics
@@ -60,6 +61,13 @@ class SchedulerConfig:
 
 def _owner(info: executor_pb2.GetInfoResponse) -> str:
     return f"owned by {info.owner.owner_id!r} at epoch {info.owner.epoch}"
+
+
+class TakenOver(NamedTuple):
+    """An executor just taken over: its GetInfo and its tagged blocks."""
+
+    info: executor_pb2.GetInfoResponse
+    cached: list[CacheEvent]
 
 
 class Resync(Exception):
@@ -100,12 +108,27 @@ class ExecutorFailover:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _adopt(
-        self, address: str, client: ExecutorClient, info: executor_pb2.GetInfoResponse
-    ) -> ExecutorScheduler:
+    async def _take_over(
+        self,
+        client: ExecutorClient,
+        info: executor_pb2.GetInfoResponse | None = None,
+        *,
+        epoch: int | None = None,
+        cold: bool = False,
+    ) -> TakenOver:
+        """Takes the executor over (Reset: its rows are freed, its KV kept)
+        and reads its tagged blocks, so the prefix cache survives the
+        takeover; ``cold`` drops the tags instead (the scheduler's own
+        accounting was in doubt). Raises ExecutorDown."""
+        info = await client.connect(info, epoch=epoch, drop_cached_blocks=cold)
+        cached = [] if cold else await client.list_cached_blocks()
+        return TakenOver(info, cached)
+
+    def _adopt(self, address: str, client: ExecutorClient, taken: TakenOver) -> ExecutorScheduler:
         """Puts an executor just taken over in service with fresh scheduling
-        state (cold: its cache index starts empty) and wakes its step loop;
-        the caller starts that loop if none runs."""
+        state (its prefix-cache index holds the executor's tagged blocks)
+        and wakes its step loop; the caller starts that loop if none runs."""
+        info = taken.info
         self.clients[address] = client
         scheduler = ExecutorScheduler(
             address,
@@ -113,6 +136,7 @@ class ExecutorFailover:
             client.owner,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            cached=taken.cached,
         )
         self.schedulers[address] = scheduler
         self.down.pop(address, None)
@@ -122,6 +146,7 @@ class ExecutorFailover:
             executor=address,
             epoch=client.owner.epoch,
             num_blocks=info.num_blocks,
+            cached_blocks=scheduler.num_adopted_cached_blocks,
             incarnation=info.incarnation_id,
         )
         return scheduler
@@ -201,7 +226,8 @@ class ExecutorFailover:
 
     async def _resync_executor(self, address: str) -> bool:
         """Takes the executor over again (a higher epoch frees its rows and
-        fences steps in flight), with a cold cache index, and queues its
+        fences steps in flight), cold (its tags dropped: the accounting that
+        set them is in doubt), and queues its
         unfinished sequences there to be recomputed. Returns False when it
         could not be taken over (it is then marked down)."""
         self._resync.discard(address)
@@ -211,14 +237,14 @@ class ExecutorFailover:
             if not client.owned_by_us(info):  # never take it from another owner
                 self._executor_down(address, f"fenced: {_owner(info)}", "fenced")
                 return False
-            info = await client.connect(info)
+            taken = await self._take_over(client, info, cold=True)
         except ExecutorDown as exc:
             self._executor_down(address, str(exc), exc.cause)
             return False
         old = self.schedulers[address]
         self._preemptions_of_down += old.num_preemptions
         moved = old.evacuate()
-        scheduler = self._adopt(address, client, info)
+        scheduler = self._adopt(address, client, taken)
         for seq in moved:
             if not seq.finished:
                 scheduler.add(seq)
@@ -283,8 +309,8 @@ class ExecutorFailover:
         """Probes a down executor with backoff (GetInfo on a fresh channel)
         and takes it back when it answers: a new incarnation as a fresh
         executor, the same one (it hung, or lost its connection) re-adopted
-        with a higher epoch. Both start cold: steps in flight when it went
-        down may or may not have run, so no cached block is provably intact.
+        with a higher epoch and the cache its block tags vouch for (a step in
+        flight when it went down either ran before the Reset or never will).
         An executor another owner has taken over is left to that owner."""
         await self.clients[address].close()
         delay, longest = PROBE_BACKOFF_S
@@ -296,7 +322,7 @@ class ExecutorFailover:
                 info = await client.get_info(timeout=min(PROBE_TIMEOUT_S, client.timeout))
                 why = self._not_adoptable(address, info)
                 if why is None:
-                    info = await client.connect(info)
+                    taken = await self._take_over(client, info)
             except ExecutorDown as exc:
                 why = str(exc)
             if why is not None:
@@ -306,7 +332,7 @@ class ExecutorFailover:
             self.recoveries[address] = self.recoveries.get(address, 0) + 1
             if self.metrics is not None:
                 self.metrics.count_recovery(address)
-            self._adopt(address, client, info)
+            self._adopt(address, client, taken)
             self._spawn(self._loop(address))
             return
 

@@ -71,6 +71,7 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         model_id: str = "",
+        record_events: bool = False,
     ) -> None:
         if not kv_cache_specs:
             raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
@@ -80,7 +81,9 @@ class KVCacheManager:
         self.block_size = block_sizes.pop()
         self.model_id = model_id
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, num_groups=len(kv_cache_specs))
+        self.pool = BlockPool(
+            num_blocks, enable_caching, num_groups=len(kv_cache_specs), record_events=record_events
+        )
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             make_manager(spec, self.pool, group_id) for group_id, spec in enumerate(kv_cache_specs)
         )

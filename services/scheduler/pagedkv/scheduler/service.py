@@ -72,17 +72,18 @@ class SchedulerService(ExecutorFailover):
             client = self._client(address)
             self.clients[address] = client
             try:
-                info = await client.connect()
+                taken = await self._take_over(client)
             except ExecutorDown as exc:
                 self.down[address] = str(exc)
                 log.warning("executor down at start", executor=address, error=str(exc))
                 continue
+            info = taken.info
             if self.schedulers and info.model_id != self.info.model_id:
                 raise ValueError(
                     f"executor {address} serves {info.model_id!r}, not {self.info.model_id!r}"
                 )
             self.info = info
-            self._adopt(address, client, info)
+            self._adopt(address, client, taken)
         if not self.schedulers:
             raise Unavailable("no executor answered: " + "; ".join(self.down.values()))
         self.tokenizer = TextTokenizer.from_model_dir(self.config.model_dir or self.info.model_id)
@@ -403,6 +404,7 @@ class SchedulerService(ExecutorFailover):
             executor.prefix_cache_hits = prefix.hits
             executor.incarnation_id = scheduler.info.incarnation_id
             executor.epoch = client.owner.epoch
+            executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks
             report = kv.check_integrity()
             if not report.ok:
                 problems.append(f"{address}: " + "; ".join(report.errors))
