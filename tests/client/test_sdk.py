@@ -375,7 +375,9 @@ def test_generate_streams_chunks_as_sent_and_generate_text_accumulates(served: S
         assert client.abort("live") is True
         assert client.abort("gone") is False
         assert client.stats() == stats_from_proto(STATS)
-    assert [c.request_id for c in chunks] == ["sched-1"] * 3
+    sent = served.servicer.requests[0].request_id  # the SDK's own: a uuid4 hex
+    assert len(sent) == 32 and int(sent, 16) >= 0
+    assert [c.request_id for c in chunks] == [sent] * 3
     assert [[s.text for s in c.sequences] for c in chunks] == [["He"], ["llo"], []]
     assert [c.is_final for c in chunks] == [False, False, True]
     assert completion.request_id == "mine"

@@ -8,6 +8,10 @@
                 print(seq.text, end="", flush=True)
         print(client.generate_text("Hello", max_tokens=32).text)
 
+Given several targets (``Client(["a:50051", "b:50051"])``), requests start on
+them in turn and a stream whose scheduler goes away resumes on the next one
+(``ResumePolicy``; ``pagedkv.client.resume``).
+
 Results are frozen dataclasses (``pagedkv.client.types``); failed calls raise a
 ``PagedkvError`` subclass per gRPC status code (``pagedkv.client.errors``).
 """
@@ -30,6 +34,7 @@ from pagedkv.client.errors import (
     UnimplementedError,
     error_from_rpc,
 )
+from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.types import (
     Beam,
     Completion,
@@ -63,6 +68,7 @@ __all__ = [
     "PagedkvError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "ResumePolicy",
     "SequenceChunk",
     "Stats",
     "TokenLogprob",

@@ -67,9 +67,22 @@ def _token_id_list(value: str) -> list[int]:
 TARGET_HELP = f"HOST[:PORT] (default port: {DEFAULT_SCHEDULER_PORT}, where pagedkv serve listens)"
 
 
-def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help=f"the Scheduler's address, {TARGET_HELP}")
+def _add_target(parser: argparse.ArgumentParser, several: str) -> None:
+    parser.add_argument(
+        "--target",
+        required=True,
+        action="append",
+        help=f"the Scheduler's address, {TARGET_HELP}; several replicas: repeat the flag "
+        f"or separate them with commas (a,b:50052); {several}",
+    )
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+
+
+def _targets(args: argparse.Namespace) -> list[str]:
+    """Every --target, comma-separated ones split."""
+    from pagedkv.client.resume import parse_targets
+
+    return [target for value in args.target for target in parse_targets(value)]
 
 
 def register_generate(subparsers: Any, name: str) -> None:
@@ -80,7 +93,11 @@ def register_generate(subparsers: Any, name: str) -> None:
         epilog=_GENERATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_target(parser)
+    _add_target(
+        parser,
+        "the request starts on the first and a stream that breaks (its scheduler gone) "
+        "resumes on the next",
+    )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, tokenized by the scheduler")
     prompt.add_argument(
@@ -106,8 +123,10 @@ def register_stats(subparsers: Any, name: str) -> None:
         help="show a Scheduler's executors, load and block-pool integrity",
         description="Prints one GetStats snapshot as a table (or JSON with --json).",
     )
-    _add_target(parser)
-    parser.add_argument("--json", action="store_true", help="one JSON object")
+    _add_target(parser, "each one's stats are printed in turn")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object (per target, one per line)"
+    )
     parser.set_defaults(handler=_run_stats)
 
 
@@ -157,7 +176,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     shown = terminal_text if out.isatty() else str
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(_targets(args), timeout=args.timeout) as client:
             stream = client.generate(
                 args.prompt,
                 token_ids=args.token_ids,
@@ -266,13 +285,17 @@ def _run_stats(args: argparse.Namespace) -> int:
     from pagedkv.client.client import Client
     from pagedkv.client.errors import PagedkvError
 
-    try:
-        with Client(args.target, timeout=args.timeout) as client:
-            stats = client.stats()
-    except PagedkvError as exc:
-        return _fail(exc)
-    sys.stdout.write(json.dumps(_stats_json(stats)) + "\n" if args.json else _stats_table(stats))
-    return 0
+    code = 0
+    with Client(_targets(args), timeout=args.timeout) as client:
+        for target in client.targets:
+            try:
+                stats = client.stats(target=target)
+            except PagedkvError as exc:
+                code = _fail(exc)
+                continue
+            out = json.dumps(_stats_json(stats)) + "\n" if args.json else _stats_table(stats)
+            sys.stdout.write(out)
+    return code
 
 
 def _stats_json(stats: Stats) -> dict[str, object]:

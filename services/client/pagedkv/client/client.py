@@ -4,6 +4,13 @@ Both build requests with ``generate_request`` (which checks the arguments
 before any call), convert responses with ``pagedkv.client.types`` and raise
 ``pagedkv.client.errors`` types for every failed call, also mid-stream.
 
+Both take several scheduler targets. Requests start on them in turn (round
+robin), and a Generate stream whose scheduler goes away mid-generation
+resumes on the next one from where the caller is (``pagedkv.client.resume``):
+the caller sees one stream, without a duplicate or a missing token. Every
+request carries a request_id (a fresh uuid4 hex unless the caller gives one),
+which a resumed call reuses.
+
 A Generate stream is cancelled as soon as its iterator is closed before the
 end (``break`` out of the loop, ``close()``/``aclose()``, garbage collection),
 so the scheduler frees the request. An async generator abandoned by ``break``
@@ -13,13 +20,20 @@ is closed by the event loop shortly after; wrap it in
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
 from types import TracebackType
 
 import grpc
 import grpc.aio
 
-from pagedkv.client.errors import IncompleteStreamError, error_from_rpc
+from pagedkv.client.errors import IncompleteStreamError, PagedkvError, error_from_rpc
+from pagedkv.client.resume import Attempt, ResumePolicy, StreamResume, parse_targets
 from pagedkv.client.types import (
     Completion,
     GenerateChunk,
@@ -27,8 +41,9 @@ from pagedkv.client.types import (
     chunk_from_proto,
     stats_from_proto,
 )
-from pagedkv.common.cli import target_with_port
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("pagedkv.client")
 
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
@@ -103,21 +118,66 @@ def _deadline(call_timeout: float | None, default: float | None) -> float | None
     return call_timeout if call_timeout is not None else default
 
 
-class Client:
-    """A blocking client of one Scheduler at ``target``: "host:port", or a
-    host alone for the scheduler's default port 50051 (the ``target``
-    attribute holds the port either way).
+def _with_request_id(request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.GenerateRequest:
+    """``request`` with a request_id: a uuid4 hex unless it has one (mutated)."""
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex
+    return request
 
-    Owns its channel: close it with ``close()`` or a ``with`` block. Safe to
-    share between threads. ``timeout`` (seconds) is the default deadline of
-    every call, a whole Generate stream included; None means no deadline.
+
+def _log_resume(attempt: Attempt, error: PagedkvError, target: str) -> None:
+    log.warning(
+        "Generate stream of %s broke (%s); resuming on %s with %d tokens received",
+        attempt.request.request_id,
+        error,
+        target,
+        len(attempt.request.resumed_token_ids),
+    )
+
+
+def _target_index(targets: tuple[str, ...], target: str | None) -> int:
+    """Where ``target`` is in ``targets`` (None: the first); ValueError if absent."""
+    if target is None:
+        return 0
+    (normalized,) = parse_targets([target])
+    if normalized not in targets:
+        raise ValueError(f"target: {target!r} is not one of {targets}")
+    return targets.index(normalized)
+
+
+class Client:
+    """A blocking client of one or several Scheduler replicas.
+
+    ``target`` is "host:port" (a host alone: the scheduler's default port
+    50051), a sequence of them, or one string of them separated by commas.
+    ``targets`` holds them with their ports, ``target`` the first. Generate
+    calls start on the targets in turn; a broken stream resumes on the next
+    one as ``resume`` says (default ``ResumePolicy()``; see
+    ``pagedkv.client.resume``), and ``num_resumes`` counts the calls made to
+    resume (or start) a stream after a break, over the client's life.
+
+    Owns its channels: close them with ``close()`` or a ``with`` block. Safe
+    to share between threads. ``timeout`` (seconds) is the default deadline of
+    every call, a whole Generate stream included (its resumed calls too);
+    None means no deadline.
     """
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.target = target_with_port(target)
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        resume: ResumePolicy | None = None,
+    ) -> None:
+        self.targets = parse_targets(target)
+        self.target = self.targets[0]
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.resume = resume if resume is not None else ResumePolicy()
+        self.num_resumes = 0
+        self._channels = [grpc.insecure_channel(t) for t in self.targets]
+        self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
+        self._next_target = itertools.count()
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Client:
         return self
@@ -131,8 +191,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
-        self._channel.close()
+        """Closes the channels; calls in flight are cancelled."""
+        for channel in self._channels:
+            channel.close()
 
     def generate(
         self,
@@ -160,10 +221,12 @@ class Client:
         ``token_ids``; arguments are checked now (ValueError) and the call
         starts at the first ``next()``. The sampling arguments are those of
         ``SamplingParams`` in common.proto; None leaves a field to the
-        scheduler's default. Lower ``priority`` is more important. Raises a
-        ``PagedkvError`` when the call fails, also after some chunks, and
-        ``IncompleteStreamError`` when it ends without a final chunk.
-        Closing the iterator early cancels the call.
+        scheduler's default. Lower ``priority`` is more important; an empty
+        ``request_id`` gets a uuid4 hex. A stream that breaks (its scheduler
+        gone) continues on the next target, unless ``n`` > 1 or beam search.
+        Raises a ``PagedkvError`` when the call fails, also after some
+        chunks, and ``IncompleteStreamError`` when it ends without a final
+        chunk. Closing the iterator early cancels the call.
         """
         request = generate_request(
             prompt,
@@ -187,17 +250,38 @@ class Client:
     def _stream(
         self, request: scheduler_pb2.GenerateRequest, timeout: float | None
     ) -> Generator[GenerateChunk, None, None]:
-        call = self._stub.Generate(request, timeout=timeout)
+        resume = StreamResume(
+            _with_request_id(request),
+            first_target=next(self._next_target) % len(self.targets),
+            num_targets=len(self.targets),
+            policy=self.resume,
+            timeout=timeout,
+        )
         final = False
-        try:
-            for response in call:
-                chunk = chunk_from_proto(response)
-                final = final or chunk.is_final
-                yield chunk
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            call.cancel()  # a no-op once the call has ended
+        while True:
+            call = self._stubs[resume.target_index].Generate(
+                resume.request, timeout=resume.timeout()
+            )
+            try:
+                for response in call:
+                    chunk = chunk_from_proto(response)
+                    resume.received(chunk)
+                    final = final or chunk.is_final
+                    yield chunk
+                break
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                attempt = resume.after_error(error.code, error.details)
+                if attempt is None:
+                    if resume.num_resumes:
+                        error.add_note(f"after {resume.num_resumes} resumed call(s)")
+                    raise error from exc
+                _log_resume(attempt, error, self.targets[attempt.target_index])
+            finally:
+                call.cancel()  # a no-op once the call has ended
+            with self._lock:
+                self.num_resumes += 1
+            time.sleep(attempt.delay_s)
         if not final:
             raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
 
@@ -244,22 +328,29 @@ class Client:
         return Completion.from_chunks(chunks)
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
-        """Aborts a live request on this replica (its stream ends with a chunk
-        finished ABORT). True if it was live here; False if unknown or already
-        finished. Idempotent."""
-        try:
-            response = self._stub.Abort(
-                scheduler_pb2.AbortRequest(request_id=request_id),
-                timeout=_deadline(timeout, self.timeout),
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
-        return bool(response.aborted)
+        """Aborts a live request on every target (its stream ends with a
+        chunk finished ABORT). True if it was live on one; False if unknown
+        or already finished everywhere. Idempotent. Targets that are
+        unreachable are skipped; raises only when no target answered."""
+        request = scheduler_pb2.AbortRequest(request_id=request_id)
+        aborted, errors = False, []
+        for stub in self._stubs:
+            try:
+                response = stub.Abort(request, timeout=_deadline(timeout, self.timeout))
+            except grpc.RpcError as exc:
+                errors.append(exc)
+                continue
+            aborted = aborted or response.aborted
+        if len(errors) == len(self._stubs):
+            raise error_from_rpc(errors[0]) from errors[0]
+        return aborted
 
-    def stats(self, *, timeout: float | None = None) -> Stats:
-        """A snapshot of the replica's load, executors and block-pool integrity."""
+    def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
+        """A snapshot of one replica's load, executors and block-pool
+        integrity: ``target`` (one of ``targets``; default: the first)."""
+        stub = self._stubs[_target_index(self.targets, target)]
         try:
-            response = self._stub.GetStats(
+            response = stub.GetStats(
                 scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
             )
         except grpc.RpcError as exc:
@@ -268,19 +359,29 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio client of one Scheduler at ``target`` ("host:port", or a
-    host alone for the default port 50051).
+    """An asyncio client of one or several Scheduler replicas (``target`` as
+    for ``Client``), resuming broken streams as ``Client`` does.
 
     The ``grpc.aio`` twin of ``Client``, with the same methods as coroutines
     (``generate`` returns an async iterator). Create it inside the event loop
     that uses it; close it with ``await close()`` or ``async with``.
     """
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.target = target_with_port(target)
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        resume: ResumePolicy | None = None,
+    ) -> None:
+        self.targets = parse_targets(target)
+        self.target = self.targets[0]
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(self.target)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.resume = resume if resume is not None else ResumePolicy()
+        self.num_resumes = 0
+        self._channels = [grpc.aio.insecure_channel(t) for t in self.targets]
+        self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
+        self._next_target = itertools.count()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -294,8 +395,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
-        await self._channel.close()
+        """Closes the channels; calls in flight are cancelled."""
+        for channel in self._channels:
+            await channel.close()
 
     def generate(
         self,
@@ -344,17 +446,37 @@ class AsyncClient:
     async def _stream(
         self, request: scheduler_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncGenerator[GenerateChunk, None]:
-        call = self._stub.Generate(request, timeout=timeout)
+        resume = StreamResume(
+            _with_request_id(request),
+            first_target=next(self._next_target) % len(self.targets),
+            num_targets=len(self.targets),
+            policy=self.resume,
+            timeout=timeout,
+        )
         final = False
-        try:
-            async for response in call:
-                chunk = chunk_from_proto(response)
-                final = final or chunk.is_final
-                yield chunk
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            call.cancel()  # a no-op once the call has ended
+        while True:
+            call = self._stubs[resume.target_index].Generate(
+                resume.request, timeout=resume.timeout()
+            )
+            try:
+                async for response in call:
+                    chunk = chunk_from_proto(response)
+                    resume.received(chunk)
+                    final = final or chunk.is_final
+                    yield chunk
+                break
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                attempt = resume.after_error(error.code, error.details)
+                if attempt is None:
+                    if resume.num_resumes:
+                        error.add_note(f"after {resume.num_resumes} resumed call(s)")
+                    raise error from exc
+                _log_resume(attempt, error, self.targets[attempt.target_index])
+            finally:
+                call.cancel()  # a no-op once the call has ended
+            self.num_resumes += 1
+            await asyncio.sleep(attempt.delay_s)
         if not final:
             raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
 
@@ -401,19 +523,24 @@ class AsyncClient:
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """As ``Client.abort``."""
-        try:
-            response = await self._stub.Abort(
-                scheduler_pb2.AbortRequest(request_id=request_id),
-                timeout=_deadline(timeout, self.timeout),
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
-        return bool(response.aborted)
+        request = scheduler_pb2.AbortRequest(request_id=request_id)
+        aborted, errors = False, []
+        for stub in self._stubs:
+            try:
+                response = await stub.Abort(request, timeout=_deadline(timeout, self.timeout))
+            except grpc.RpcError as exc:
+                errors.append(exc)
+                continue
+            aborted = aborted or response.aborted
+        if len(errors) == len(self._stubs):
+            raise error_from_rpc(errors[0]) from errors[0]
+        return aborted
 
-    async def stats(self, *, timeout: float | None = None) -> Stats:
+    async def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
         """As ``Client.stats``."""
+        stub = self._stubs[_target_index(self.targets, target)]
         try:
-            response = await self._stub.GetStats(
+            response = await stub.GetStats(
                 scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
             )
         except grpc.RpcError as exc:

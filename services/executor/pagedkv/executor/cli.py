@@ -62,6 +62,16 @@ def register(subparsers: Any, name: str) -> None:
         action="store_false",
         help="no progress bars on stderr (pagedkv serve reports its executors' start-up itself)",
     )
+    parser.add_argument(
+        "--redis-url",
+        help="redis://HOST:PORT/DB: register in the cluster registry there and heartbeat "
+        "(unregistered on SIGTERM/SIGINT); without it, the executor is on its own",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        help="HOST:PORT schedulers reach this executor at, as registered (default: --host and "
+        "the bound port; the machine's host name when --host is a wildcard)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -71,6 +81,23 @@ def _run(args: argparse.Namespace) -> int:
     except ModelArgumentError as exc:
         print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
         return 2
+    if args.redis_url is not None:
+        from pagedkv.cluster.connection import RedisUrlError, check_redis_url
+
+        try:
+            check_redis_url(args.redis_url)
+        except RedisUrlError as exc:
+            print(f"pagedkv executor: {exc}", file=sys.stderr)
+            return 2
+    if args.advertise_address is not None:
+        host, _, port = args.advertise_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            print(
+                f"pagedkv executor: --advertise-address {args.advertise_address}: "
+                "not HOST:PORT (e.g. executor-0.example:50061)",
+                file=sys.stderr,
+            )
+            return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pagedkv.executor.server import serve
 

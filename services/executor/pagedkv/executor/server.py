@@ -1,14 +1,26 @@
-"""``pagedkv executor``: load, size, warm up, serve until SIGTERM or SIGINT."""
+"""``pagedkv executor``: load, size, warm up, serve until SIGTERM or SIGINT.
+
+With ``--redis-url``, the executor registers in the cluster registry once it
+serves, heartbeats from a daemon thread (a Redis outage is logged, never
+fatal: it serves anyway and registers again when Redis is back), and
+unregisters on SIGTERM/SIGINT before the server stops."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
+import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from pagedkv.cluster.registry import ExecutorRegistration
+    from pagedkv.executor.engine import Executor
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -72,6 +84,43 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    registration = None
+    if args.redis_url is not None:
+        address = args.advertise_address or f"{_advertised_host(args.host)}:{port}"
+        registration = _register(executor, args.redis_url, address)
     stop.wait()
+    if registration is not None:
+        registration.close()
     server.stop(grace=2).wait()
     return 0
+
+
+def _advertised_host(host: str) -> str:
+    """``host``, or the machine's name when ``host`` listens on every address."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
+def _register(executor: Executor, redis_url: str, address: str) -> ExecutorRegistration:
+    """Starts registering ``executor`` under ``address`` (in the background)."""
+    from pagedkv.cluster.connection import connect_sync, redacted
+    from pagedkv.cluster.registry import ExecutorRecord, ExecutorRegistration
+    from pagedkv.common.logging import get_logger
+
+    info = executor.get_info()
+    record = ExecutorRecord(
+        address=address,
+        incarnation_id=info.incarnation_id,
+        model_id=info.model_id,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        bytes_per_block=info.bytes_per_block,
+        max_num_rows=info.max_num_rows,
+        max_model_len=info.max_model_len,
+        registered_at_ms=int(time.time() * 1000),
+    )
+    get_logger("pagedkv.executor").info(
+        "executor registering", redis=redacted(redis_url), address=address
+    )
+    registration = ExecutorRegistration(connect_sync(redis_url), record)
+    registration.start()
+    return registration

@@ -1,0 +1,192 @@
+"""Resuming a Generate stream that broke: which failures count as a break, on
+which target to try again, and the request that continues the stream.
+
+A stream breaks when its scheduler (or the connection to it) goes away
+before the final chunk: status UNAVAILABLE, or UNKNOWN with one of gRPC's
+transport messages ("Stream removed", an RST_STREAM, a reset connection).
+The client then calls the next target, round robin, with the same request
+plus ``resumed_token_ids``: every token received so far. The scheduler
+continues after them (see docs/scheduler.md, "Resuming a broken stream"), so
+the caller sees one stream without a duplicate or missing token. Failures of
+the request itself (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, ...), a
+cancelled call and a passed deadline are never retried, nor are requests with
+n > 1 or beam search (their sequences cannot be resumed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from pagedkv.client.types import GenerateChunk
+from pagedkv.common.cli import target_with_port
+from pagedkv.v1 import scheduler_pb2
+
+_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+"""gRPC target schemes whose address lists are comma-separated themselves."""
+
+_TRANSPORT_MESSAGES = (
+    "stream removed",
+    "rst_stream",
+    "socket closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "failed to connect",
+    "goaway",
+)
+"""Lower-case fragments of the details gRPC gives a call whose HTTP/2 stream or
+connection was lost (with status UNKNOWN in some gRPC versions)."""
+
+
+def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    """Scheduler targets as gRPC takes them (see ``target_with_port``).
+
+    ``target`` is one target, several separated by commas, or a sequence of
+    targets. A target with a gRPC scheme (``ipv4:a,b``) is kept whole.
+    Raises ValueError when no target is given.
+    """
+    if isinstance(target, str):
+        parts = [target] if target.startswith(_URI_SCHEMES) else target.split(",")
+    else:
+        parts = list(target)
+    targets = tuple(target_with_port(part.strip()) for part in parts if part.strip())
+    if not targets:
+        raise ValueError("target: at least one scheduler target is needed")
+    return targets
+
+
+def is_stream_break(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a failed Generate call lost its scheduler (a retry elsewhere
+    can work), rather than failing for what it asked."""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code is grpc.StatusCode.UNKNOWN:
+        lowered = details.lower()
+        return any(message in lowered for message in _TRANSPORT_MESSAGES)
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePolicy:
+    """How hard a client tries to continue a broken stream.
+
+    ``max_attempts`` bounds the calls made after a break that deliver no
+    token (None: two per target, at least 3); a call that delivers tokens
+    starts the count again. Before attempt ``i`` (from 0) the client waits
+    ``min(backoff_s * 2**i, max_backoff_s)``. ``max_attempts=0`` turns
+    resuming off.
+    """
+
+    max_attempts: int | None = None
+    backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+    def attempts(self, num_targets: int) -> int:
+        if self.max_attempts is not None:
+            return self.max_attempts
+        return max(3, 2 * num_targets)
+
+    def delay(self, attempt: int) -> float:
+        return float(min(self.backoff_s * 2**attempt, self.max_backoff_s))
+
+
+class Attempt(NamedTuple):
+    """The next call of a stream: where, after how long a wait, with what."""
+
+    target_index: int
+    delay_s: float
+    request: scheduler_pb2.GenerateRequest
+
+
+class StreamResume:
+    """One Generate stream's progress over its calls.
+
+    Owns the tokens received (sequence 0), the target in use and the count of
+    failed attempts since the last token; ``received`` and ``after_error``
+    are the only writers. ``timeout`` (seconds, None: none) is the whole
+    stream's deadline, kept over every call.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_failures",
+        "_num_targets",
+        "_policy",
+        "_request",
+        "_token_ids",
+        "num_resumes",
+        "resumable",
+        "target_index",
+    )
+
+    def __init__(
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        *,
+        first_target: int,
+        num_targets: int,
+        policy: ResumePolicy,
+        timeout: float | None,
+    ) -> None:
+        sampling = request.sampling
+        self._request = request
+        self._policy = policy
+        self._num_targets = num_targets
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._token_ids: list[int] = list(request.resumed_token_ids)
+        self._failures = 0
+        self.target_index = first_target
+        self.num_resumes = 0
+        self.resumable = sampling.n <= 1 and sampling.beam_width < 2
+
+    @property
+    def request(self) -> scheduler_pb2.GenerateRequest:
+        """The request of the current call: the caller's, plus the tokens
+        received so far as ``resumed_token_ids`` once the stream broke."""
+        if len(self._token_ids) == len(self._request.resumed_token_ids):
+            return self._request
+        request = scheduler_pb2.GenerateRequest()
+        request.CopyFrom(self._request)
+        request.ClearField("resumed_token_ids")
+        request.resumed_token_ids.extend(self._token_ids)
+        return request
+
+    def timeout(self) -> float | None:
+        """Seconds left of the stream's deadline (None: no deadline)."""
+        if self._deadline is None:
+            return None
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def received(self, chunk: GenerateChunk) -> None:
+        """Records the tokens of a chunk delivered to the caller."""
+        for seq in chunk.sequences:
+            if seq.index == 0 and seq.token_ids:
+                self._token_ids.extend(seq.token_ids)
+                self._failures = 0
+
+    def after_error(self, code: grpc.StatusCode, details: str) -> Attempt | None:
+        """The call to make after the current one failed with ``code``; None
+        when the failure is final (raise it): not a break (ALREADY_EXISTS
+        counts as one on a resumed call: the old replica has not yet seen
+        its stream end), not resumable, out of attempts, or out of time."""
+        resuming = self.num_resumes > 0
+        broken = is_stream_break(code, details) or (
+            resuming and code is grpc.StatusCode.ALREADY_EXISTS
+        )
+        if not (broken and self.resumable):
+            return None
+        if self._failures >= self._policy.attempts(self._num_targets):
+            return None
+        delay = self._policy.delay(self._failures)
+        remaining = self.timeout()
+        if remaining is not None and remaining <= delay:
+            return None
+        self._failures += 1
+        self.num_resumes += 1
+        self.target_index = (self.target_index + 1) % self._num_targets
+        return Attempt(self.target_index, delay, self.request)
