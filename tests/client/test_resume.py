@@ -47,6 +47,7 @@ __all__ = ["model_dirs"]  # the session fixture, shared with the executor tests
 
 PROMPT = "Resuming keeps every token: " * 12  # 336 byte tokens: slower steps
 NUM_TOKENS = 160
+FINISH_ERROR = scheduler_pb2.FINISH_REASON_ERROR
 
 
 class Stacks:
@@ -191,8 +192,9 @@ def test_parallel_samples_are_not_resumed(stacks: Stacks) -> None:
 @dataclass
 class Scripted(scheduler_pb2_grpc.SchedulerServicer):
     """Answers each Generate call with the next step of ``script``: "break"
-    (a token, then UNAVAILABLE), a status code name (that status at once) or
-    "finish" (the rest of "Hello" and usage). Records the requests."""
+    (a token, then UNAVAILABLE), "fail" (a final chunk finished ERROR, then
+    UNAVAILABLE), a status code name (that status at once) or "finish" (the
+    rest of "Hello" and usage). Records the requests."""
 
     script: list[str]
     requests: list[scheduler_pb2.GenerateRequest] = field(default_factory=list)
@@ -212,6 +214,13 @@ class Scripted(scheduler_pb2_grpc.SchedulerServicer):
                 ],
             )
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        if step == "fail":  # as a scheduler that lost its last executor
+            yield scheduler_pb2.GenerateResponse(
+                request_id=request.request_id,
+                outputs=[scheduler_pb2.SequenceOutput(finish_reason=FINISH_ERROR)],
+                usage=scheduler_pb2.Usage(prompt_tokens=2, completion_tokens=done),
+            )
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is available")
         if step != "finish":
             context.abort(grpc.StatusCode[step], f"scripted {step}")
         yield scheduler_pb2.GenerateResponse(
@@ -296,6 +305,16 @@ def test_an_invalid_resume_is_raised_not_retried(scripted) -> None:
     with Client([a, b]) as client, pytest.raises(InvalidArgumentError):
         client.generate_text("Hi", max_tokens=5)
     assert len(second.requests) == 1
+
+
+def test_a_stream_the_scheduler_ended_itself_is_not_resumed(scripted) -> None:
+    (first, a), (second, b) = scripted
+    first.script = ["break"]
+    second.script = ["fail"]
+    with Client([a, b]) as client, pytest.raises(UnavailableError):
+        for chunk in client.generate("Hi", max_tokens=5):
+            assert not chunk.is_final or chunk.sequences[0].finish_reason == "error"
+    assert len(first.requests) == len(second.requests) == 1
 
 
 def test_breaks_are_unavailable_or_lost_transport_only() -> None:

@@ -10,7 +10,10 @@ continues after them (see docs/scheduler.md, "Resuming a broken stream"), so
 the caller sees one stream without a duplicate or missing token. Failures of
 the request itself (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, ...), a
 cancelled call and a passed deadline are never retried, nor are requests with
-n > 1 or beam search (their sequences cannot be resumed).
+n > 1 or beam search (their sequences cannot be resumed), nor a stream that
+already had its final chunk: a scheduler that ends a request itself (its last
+executor lost: a final chunk finished ERROR, then UNAVAILABLE) has said how it
+ended, and its text was flushed.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class StreamResume:
     __slots__ = (
         "_deadline",
         "_failures",
+        "_final",
         "_num_targets",
         "_policy",
         "_request",
@@ -140,6 +144,7 @@ class StreamResume:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._token_ids: list[int] = list(request.resumed_token_ids)
         self._failures = 0
+        self._final = False
         self.target_index = first_target
         self.num_resumes = 0
         self.resumable = sampling.n <= 1 and sampling.beam_width < 2
@@ -164,6 +169,7 @@ class StreamResume:
 
     def received(self, chunk: GenerateChunk) -> None:
         """Records the tokens of a chunk delivered to the caller."""
+        self._final = self._final or chunk.is_final
         for seq in chunk.sequences:
             if seq.index == 0 and seq.token_ids:
                 self._token_ids.extend(seq.token_ids)
@@ -173,12 +179,13 @@ class StreamResume:
         """The call to make after the current one failed with ``code``; None
         when the failure is final (raise it): not a break (ALREADY_EXISTS
         counts as one on a resumed call: the old replica has not yet seen
-        its stream end), not resumable, out of attempts, or out of time."""
+        its stream end), not resumable, after the final chunk, out of
+        attempts, or out of time."""
         resuming = self.num_resumes > 0
         broken = is_stream_break(code, details) or (
             resuming and code is grpc.StatusCode.ALREADY_EXISTS
         )
-        if not (broken and self.resumable):
+        if not (broken and self.resumable) or self._final:
             return None
         if self._failures >= self._policy.attempts(self._num_targets):
             return None
