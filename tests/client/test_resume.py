@@ -38,6 +38,7 @@ from pagedkv.client import (
     UnavailableError,
 )
 from pagedkv.client.resume import is_stream_break, parse_targets
+from pagedkv.common.cli import main
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs
@@ -333,3 +334,18 @@ def test_targets_are_a_list_or_comma_separated() -> None:
     assert parse_targets("ipv4:1.2.3.4:5,1.2.3.5:5") == ("ipv4:1.2.3.4:5,1.2.3.5:5",)
     with pytest.raises(ValueError, match="target"):
         parse_targets(" , ")
+
+
+def test_the_generate_command_takes_several_targets_and_resumes(
+    scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (first, a), (second, b) = scripted
+    for targets in (["--target", f"{a},{b}"], ["--target", a, "--target", b]):
+        first.script, second.script = ["break"], ["finish"]
+        assert main(["generate", *targets, "--prompt", "Hi", "--max-tokens", "5"]) == 0
+        assert capsys.readouterr().out == "Hello\n"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "repeat the flag or separate them with commas" in help_text
+    assert "resumes on the next" in help_text
