@@ -25,6 +25,28 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executor-timeout", type=float, default=120.0, help="seconds before a step fails"
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they end with "
+        "UNAVAILABLE (clients resume them on another replica)",
+    )
+    cluster = parser.add_argument_group("cluster (with Redis)")
+    cluster.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="redis://HOST:PORT/DB of the cluster's control plane: executors are found in its "
+        "registry and held through leases (see docs/cluster.md)",
+    )
+    cluster.add_argument(
+        "--lease-ttl", type=float, default=3.0, help="seconds a lease on an executor lasts"
+    )
+    cluster.add_argument(
+        "--advertise-address",
+        metavar="HOST:PORT",
+        help="the address other members see for this scheduler (default: --host and the port)",
+    )
 
 
 def register_scheduler(subparsers: Any, name: str) -> None:
@@ -32,17 +54,18 @@ def register_scheduler(subparsers: Any, name: str) -> None:
         name,
         help="schedule requests over running executors (the Scheduler gRPC API)",
         description=(
-            "Takes over the given executors and serves the Scheduler API. Prints one "
-            "readiness line with its address."
+            "Takes over the given executors (or, with --redis-url, its share of the "
+            "cluster's) and serves the Scheduler API. Prints one readiness line with its "
+            "address."
         ),
     )
     parser.add_argument(
         "--executor",
         action="append",
-        required=True,
+        default=[],
         metavar="HOST:PORT",
         dest="executors",
-        help="a running executor (repeat for each)",
+        help="a running executor (repeat for each); not with --redis-url",
     )
     parser.add_argument(
         "--model", help="model directory for the tokenizer (default: the executors' model id)"

@@ -13,6 +13,7 @@ step). No I/O here: ``SchedulerService`` moves the messages.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -120,6 +121,9 @@ class ExecutorScheduler:
             specs_from_info(info), info.num_blocks, model_id=info.model_id, record_events=True
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
+        self.draining = False  # being given up: nothing new is admitted here
+        self.released = False  # given up: the step loop ends once no step is in flight
+        self.stopped = asyncio.Event()  # set when the step loop has ended
         # Receives every batch of cache events as it goes out to the executor
         # (the Redis prefix mirror); must not block.
         self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
@@ -253,7 +257,7 @@ class ExecutorScheduler:
             entries.append(self._entry(seq, num_new + ahead, allocation))
             scheduled.add(seq)
             budget -= num_new + ahead
-        while not preempted and self.waiting and budget > 0:
+        while not preempted and not self.draining and self.waiting and budget > 0:
             seq = self.waiting[0]
             self.current = seq
             generation = seq.generation

@@ -30,17 +30,21 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.common.errors import ServiceError, Unavailable
 from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.cache_events import CacheEvent
+from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.metrics import SchedulerMetrics
-from pagedkv.scheduler.sequence import FinishReason, Generation
+from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.v1 import executor_pb2
+
+if TYPE_CHECKING:
+    from pagedkv.scheduler.cluster import ClusterMember
 
 log = get_logger(__name__)
 
@@ -57,6 +61,7 @@ class SchedulerConfig:
     model_dir: str | None = None  # for the tokenizer; default: the executors' model id
     scheduler_id: str = ""
     pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
+    cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
 
 
 def _owner(info: executor_pb2.GetInfoResponse) -> str:
@@ -95,6 +100,7 @@ class ExecutorFailover:
         self._resync: set[str] = set()  # executors whose accounting must be rebuilt
         self._unattributed: dict[str, int] = {}  # errors in a row with no culprit
         self._preemptions_of_down = 0  # preemptions on executors dropped since
+        self.cluster: ClusterMember | None = None  # the Redis control plane, if any
 
     async def _loop(self, address: str) -> None:
         """The executor's step loop (``SchedulerService``)."""
@@ -119,7 +125,12 @@ class ExecutorFailover:
         """Takes the executor over (Reset: its rows are freed, its KV kept)
         and reads its tagged blocks, so the prefix cache survives the
         takeover; ``cold`` drops the tags instead (the scheduler's own
-        accounting was in doubt). Raises ExecutorDown."""
+        accounting was in doubt). In a cluster the epoch comes from the
+        executor's lease. Raises ExecutorDown."""
+        if epoch is None and self.cluster is not None:
+            if info is None:
+                info = await client.get_info()
+            epoch = await self.cluster.epoch_for(client.address, info)
         info = await client.connect(info, epoch=epoch, drop_cached_blocks=cold)
         cached = [] if cold else await client.list_cached_blocks()
         return TakenOver(info, cached)
@@ -139,6 +150,8 @@ class ExecutorFailover:
             cached=taken.cached,
         )
         self.schedulers[address] = scheduler
+        if self.cluster is not None:
+            self.cluster.adopted(scheduler)
         self.down.pop(address, None)
         self._wake.setdefault(address, asyncio.Event()).set()
         log.info(
@@ -278,7 +291,10 @@ class ExecutorFailover:
     def _executor_down(self, address: str, why: str, cause: str) -> None:
         """Marks an executor down, recomputes its sequences elsewhere (or ends
         them with FINISH_REASON_ERROR and UNAVAILABLE when none is left) and
-        starts probing it."""
+        starts probing it. In a cluster, an executor another owner took over
+        is forgotten instead (its lease is theirs)."""
+        if address not in self.schedulers:
+            return  # given up meanwhile
         log.warning("executor down", executor=address, cause=cause, error=why)
         self.down[address] = why
         if self.metrics is not None:
@@ -286,24 +302,79 @@ class ExecutorFailover:
         scheduler = self.schedulers.pop(address)
         self._resync.discard(address)
         self._preemptions_of_down += scheduler.num_preemptions
-        moved = scheduler.evacuate()
-        targets: dict[Generation, str] = {}  # a generation's sequences stay together
+        self._move_elsewhere(scheduler.evacuate(), f"every executor is down ({why})")
+        if cause == "fenced" and self.cluster is not None:
+            self.cluster.lost(address)
+            self._spawn(self.forget(address))
+            return
+        self._spawn(self._recover(address))
+
+    def _move_elsewhere(self, moved: list[Sequence], why: str) -> None:
+        """Queues sequences taken off an executor on the others (the fullest
+        free pool first, a generation's sequences together, draining
+        executors last); with none left they fail with UNAVAILABLE ``why``."""
+        targets: dict[Generation, str] = {}
+        open_ = [a for a, s in self.schedulers.items() if not s.draining] or list(self.schedulers)
         for seq in moved:
             generation = seq.generation
             if seq.finished or generation.done:
                 continue
-            if not self.schedulers:
-                self._fail(generation, Unavailable(f"every executor is down ({why})"))
+            if not open_:
+                self._fail(generation, Unavailable(why))
                 continue
             if generation not in targets:
                 targets[generation] = max(
-                    self.schedulers,
-                    key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks(),
+                    open_, key=lambda a: self.schedulers[a].kv.pool.get_num_free_blocks()
                 )
             target = targets[generation]
             self.schedulers[target].add(seq)
             self._wake[target].set()
-        self._spawn(self._recover(address))
+
+    async def forget(self, address: str) -> None:
+        """Drops every trace of an executor that is no longer ours (its lease
+        was lost or given up): its connection, and its probing stops."""
+        if self.cluster is not None:
+            self.cluster.lost(address)
+        self.down.pop(address, None)
+        self.recoveries.pop(address, None)
+        client = self.clients.pop(address, None)
+        if client is not None:
+            await client.close()
+
+    async def drain_executor(self, address: str, timeout: float, why: str) -> None:
+        """Gives an executor up gracefully: nothing new is admitted there,
+        sequences not started there move to the other executors at once,
+        running ones get ``timeout`` seconds to finish, then the rest move
+        too (recomputed; UNAVAILABLE ``why`` when no executor is left). Returns
+        once its step loop has stopped with no step in flight; the caller
+        releases the lease and calls ``forget``."""
+        scheduler = self.schedulers.get(address)
+        if scheduler is None:
+            return
+        scheduler.draining = True
+        log.info("executor draining", executor=address, running=len(scheduler.running))
+        deadline = time.monotonic() + timeout
+        while self.schedulers.get(address) is scheduler:
+            idle = [s for s in scheduler.waiting if s.row is None and not s.generation.forked]
+            for seq in idle:
+                scheduler.waiting.remove(seq)
+            if idle and len(self.schedulers) > 1:
+                self._move_elsewhere(idle, why)
+            else:
+                for seq in idle:
+                    scheduler.add(seq)
+            if not scheduler.running or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if self.schedulers.get(address) is not scheduler:
+            return  # it went down meanwhile
+        del self.schedulers[address]
+        self._preemptions_of_down += scheduler.num_preemptions
+        self._move_elsewhere(scheduler.evacuate(), why)
+        scheduler.released = True
+        self._wake[address].set()
+        await scheduler.stopped.wait()
+        log.info("executor given up", executor=address)
 
     async def _recover(self, address: str) -> None:
         """Probes a down executor with backoff (GetInfo on a fresh channel)
@@ -317,6 +388,8 @@ class ExecutorFailover:
         while True:
             await asyncio.sleep(delay)
             delay = min(2 * delay, longest)
+            if address not in self.down:
+                return  # forgotten
             client = self._client(address)
             try:
                 info = await client.get_info(timeout=min(PROBE_TIMEOUT_S, client.timeout))

@@ -7,8 +7,10 @@ import asyncio
 import signal
 import sys
 
+from pagedkv.cluster.connection import check_redis_url
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.scheduler.servicer import start_server
@@ -16,13 +18,26 @@ from pagedkv.scheduler.servicer import start_server
 log = get_logger(__name__)
 
 
-def config_from_args(args: argparse.Namespace, executors: list[str]) -> SchedulerConfig:
+def config_from_args(
+    args: argparse.Namespace, executors: list[str], port: int | None = None
+) -> SchedulerConfig:
+    """``port``: the one the scheduler binds, for its member record."""
+    cluster = None
+    if getattr(args, "redis_url", None):
+        address = args.advertise_address or f"{args.host}:{port if port is not None else args.port}"
+        cluster = ClusterConfig(
+            redis_url=check_redis_url(args.redis_url),
+            address=address,
+            lease_ttl=args.lease_ttl,
+            drain_timeout=args.drain_timeout,
+        )
     return SchedulerConfig(
         executors=tuple(executors),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         executor_timeout=args.executor_timeout,
         model_dir=args.model,
+        cluster=cluster,
     )
 
 
@@ -32,6 +47,7 @@ async def serve_scheduler(
     port: int,
     metrics_port: int | None,
     ready_line: str = "scheduler",
+    drain_timeout: float = 30.0,
 ) -> None:
     """Runs a scheduler until SIGTERM or SIGINT; prints ``<ready_line> ready
     on HOST:PORT ...`` once it serves. The metrics endpoint (with
@@ -40,12 +56,14 @@ async def serve_scheduler(
     service = SchedulerService(config, metrics)
     await service.start()
     server, bound = await start_server(service, f"{host}:{port}")
+    if service.cluster is not None and not port:
+        service.cluster.address = f"{host}:{bound}"
     extra = ""
     if metrics_port is not None:
         extra = f", metrics on :{metrics.serve(metrics_port, host)}"
     print(
         f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
-        f"model {service.info.model_id}{extra})",
+        f"model {service.info.model_id or 'not known yet'}{extra})",
         flush=True,
     )
     stop = asyncio.Event()
@@ -54,15 +72,30 @@ async def serve_scheduler(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("scheduler stopping")
+    await service.shutdown(drain_timeout)
     await server.stop(grace=2)
-    await service.stop()
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    if bool(args.executors) == bool(args.redis_url):
+        print(
+            "pagedkv scheduler: give --executor HOST:PORT (repeat for each) or --redis-url URL",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = config_from_args(args, args.executors)
+    except ValueError as exc:
+        print(f"pagedkv scheduler: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(
             serve_scheduler(
-                config_from_args(args, args.executors), args.host, args.port, args.metrics_port
+                config,
+                args.host,
+                args.port,
+                args.metrics_port,
+                drain_timeout=args.drain_timeout,
             )
         )
     except ServiceError as exc:

@@ -28,9 +28,10 @@ from pagedkv.common.errors import (
 )
 from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.executor_client import ExecutorDown
+from pagedkv.scheduler.cluster import ClusterMember
+from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig
+from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig, TakenOver
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
@@ -62,12 +63,19 @@ class SchedulerService(ExecutorFailover):
         self.tokenizer: TextTokenizer | None = None
         self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
+        self.draining = False  # shutting down: nothing new is admitted
 
     # -- life -----------------------------------------------------------------
 
     async def start(self) -> None:
         """Takes over every executor that answers (the others are probed
-        until they do); raises Unavailable if none does."""
+        until they do); raises Unavailable if none does. In a cluster, joins
+        it instead and claims its share of the registered executors (maybe
+        none yet)."""
+        if self.config.cluster is not None:
+            self.cluster = ClusterMember(self, self.config.cluster)
+            await self.cluster.start()
+            return
         for address in self.config.executors:
             client = self._client(address)
             self.clients[address] = client
@@ -92,6 +100,48 @@ class SchedulerService(ExecutorFailover):
         for address in self.down:
             self._spawn(self._recover(address))
 
+    def adopt_claimed(self, address: str, client: ExecutorClient, taken: TakenOver) -> None:
+        """Puts an executor the cluster member just claimed in service (the
+        first one also sets the model and the tokenizer)."""
+        if not self.info.model_id:
+            self.info = taken.info
+            self.tokenizer = TextTokenizer.from_model_dir(
+                self.config.model_dir or self.info.model_id
+            )
+        self._adopt(address, client, taken)
+        self._spawn(self._loop(address))
+
+    def lose_executor(self, address: str, why: str) -> None:
+        """Its lease was lost: the executor leaves service here at once (its
+        sequences are recomputed elsewhere) and is forgotten."""
+        if address in self.schedulers:
+            self._executor_down(address, f"fenced: {why}", "fenced")
+        elif address in self.clients:
+            self._spawn(self.forget(address))
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """A graceful stop (SIGTERM): new requests get UNAVAILABLE, waiting
+        ones end with UNAVAILABLE at once (a client resumes them elsewhere),
+        running ones get ``drain_timeout`` seconds to finish; in a cluster the
+        executors are then released for the other members."""
+        self.draining = True
+        log.info("scheduler draining", running=self.num_running, waiting=self.num_waiting)
+        why = "the scheduler is stopping; resume on another replica"
+        for scheduler in list(self.schedulers.values()):
+            scheduler.draining = True
+            for seq in list(scheduler.waiting):
+                if seq.row is None and not seq.generation.done:
+                    self._fail(seq.generation, Unavailable(why))
+        if self.cluster is not None:
+            await self.cluster.leave(drain_timeout)
+        else:
+            deadline = time.monotonic() + drain_timeout
+            while self.num_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        for generation in list(self.generations.values()):
+            self._fail(generation, Unavailable(why))
+        await self.stop()
+
     async def stop(self) -> None:
         """Ends every live generation (ABORT) and closes the executors."""
         for generation in list(self.generations.values()):
@@ -105,6 +155,8 @@ class SchedulerService(ExecutorFailover):
             _, pending = await asyncio.wait(pending, timeout=1.0)
         for client in self.clients.values():
             await client.close()
+        if self.cluster is not None and not self.cluster.leaving:
+            await self.cluster.close()
 
     # -- requests -------------------------------------------------------------
 
@@ -119,6 +171,8 @@ class SchedulerService(ExecutorFailover):
             raise self._internal_error(exc, "submit", request_id=request.request_id) from exc
 
     def _submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
+        if self.draining:
+            raise Unavailable("the scheduler is stopping; send the request to another replica")
         if not self.schedulers:
             raise Unavailable("no executor is available: " + "; ".join(self.down.values()))
         request_id = request.request_id or uuid.uuid4().hex
@@ -213,7 +267,8 @@ class SchedulerService(ExecutorFailover):
             hit = kv.get_computed_blocks(request, count=False).num_tokens
             return hit, kv.pool.get_num_free_blocks()
 
-        return max(self.schedulers, key=score)
+        open_ = [a for a, s in self.schedulers.items() if not s.draining]
+        return max(open_ or self.schedulers, key=score)
 
     def abort(self, request_id: str) -> bool:
         """Ends a live generation with FINISH_REASON_ABORT and frees its blocks."""
@@ -247,28 +302,38 @@ class SchedulerService(ExecutorFailover):
                 await self._step_loop(scheduler)
             except asyncio.CancelledError:
                 raise
-            except ExecutorDown as exc:
-                owner = None if exc.cause == "timeout" else await self._owner_if_fenced(address)
-                if owner is not None:
-                    self._executor_down(address, f"fenced: {owner}", "fenced")
-                    return
-                if exc.cause != "refused":
-                    self._executor_down(address, str(exc), exc.cause)
-                    return
-                # It refused what we sent: the message was wrong, our bug.
-                self._internal_error(exc, "step refused", executor=address)
-                self._unattributed_error(scheduler)
-            except Resync:
-                pass
             except Exception as exc:
-                error = self._internal_error(exc, "step loop", executor=address)
-                culprit = scheduler.current
-                if culprit is None:
-                    self._unattributed_error(scheduler)
-                else:
-                    self._fail(culprit.generation, error)
-            if not await self._resync_executor(address):
+                if scheduler.released:  # given up while a step failed: nothing to contain
+                    scheduler.stopped.set()
+                    return
+                if not await self._contain(address, scheduler, exc):
+                    return
+            else:
+                scheduler.stopped.set()  # released
                 return
+
+    async def _contain(self, address: str, scheduler: ExecutorScheduler, exc: Exception) -> bool:
+        """Handles what ended an executor's step loop (see failover.py);
+        False when the executor is out of service now."""
+        if isinstance(exc, ExecutorDown):
+            owner = None if exc.cause == "timeout" else await self._owner_if_fenced(address)
+            if owner is not None:
+                self._executor_down(address, f"fenced: {owner}", "fenced")
+                return False
+            if exc.cause != "refused":
+                self._executor_down(address, str(exc), exc.cause)
+                return False
+            # It refused what we sent: the message was wrong, our bug.
+            self._internal_error(exc, "step refused", executor=address)
+            self._unattributed_error(scheduler)
+        elif not isinstance(exc, Resync):
+            error = self._internal_error(exc, "step loop", executor=address)
+            culprit = scheduler.current
+            if culprit is None:
+                self._unattributed_error(scheduler)
+            else:
+                self._fail(culprit.generation, error)
+        return await self._resync_executor(address)
 
     async def _step_loop(self, scheduler: ExecutorScheduler) -> None:
         """Async stepping: step N + 1 is built and sent while the executor
@@ -281,9 +346,17 @@ class SchedulerService(ExecutorFailover):
         clock = time.perf_counter
         inflight: deque[tuple[ScheduledStep, float, float, float]] = deque()
         depth = self.config.pipeline_depth
+        cluster = self.cluster
         while True:
+            if scheduler.released and not inflight:
+                return
             if address in self._resync:
                 raise Resync
+            if cluster is not None and not cluster.may_step(address):
+                await cluster.lease_renewed(address)  # its lease must be renewed first
+                if self.schedulers.get(address) is not scheduler:
+                    return  # the lease was lost: the executor is out of service
+                continue
             if len(inflight) < depth:
                 t0 = clock()
                 step = scheduler.schedule()
@@ -405,9 +478,13 @@ class SchedulerService(ExecutorFailover):
             executor.incarnation_id = scheduler.info.incarnation_id
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks
+            executor.draining = scheduler.draining
             report = kv.check_integrity()
             if not report.ok:
                 problems.append(f"{address}: " + "; ".join(report.errors))
         response.integrity.ok = not problems
         response.integrity.message = "\n".join(problems)
+        response.draining = self.draining
+        if self.cluster is not None:
+            response.cluster.CopyFrom(self.cluster.view)
         return response

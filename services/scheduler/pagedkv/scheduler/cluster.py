@@ -1,0 +1,375 @@
+"""The scheduler as a member of a cluster whose control plane is Redis
+(``--redis-url``; see docs/cluster.md).
+
+``ClusterMember`` runs one background task that, every ``lease_ttl / 4``
+seconds: heartbeats the member record, renews the leases it holds, reads the
+registry, the members and the leases, claims unleased executors up to its
+share, and gives one executor up (draining it first) when it holds more than
+its share while another member holds fewer. The step loops never await
+Redis: they only ask ``may_step``, which is a dict lookup.
+
+Leases and fencing: every takeover gets its epoch from the executor's lease
+(``epoch_for``), so an executor is only ever Reset with an epoch Redis
+handed out, above the executor's own. A lease that cannot be renewed in time
+stops the steps to that executor until the renewal answers; a renewal that
+finds the lease taken (a paused scheduler whose lease expired) puts the
+executor out of service here at once. While Redis cannot be reached the
+member is *degraded*: it keeps stepping what it holds (the executors' fencing
+still protects them), claims nothing, and restores its records and leases
+when Redis answers again, even empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis.exceptions
+
+from pagedkv.cluster.connection import connect, redacted
+from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
+from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
+from pagedkv.cluster.leases import EpochsExhausted, Lease, LeaseHeld, LeaseTable, Renewed
+from pagedkv.cluster.members import MemberRecord, Members
+from pagedkv.cluster.mirror import PrefixMirror
+from pagedkv.cluster.registry import ExecutorRecord, list_executors
+from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
+from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorDown
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.v1 import executor_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from pagedkv.scheduler.service import SchedulerService
+
+log = get_logger(__name__)
+
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    redis_url: str
+    address: str = ""  # where this scheduler's API serves (its member record)
+    lease_ttl: float = 3.0  # seconds; the member task runs every lease_ttl / 4
+    prefix: str = DEFAULT_PREFIX
+    drain_timeout: float = 10.0  # seconds running requests get when an executor is given up
+
+
+class ClusterMember:
+    """One scheduler's membership, leases and claims (see the module docstring)."""
+
+    def __init__(self, service: SchedulerService, config: ClusterConfig) -> None:
+        self.service = service
+        self.config = config
+        self.member_id = service.scheduler_id
+        self.address = config.address  # set once the server is bound, when its port was 0
+        self.redis = connect(config.redis_url)
+        self.keys = Keys(config.prefix)
+        self.leases = LeaseTable(self.redis, self.keys)
+        self.members = Members(self.redis, self.keys)
+        self.mirror = PrefixMirror(self.redis, self.keys)
+        self.mirrored: dict[str, str] = {}  # address -> incarnation mirrored from here
+        self.ttl_ms = max(1, int(config.lease_ttl * 1000))
+        self.beat = config.lease_ttl / 4
+        self.held: dict[str, Lease] = {}
+        self.valid_until: dict[str, float] = {}  # monotonic; steps stop after it
+        self.degraded: str | None = None
+        self.leaving = False
+        self.view = scheduler_pb2.ClusterState(enabled=True)
+        self.registry: dict[str, ExecutorRecord] = {}
+        self.incarnations: dict[str, str] = {}  # address -> last registered incarnation
+        self._boot_id: str | None = None
+        self._quiet_until = 0.0  # monotonic: no takeover of another member's executor before
+        self._no_claims_until = 0.0  # monotonic: set after giving an executor up
+        self._drain: asyncio.Task[None] | None = None
+        self._round_done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._registered_at_ms = int(time.time() * 1000)
+        self.num_rounds = 0
+        self.num_redis_errors = 0
+
+    # -- life -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Runs a first round (claims included) and starts the member task."""
+        self.mirror.start()
+        await self._guarded_round()
+        self._task = asyncio.create_task(self._run())
+
+    async def leave(self, drain_timeout: float) -> None:
+        """A clean exit: drains every executor (running requests get
+        ``drain_timeout`` seconds), releases the leases and the member record."""
+        self.leaving = True
+        if self._drain is not None:
+            await asyncio.gather(self._drain, return_exceptions=True)
+        why = "the scheduler is stopping"
+        await asyncio.gather(
+            *(self._give_up(a, drain_timeout, why) for a in list(self.held)),
+            return_exceptions=True,
+        )
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops the member task and leaves the member set (leases left to expire)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.mirror.close()
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.members.leave(self.member_id)
+        await self.redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.beat)
+            await self._guarded_round()
+
+    async def _guarded_round(self) -> None:
+        try:
+            await self._round()
+        except REDIS_ERRORS as exc:
+            self.num_redis_errors += 1
+            if self.degraded is None:
+                log.warning("cluster state degraded: redis unreachable", error=str(exc))
+            self.degraded = f"redis at {redacted(self.config.redis_url)} unreachable: {exc}"
+            self.view.degraded, self.view.detail = True, self.degraded
+        finally:
+            self.num_rounds += 1
+            self._round_done.set()
+            self._round_done = asyncio.Event()
+
+    # -- the step loops' view ---------------------------------------------------
+
+    def may_step(self, address: str) -> bool:
+        """Whether the executor's lease is known to be ours now (or Redis is
+        unreachable, where fencing alone protects it)."""
+        return self.degraded is not None or time.monotonic() < self.valid_until.get(address, 0.0)
+
+    async def lease_renewed(self, address: str) -> None:
+        """Waits for the next member round (its renewal, or the loss of the lease)."""
+        await self._round_done.wait()
+
+    async def epoch_for(self, address: str, info: executor_pb2.GetInfoResponse) -> int:
+        """A fresh lease epoch for a takeover of the executor (above its
+        current epoch). Raises ExecutorDown ``refused`` when another member
+        holds it or Redis cannot be reached (nothing is claimed then)."""
+        try:
+            result = await self.leases.acquire(
+                address, self.member_id, info.incarnation_id, info.owner.epoch, self.ttl_ms
+            )
+        except REDIS_ERRORS as exc:
+            raise ExecutorDown("refused", f"{address}: no lease: redis unreachable: {exc}") from exc
+        if isinstance(result, LeaseHeld):
+            holder = result.holder
+            raise ExecutorDown(
+                "refused", f"{address}: leased to {holder.owner_id!r} at epoch {holder.epoch}"
+            )
+        if isinstance(result, EpochsExhausted):
+            raise ExecutorDown("refused", f"{address}: its epochs are exhausted; restart it")
+        self.held[address] = result
+        self.valid_until[address] = time.monotonic() + 0.75 * self.config.lease_ttl
+        return result.epoch
+
+    def lost(self, address: str) -> None:
+        """The executor is no longer ours (fenced by another owner, or given up)."""
+        self.held.pop(address, None)
+        self.valid_until.pop(address, None)
+        incarnation = self.mirrored.pop(address, None)
+        if incarnation is not None:
+            self.mirror.untrack(incarnation)
+
+    def adopted(self, scheduler: ExecutorScheduler) -> None:
+        """An executor just taken over: its prefix cache is mirrored from here
+        (resynced from the index first), and an earlier incarnation's keys go."""
+        address, incarnation = scheduler.address, scheduler.info.incarnation_id
+        previous = self.mirrored.get(address)
+        if previous is not None and previous != incarnation:
+            self.mirror.drop(previous)
+        self.mirrored[address] = incarnation
+        pool = scheduler.kv.pool
+
+        def snapshot(_: str) -> list[Stored]:
+            return [
+                Stored(block.block_id, block_hash, group_id)
+                for group_id, index in enumerate(pool.cached_blocks)
+                for block_hash, block in index.items()
+            ]
+
+        def record(events: list[CacheEvent]) -> None:
+            self.mirror.record(incarnation, map(_kv_event, events))
+
+        self.mirror.track(incarnation, snapshot)
+        scheduler.on_cache_events = record
+
+    # -- one round ------------------------------------------------------------
+
+    async def _round(self) -> None:
+        boot = await self.members.ensure_boot()
+        now = time.monotonic()
+        if self._boot_id is not None and boot.boot_id != self._boot_id:
+            log.warning("redis lost its data; restoring the cluster state")
+            self._quiet_until = now + self.config.lease_ttl
+            self.mirror.resync()
+        self._boot_id = boot.boot_id
+        record = MemberRecord(self.member_id, self.address, self._registered_at_ms)
+        await self.members.heartbeat(record, self.ttl_ms)
+        await self._renew()
+        records = await list_executors(self.redis, self.keys)
+        members = await self.members.live()
+        leases = await self.leases.read([r.address for r in records])
+        if self.degraded is not None:
+            log.info("cluster state restored")
+        self.degraded = None
+        self._update_view(records, members, leases)
+        await self._forget_unregistered()
+        if self.leaving:
+            return
+        await self._claim(records, members, leases)
+        self._balance(records, members, leases)
+
+    async def _renew(self) -> None:
+        for address, lease in list(self.held.items()):
+            sent = time.monotonic()
+            result = await self.leases.renew(lease, self.ttl_ms)
+            if self.held.get(address) is not lease:
+                continue  # re-acquired meanwhile
+            if isinstance(result, Renewed):
+                self.valid_until[address] = sent + 0.75 * self.config.lease_ttl
+                if result.recreated:
+                    log.info("lease restored", executor=address, epoch=lease.epoch)
+                continue
+            why = f"lease lost to {result.holder_id!r} (epoch {result.epoch})"
+            log.warning("lease lost", executor=address, holder=result.holder_id, epoch=result.epoch)
+            self.lost(address)
+            self.service.lose_executor(address, why)
+
+    def _update_view(
+        self, records: list[ExecutorRecord], members: list[MemberRecord], leases: dict[str, Lease]
+    ) -> None:
+        self.registry = {r.address: r for r in records}
+        current = {r.address: r.incarnation_id for r in records}
+        for address, incarnation in self.incarnations.items():
+            if current.get(address) != incarnation:  # that incarnation ended
+                self.mirror.drop(incarnation)
+        self.incarnations = current
+        view = scheduler_pb2.ClusterState(
+            enabled=True, scheduler_ids=sorted(m.member_id for m in members)
+        )
+        for record in records:
+            lease = leases.get(record.address)
+            view.executors.add(
+                address=record.address,
+                incarnation_id=record.incarnation_id,
+                owner_id=lease.owner_id if lease else "",
+                epoch=lease.epoch if lease else 0,
+            )
+        self.view = view
+
+    async def _forget_unregistered(self) -> None:
+        """Executors that left the registry while down here: lease released."""
+        for address in list(self.held):
+            if address not in self.registry and address in self.service.down:
+                lease = self.held.pop(address)
+                self.valid_until.pop(address, None)
+                await self.leases.release(lease)
+                await self.service.forget(address)
+                log.info("executor left the cluster", executor=address)
+
+    async def _claim(
+        self, records: list[ExecutorRecord], members: list[MemberRecord], leases: dict[str, Lease]
+    ) -> None:
+        """Takes unleased executors while this member holds fewer than its
+        share and no live member holds fewer (so the emptiest member claims)."""
+        if time.monotonic() < self._no_claims_until:
+            return
+        live = {m.member_id for m in members} | {self.member_id}
+        counts = dict.fromkeys(live, 0)
+        for lease in leases.values():
+            if lease.owner_id in counts:
+                counts[lease.owner_id] += 1
+        counts[self.member_id] = len(self.held)
+        share = math.ceil(len(records) / len(live))
+        for record in records:
+            mine = counts[self.member_id]
+            if mine >= share or mine > min(counts.values()):
+                return
+            address = record.address
+            if address in leases or address in self.service.clients:
+                continue
+            if await self._claim_one(record, live):
+                counts[self.member_id] += 1
+
+    async def _claim_one(self, record: ExecutorRecord, live: set[str]) -> bool:
+        service = self.service
+        address = record.address
+        client = service._client(address)
+        try:
+            info = await client.get_info(timeout=PROBE_TIMEOUT_S)
+            owner = info.owner.owner_id
+            if (
+                owner
+                and owner != self.member_id
+                and (owner in live or time.monotonic() < self._quiet_until)
+            ):
+                raise ExecutorDown("refused", f"{address}: its owner {owner!r} is alive")
+            if service.info.model_id and info.model_id != service.info.model_id:
+                raise ExecutorDown("refused", f"{address}: serves {info.model_id!r}")
+            taken = await service._take_over(client, info)
+        except ExecutorDown as exc:
+            await client.close()
+            lease = self.held.pop(address, None)
+            if lease is not None:
+                await self.leases.release(lease)
+            log.info("executor not claimed", executor=address, why=str(exc))
+            return False
+        service.adopt_claimed(address, client, taken)
+        return True
+
+    def _balance(
+        self, records: list[ExecutorRecord], members: list[MemberRecord], leases: dict[str, Lease]
+    ) -> None:
+        """Gives one executor up when this member is the most loaded and holds
+        at least two more than the least loaded live member."""
+        if self._drain is not None and not self._drain.done():
+            return
+        counts = {m.member_id: 0 for m in members}
+        for lease in leases.values():
+            if lease.owner_id in counts:
+                counts[lease.owner_id] += 1
+        counts[self.member_id] = len(self.held)
+        most = max(counts, key=lambda m: (counts[m], m))
+        if most != self.member_id or counts[most] < min(counts.values()) + 2:
+            return
+        schedulers = self.service.schedulers
+        candidates = [a for a in self.held if a in schedulers]
+        if len(candidates) < 2:
+            return
+        address = min(candidates, key=lambda a: len(schedulers[a].running))
+        log.info("rebalancing: giving an executor up", executor=address, held=len(self.held))
+        self._drain = asyncio.create_task(
+            self._give_up(address, self.config.drain_timeout, "rebalanced to another scheduler")
+        )
+
+    async def _give_up(self, address: str, timeout: float, why: str) -> None:
+        await self.service.drain_executor(address, timeout, why)
+        lease = self.held.pop(address, None)
+        self.valid_until.pop(address, None)
+        self._no_claims_until = time.monotonic() + 2 * self.config.lease_ttl
+        if lease is not None:
+            try:
+                await self.leases.release(lease)
+            except REDIS_ERRORS as exc:
+                log.warning("lease not released (it expires)", executor=address, error=str(exc))
+        await self.service.forget(address)
+        log.info("executor released", executor=address)
+
+
+def _kv_event(event: CacheEvent) -> KVEvent:
+    if event.kind is CacheEventKind.STORED:
+        return Stored(event.block_id, event.block_hash, event.group_id)
+    return Removed(event.block_id, event.block_hash, event.group_id)
