@@ -9,7 +9,13 @@ Fencing: the executor has at most one owner ``(owner_id, epoch)``, set by
 ``reset``. Mutating calls must carry exactly the current owner; ``reset``
 takes a higher epoch (a new owner), or the same owner and epoch (a restart of
 its session). Both free every row and end open step streams (their session
-number changes); KV contents are kept.
+number changes); KV contents are kept, and so are the block tags unless the
+reset asks to drop them.
+
+Block tags (see block_tags.py): a step's untags, and the destinations of its
+copies, lose their tags before the step changes anything else; its tags are
+set after its forward and sampling have finished on the device.
+``list_cached_blocks`` snapshots them under the lock, so no step interleaves.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import numpy as np
 import torch
 
 from pagedkv.common.errors import FailedPrecondition, InvalidArgument
-from pagedkv.common.ids import MAX_EPOCH
+from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
+from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
@@ -54,6 +61,7 @@ class Executor:
         self.owner = common_pb2.Owner()
         self.session = 0  # bumped by every reset: open streams of older sessions end
         self.lock = threading.Lock()
+        self.tags = BlockTags()  # written only here, under the lock
 
     # -- fencing --------------------------------------------------------------
 
@@ -81,12 +89,16 @@ class Executor:
             self.owner.CopyFrom(owner)
             self.session += 1
             freed = self.runner.rows.free_all()
+            dropped_tags = self.tags.clear() if request.drop_cached_blocks else 0
+            num_tags = len(self.tags)
         log.info(
             "executor reset",
             owner=owner.owner_id,
             epoch=owner.epoch,
             previous=previous.owner_id,
             freed_rows=len(freed),
+            tagged_blocks=num_tags,
+            dropped_tags=dropped_tags,
         )
         return executor_pb2.ResetResponse(
             previous_owner=previous, incarnation_id=self.incarnation_id
@@ -113,7 +125,26 @@ class Executor:
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
             max_logprobs=runner.config.max_logprobs,
             device=str(runner.device),
+            num_tagged_blocks=len(self.tags),
         )
+
+    def list_cached_blocks(
+        self, request: executor_pb2.ListCachedBlocksRequest
+    ) -> list[executor_pb2.ListCachedBlocksResponse]:
+        """The tags, oldest first, in chunks of at most ``LIST_CHUNK_SIZE``;
+        only for the current owner. The snapshot is taken under the lock (no
+        step interleaves); the messages are built after it."""
+        with self.lock:
+            self.check_owner(request.owner)
+            chunks = self.tags.chunks(LIST_CHUNK_SIZE)
+        return [
+            executor_pb2.ListCachedBlocksResponse(
+                block_ids=chunk.block_ids,
+                block_hashes=chunk.block_hashes,
+                group_ids=chunk.group_ids,
+            )
+            for chunk in chunks
+        ]
 
     # -- mutations ------------------------------------------------------------
 
@@ -165,6 +196,8 @@ class Executor:
                 self.runner.limits,
                 ("src_block_ids", "dst_block_ids"),
             )
+            if len(self.tags):
+                self.tags.untag([BlockId(b) for b in copies[:, 1].tolist()])
             self.runner.copy_blocks(copies)
         return executor_pb2.CopyBlocksResponse()
 
@@ -180,6 +213,12 @@ class Executor:
             self.check_owner(request.owner)
             runner = self.runner
             plan = plan_message(request, runner.rows, runner.limits)
+            tags = self.tags
+            if len(tags):
+                if plan.untag_block_ids:
+                    tags.untag(plan.untag_block_ids)
+                if len(plan.copies):
+                    tags.untag([BlockId(b) for b in plan.copies[:, 1].tolist()])
             self._apply(plan)
             device_start = self._device_clock()
             result = runner.run(plan)
@@ -188,7 +227,10 @@ class Executor:
                 sampled_rows = plan.rows[plan.needs_sample]
                 runner.rows.pending_sample[sampled_rows] = True
                 self._fill_samples(response, sampled_rows, result)
+            # Waits for the device: the step's KV writes have happened.
             response.device_time_us = self._device_elapsed_us(device_start)
+            if plan.tags.block_ids:
+                tags.tag(*plan.tags)
         response.host_time_us = int((time.perf_counter() - received) * 1e6)
         return response
 

@@ -55,10 +55,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def Reset(self, request: Any, context: Any) -> executor_pb2.ResetResponse:
         return self.executor.reset(request)
 
+    def ListCachedBlocks(
+        self, request: Any, context: Any
+    ) -> Iterator[executor_pb2.ListCachedBlocksResponse]:
+        """The block tags, oldest first, in chunks (snapshotted at the call)."""
+        yield from self.executor.list_cached_blocks(request)
+
 
 class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Turns ``ServiceError`` into its status code and message, for unary and
-    streaming handlers alike."""
+    """Turns ``ServiceError`` into its status code and message, for unary,
+    server-streaming and bidirectional handlers alike."""
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
@@ -74,6 +80,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                     context.abort(exc.code, str(exc))
 
             return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_responses = handler.unary_stream
+
+            def responses(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_responses(request, context)
+                except ServiceError as exc:
+                    context.abort(exc.code, str(exc))
+
+            return handler._replace(unary_stream=responses)
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.common.errors import AlreadyExists, InvalidArgument
+from pagedkv.common.ids import BlockHash, BlockId
+from pagedkv.executor.block_tags import MAX_BLOCK_HASH_BYTES, TagColumns
 from pagedkv.executor.rows import Rows, RowSampling
 from pagedkv.v1 import executor_pb2
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_TAGS = TagColumns((), (), ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ class NewRow:
 class StepPlan:
     """A validated message, in the order its effects apply (see executor.proto)."""
 
+    untag_block_ids: Sequence[BlockId]  # their tags go first
     freed_rows: list[int]
     new_rows: list[NewRow]
     # Block-table writes: (group, row, column) <- block id; then each
@@ -70,6 +74,7 @@ class StepPlan:
     num_computed: np.ndarray  # int64 [num_run]: position of the first token
     num_scheduled: np.ndarray  # int64 [num_run]
     needs_sample: np.ndarray  # bool [num_run]
+    tags: TagColumns  # set once the forward and sampling have finished
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +177,65 @@ def plan_copies(
     return np.stack([src, dst], axis=1)
 
 
+def _check_tag_block_ids(name: str, block_ids: np.ndarray, limits: Limits) -> None:
+    bad = block_ids >= limits.num_blocks
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"{name}[{i}]: block {block_ids[i]} >= num_blocks {limits.num_blocks}"
+        )
+    bad = block_ids == 0
+    if bad.any():
+        raise InvalidArgument(f"{name}[{_first(bad)}]: the null block 0 is never tagged")
+
+
+def _plan_untags(step: executor_pb2.StepRequest, limits: Limits) -> Sequence[BlockId]:
+    """Checks ``untag_block_ids`` (repeats and untagged blocks are allowed)."""
+    block_ids = np.asarray(step.untag_block_ids, dtype=np.int64)
+    _check_tag_block_ids("untag_block_ids", block_ids, limits)
+    return [BlockId(b) for b in block_ids.tolist()]
+
+
+def _plan_tags(step: executor_pb2.StepRequest, limits: Limits) -> TagColumns:
+    """Checks the tag columns: ids in range, not 0 and distinct; one hash of 1
+    to ``MAX_BLOCK_HASH_BYTES`` bytes and one KV cache group per id."""
+    block_ids = np.asarray(step.tag_block_ids, dtype=np.int64)
+    hashes = list(step.tag_block_hashes)
+    group_ids = np.asarray(step.tag_group_ids, dtype=np.int64)
+    for name, column in (("tag_block_hashes", hashes), ("tag_group_ids", group_ids)):
+        if len(column) != len(block_ids):
+            raise InvalidArgument(
+                f"{name}: {len(column)} values for {len(block_ids)} tag_block_ids"
+            )
+    _check_tag_block_ids("tag_block_ids", block_ids, limits)
+    ids = block_ids.tolist()
+    if len(set(ids)) != len(ids):
+        first: dict[int, int] = {}
+        for i, block_id in enumerate(ids):
+            if block_id in first:
+                raise InvalidArgument(
+                    f"tag_block_ids[{i}]: block {block_id} repeats tag_block_ids[{first[block_id]}]"
+                )
+            first[block_id] = i
+    for i, block_hash in enumerate(hashes):
+        if not 1 <= len(block_hash) <= MAX_BLOCK_HASH_BYTES:
+            raise InvalidArgument(
+                f"tag_block_hashes[{i}]: {len(block_hash)} bytes, not 1 to {MAX_BLOCK_HASH_BYTES}"
+            )
+    num_groups = len(limits.group_windowed)
+    bad = group_ids >= num_groups
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(
+            f"tag_group_ids[{i}]: group {group_ids[i]} >= {num_groups} kv_cache_groups"
+        )
+    return TagColumns(
+        [BlockId(b) for b in ids],
+        [BlockHash(h) for h in hashes],
+        group_ids.tolist(),
+    )
+
+
 def plan_message(
     message: executor_pb2.StepRequest | executor_pb2.AllocateRequest,
     rows: Rows,
@@ -183,6 +247,9 @@ def plan_message(
     """
     step = message if isinstance(message, executor_pb2.StepRequest) else None
     num_groups = rows.num_groups
+    untags: Sequence[BlockId] = ()
+    if step is not None and step.untag_block_ids:
+        untags = _plan_untags(step, limits)
     freed = np.asarray(step.freed_rows if step is not None else (), dtype=np.int64)
     _check_rows_live("freed_rows", freed, rows.live, rows.max_num_rows)
     live_after = rows.live.copy()
@@ -317,6 +384,9 @@ def plan_message(
             f"new_block_counts[{e * num_groups + g}]: {covered[e, g] // limits.block_size} "
             f"blocks do not cover {ends[e]} tokens"
         )
+    tags = _NO_TAGS
+    if step is not None and (step.tag_block_ids or step.tag_block_hashes or step.tag_group_ids):
+        tags = _plan_tags(step, limits)
 
     # Host tokens: each new row's prompt, then every entry's needed tokens.
     token_rows = [np.full(len(n.prompt), n.row, dtype=np.int64) for n in new_rows]
@@ -329,6 +399,7 @@ def plan_message(
     )
     run = scheduled > 0
     return StepPlan(
+        untag_block_ids=untags,
         freed_rows=freed.tolist(),
         new_rows=new_rows,
         table_groups=id_groups,
@@ -348,4 +419,5 @@ def plan_message(
         num_computed=computed[run],
         num_scheduled=scheduled[run],
         needs_sample=sample[run],
+        tags=tags,
     )
