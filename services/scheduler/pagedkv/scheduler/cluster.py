@@ -210,10 +210,14 @@ class ClusterMember:
 
     async def _round(self) -> None:
         boot = await self.members.ensure_boot()
-        now = time.monotonic()
+        seconds, micros = await self.redis.time()
+        since_boot = seconds + micros / 1e6 - boot.created_ms / 1000
+        if since_boot < self.config.lease_ttl:
+            # Redis (re)started empty moments ago: the members that held
+            # executors have not restored their leases yet.
+            self._quiet_until = time.monotonic() + self.config.lease_ttl - since_boot
         if self._boot_id is not None and boot.boot_id != self._boot_id:
             log.warning("redis lost its data; restoring the cluster state")
-            self._quiet_until = now + self.config.lease_ttl
             self.mirror.resync()
         self._boot_id = boot.boot_id
         record = MemberRecord(self.member_id, self.address, self._registered_at_ms)
@@ -301,22 +305,20 @@ class ClusterMember:
             address = record.address
             if address in leases or address in self.service.clients:
                 continue
-            if await self._claim_one(record, live):
+            if await self._claim_one(record):
                 counts[self.member_id] += 1
 
-    async def _claim_one(self, record: ExecutorRecord, live: set[str]) -> bool:
+    async def _claim_one(self, record: ExecutorRecord) -> bool:
         service = self.service
         address = record.address
         client = service._client(address)
         try:
             info = await client.get_info(timeout=PROBE_TIMEOUT_S)
             owner = info.owner.owner_id
-            if (
-                owner
-                and owner != self.member_id
-                and (owner in live or time.monotonic() < self._quiet_until)
-            ):
-                raise ExecutorDown("refused", f"{address}: its owner {owner!r} is alive")
+            if owner and owner != self.member_id and time.monotonic() < self._quiet_until:
+                raise ExecutorDown(
+                    "refused", f"{address}: its owner {owner!r} may still restore its lease"
+                )
             if service.info.model_id and info.model_id != service.info.model_id:
                 raise ExecutorDown("refused", f"{address}: serves {info.model_id!r}")
             taken = await service._take_over(client, info)
@@ -325,7 +327,7 @@ class ClusterMember:
             lease = self.held.pop(address, None)
             if lease is not None:
                 await self.leases.release(lease)
-            log.info("executor not claimed", executor=address, why=str(exc))
+            log.debug("executor not claimed", executor=address, why=str(exc))
             return False
         service.adopt_claimed(address, client, taken)
         return True
@@ -337,6 +339,8 @@ class ClusterMember:
         at least two more than the least loaded live member."""
         if self._drain is not None and not self._drain.done():
             return
+        if any(r.address not in leases for r in records):
+            return  # executors are still to be claimed
         counts = {m.member_id: 0 for m in members}
         for lease in leases.values():
             if lease.owner_id in counts:
