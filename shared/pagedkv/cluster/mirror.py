@@ -179,8 +179,9 @@ class PrefixMirror:
             await asyncio.sleep(self.flush_interval_s)
             try:
                 await self.flush()
-            except Exception:  # a snapshot callback's bug must not end mirroring
-                log.exception("prefix mirror flush failed")
+            except Exception:  # a bug (e.g. an event that cannot be encoded)
+                log.exception("prefix mirror flush failed; resyncing everything")
+                self.resync()
 
     async def flush(self) -> bool:
         """Writes what is buffered now; True if Redis took it (or there was
@@ -203,9 +204,14 @@ class PrefixMirror:
         plan: list[_Flush] = []
         for incarnation_id, snapshot in list(self._snapshots.items()):
             if incarnation_id in self._dirty:
+                try:
+                    events: list[KVEvent] = [Cleared(), *snapshot(incarnation_id)]
+                except Exception:  # a caller's bug: stays dirty, the others flush
+                    log.exception("prefix mirror snapshot failed", incarnation_id=incarnation_id)
+                    continue
                 self._dirty.discard(incarnation_id)
                 self._buffers.pop(incarnation_id, None)
-                plan.append(_Flush(incarnation_id, True, [Cleared(), *snapshot(incarnation_id)]))
+                plan.append(_Flush(incarnation_id, True, events))
             elif (events := self._buffers.pop(incarnation_id, [])) or refresh:
                 plan.append(_Flush(incarnation_id, False, events))
         if not drops and not plan:
