@@ -68,3 +68,34 @@ def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the results as JSON to this file")
+
+
+def register_cluster_bench(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="the Redis control plane on the CPU stack: a failover timeline and its cost",
+        description=(
+            "Starts a private redis-server and 3 CPU executors; kills one of 2 schedulers "
+            "under an SDK load (failover timeline: requests/s, prefix hit rate, ownership), "
+            "then compares the scheduler's CPU per step with and without Redis."
+        ),
+    )
+    parser.add_argument("--model", help="model directory (default: a tiny llama)")
+    parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks per executor")
+    parser.add_argument("--lease-ttl", type=float, default=3.0)
+    parser.add_argument("--concurrency", type=int, default=16, help="SDK streams at once")
+    parser.add_argument("--duration", type=float, default=30.0, help="timeline seconds")
+    parser.add_argument("--kill-at", type=float, default=12.0, help="seconds into the timeline")
+    parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
+    parser.add_argument("--requests", type=int, default=96, help="requests of a cost run")
+    parser.add_argument("--cost-tokens", type=int, default=48, help="new tokens per cost request")
+    parser.add_argument("--repeat", type=int, default=3, help="cost runs of each kind")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
+    parser.set_defaults(handler=_run_cluster_bench)
+
+
+def _run_cluster_bench(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler.bench.cluster import main
+
+    return main(args)
