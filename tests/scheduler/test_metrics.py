@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -175,3 +176,41 @@ def test_running_totals_count_their_growth_and_survive_a_source_restart(
     assert value(metrics, "pagedkv_prefix_cache_hits_total", executor="e0") == 6
     assert value(metrics, "pagedkv_prefix_cache_queries_total", executor="e1") == 5
     assert value(metrics, "pagedkv_preemptions_total") == 5
+
+
+@dataclass
+class _Mirror:
+    num_flushes: int = 0
+    num_ops: int = 0
+    num_errors: int = 0
+    num_resyncs: int = 0
+
+
+@dataclass
+class _Member:
+    """The state a cluster member exposes (``ClusterMember``'s attributes)."""
+
+    degraded: str | None = None
+    held: dict[str, object] = field(default_factory=dict)
+    num_rounds: int = 0
+    num_redis_errors: int = 0
+    mirror: _Mirror = field(default_factory=_Mirror)
+
+
+def test_cluster_metrics_are_read_from_the_member_at_each_scrape(
+    metrics: SchedulerMetrics,
+) -> None:
+    member = _Member()
+    metrics.watch_cluster(member)
+    assert samples(metrics)[("pagedkv_cluster_degraded", frozenset())] == 0.0
+    member.degraded = "redis unreachable"
+    member.held = {"a:1": object(), "b:2": object()}
+    member.num_rounds, member.num_redis_errors = 7, 2
+    member.mirror.num_flushes, member.mirror.num_ops = 3, 12
+    got = samples(metrics)
+    assert got[("pagedkv_cluster_degraded", frozenset())] == 1.0
+    assert got[("pagedkv_cluster_leases_held", frozenset())] == 2.0
+    assert got[("pagedkv_cluster_rounds_total", frozenset())] == 7.0
+    assert got[("pagedkv_cluster_redis_errors_total", frozenset())] == 2.0
+    assert got[("pagedkv_prefix_mirror_flushes_total", frozenset())] == 3.0
+    assert got[("pagedkv_prefix_mirror_redis_ops_total", frozenset())] == 12.0

@@ -17,7 +17,13 @@ Metric names (``_total`` on counters as exposed):
   ``pagedkv_internal_errors_total``, ``pagedkv_executors_down_total{executor,cause}``,
   ``pagedkv_executor_recoveries_total{executor}``;
 * histograms (seconds): ``pagedkv_step_seconds{executor}``,
-  ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``.
+  ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``;
+* with a cluster (``watch_cluster``), read at scrape time:
+  ``pagedkv_cluster_degraded`` (1 while Redis cannot be reached),
+  ``pagedkv_cluster_leases_held``, and counters
+  ``pagedkv_cluster_rounds_total``, ``pagedkv_cluster_redis_errors_total``,
+  ``pagedkv_prefix_mirror_flushes_total``, ``pagedkv_prefix_mirror_redis_ops_total``,
+  ``pagedkv_prefix_mirror_errors_total``, ``pagedkv_prefix_mirror_resyncs_total``.
 
 Counters and histograms also expose prometheus_client's ``_created``
 samples (unless the process disabled them).
@@ -25,7 +31,9 @@ samples (unless the process disabled them).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
 from threading import Thread
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -36,6 +44,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 STEP_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -58,6 +68,68 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 )  # fmt: skip
 """Edges between consecutive output tokens of one request: about a decode
 step, longer when prefills share the step or the request was preempted."""
+
+
+class MirrorCounts(Protocol):
+    @property
+    def num_flushes(self) -> int: ...
+    @property
+    def num_ops(self) -> int: ...
+    @property
+    def num_errors(self) -> int: ...
+    @property
+    def num_resyncs(self) -> int: ...
+
+
+class ClusterSource(Protocol):
+    """What the cluster metrics read (``ClusterMember``)."""
+
+    @property
+    def degraded(self) -> str | None: ...
+    @property
+    def held(self) -> Sized: ...
+    @property
+    def num_rounds(self) -> int: ...
+    @property
+    def num_redis_errors(self) -> int: ...
+    @property
+    def mirror(self) -> MirrorCounts: ...
+
+
+class _ClusterCollector(Collector):
+    """Reads the cluster member's state at each scrape (plain attribute reads)."""
+
+    def __init__(self, source: ClusterSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        source, mirror = self.source, self.source.mirror
+        yield GaugeMetricFamily(
+            "pagedkv_cluster_degraded",
+            "1 while Redis cannot be reached (serving what is held, claiming nothing).",
+            value=float(source.degraded is not None),
+        )
+        yield GaugeMetricFamily(
+            "pagedkv_cluster_leases_held",
+            "Executor leases this scheduler holds.",
+            value=len(source.held),
+        )
+        counters = (
+            ("pagedkv_cluster_rounds", "Member rounds run (heartbeat, renewals, claims).",
+             source.num_rounds),
+            ("pagedkv_cluster_redis_errors", "Member rounds that failed on Redis.",
+             source.num_redis_errors),
+            ("pagedkv_prefix_mirror_flushes", "Prefix-mirror pipelines written.",
+             mirror.num_flushes),
+            ("pagedkv_prefix_mirror_redis_ops", "Redis commands the prefix mirror sent.",
+             mirror.num_ops),
+            ("pagedkv_prefix_mirror_errors", "Prefix-mirror flushes that failed.",
+             mirror.num_errors),
+            ("pagedkv_prefix_mirror_resyncs", "Full prefix-mirror snapshots written.",
+             mirror.num_resyncs),
+        )  # fmt: skip
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(name, documentation, value=value)
 
 
 class SchedulerMetrics:
@@ -244,6 +316,10 @@ class SchedulerMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         """Record the time between two consecutive output tokens of a request."""
         self._inter_token_latency.observe(seconds)
+
+    def watch_cluster(self, source: ClusterSource) -> None:
+        """Exposes the cluster member's state (read at each scrape)."""
+        self.registry.register(_ClusterCollector(source))
 
     # --- exposition --------------------------------------------------------------
 

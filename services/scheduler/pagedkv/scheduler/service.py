@@ -74,6 +74,8 @@ class SchedulerService(ExecutorFailover):
         none yet)."""
         if self.config.cluster is not None:
             self.cluster = ClusterMember(self, self.config.cluster)
+            if self.metrics is not None:
+                self.metrics.watch_cluster(self.cluster)
             await self.cluster.start()
             return
         for address in self.config.executors:
