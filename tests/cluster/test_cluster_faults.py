@@ -15,7 +15,7 @@ import redis
 
 from pagedkv.cluster.keys import Keys, parse_mirror_field
 from pagedkv.executor.tiny_model import make_tiny_model
-from pagedkv.v1 import executor_pb2
+from pagedkv.v1 import executor_pb2, scheduler_pb2
 from tests.cluster.cluster_stack import Cluster, SchedulerProcess, greedy, wait_until
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy
@@ -116,3 +116,89 @@ def test_a_takeover_adopts_the_block_tags_not_a_stale_mirror(
         stats = second.stats()
         assert stats.integrity.ok, stats.integrity.message
         assert stats.num_internal_errors == 0
+
+
+def view(scheduler: SchedulerProcess) -> scheduler_pb2.ClusterState:
+    state: scheduler_pb2.ClusterState = scheduler.stats().cluster
+    return state
+
+
+def incarnation_keys_exist(client: redis.Redis, incarnation_id: str) -> list[str]:
+    """Which of the incarnation's mirror keys exist in Redis."""
+    return [k for k in KEYS.incarnation_keys(incarnation_id) if client.exists(k)]
+
+
+def test_a_killed_executor_restarted_on_its_port_is_claimed_and_its_old_keys_go(
+    model_dir: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with Cluster(model_dir, redis_url) as cluster:
+        scheduler = cluster.add_scheduler()
+        executor = cluster.add_executor()
+        wait_until(lambda: scheduler.owned() == {executor.target}, what="the executor claimed")
+        old = incarnation(executor)
+        cached = prompt(1, 3 * BLOCK_SIZE)
+        expected = hf_greedy(model_dir, cached, 6)
+        assert generate(scheduler, cached, 6) == expected
+        wait_until(lambda: len(incarnation_keys_exist(client, old)) == 3, what="old keys written")
+
+        executor.process.send_signal(signal.SIGKILL)
+        executor.process.wait()
+        port = executor.target.rsplit(":", 1)[1]
+        restarted = cluster.add_executor("--port", port)
+        assert restarted.target == executor.target
+        new = incarnation(restarted)
+        assert new != old
+
+        def claimed() -> bool:
+            stats = scheduler.stats()
+            return [(e.address, e.healthy, e.incarnation_id) for e in stats.executors] == [
+                (executor.target, True, new)
+            ]
+
+        wait_until(claimed, what="the new incarnation in service")
+        wait_until(lambda: not incarnation_keys_exist(client, old), what="the old keys deleted")
+        wait_until(
+            lambda: (
+                [(e.address, e.incarnation_id, e.owner_id) for e in view(scheduler).executors]
+                == [(executor.target, new, scheduler.scheduler_id)]
+            ),
+            what="the cluster view shows the new incarnation leased here",
+        )
+        assert generate(scheduler, cached, 6) == expected
+        wait_until(lambda: len(read_mirror(client, new)) == 3, what="the new incarnation mirrored")
+        stats = scheduler.stats()
+        assert stats.integrity.ok, stats.integrity.message
+        assert stats.num_internal_errors == 0
+
+
+def test_an_executor_that_leaves_on_sigterm_is_dropped_and_its_keys_deleted(
+    model_dir: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with Cluster(model_dir, redis_url) as cluster:
+        scheduler = cluster.add_scheduler()
+        executors = [cluster.add_executor(), cluster.add_executor()]
+        both = {e.target for e in executors}
+        wait_until(lambda: scheduler.owned() == both, what="both executors claimed")
+        generate(scheduler, prompt(100, 2 * BLOCK_SIZE), 2)
+        # The one that cached the prompt leaves.
+        wait_until(lambda: any(read_mirror(client, incarnation(e)) for e in executors))
+        leaving, staying = sorted(executors, key=lambda e: not read_mirror(client, incarnation(e)))
+        gone = incarnation(leaving)
+        assert len(incarnation_keys_exist(client, gone)) == 3
+
+        leaving.process.send_signal(signal.SIGTERM)
+        assert leaving.process.wait(timeout=30) == 0
+        wait_until(
+            lambda: [e.address for e in scheduler.stats().executors] == [staying.target],
+            what="the executor dropped from the stats",
+        )
+        wait_until(lambda: [e.address for e in view(scheduler).executors] == [staying.target])
+        wait_until(lambda: not incarnation_keys_exist(client, gone), what="its keys deleted")
+        assert not client.exists(KEYS.lease(leaving.target))
+        assert not client.exists(KEYS.executor(leaving.target))
+        expected = hf_greedy(model_dir, prompt(200, 20), 4)
+        assert generate(scheduler, prompt(200, 20), 4) == expected
+        stats = scheduler.stats()
+        assert stats.integrity.ok, stats.integrity.message

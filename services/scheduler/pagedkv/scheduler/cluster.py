@@ -230,6 +230,7 @@ class ClusterMember:
             log.info("cluster state restored")
         self.degraded = None
         self._update_view(records, members, leases)
+        await self._check_in_service()
         await self._forget_unregistered()
         if self.leaving:
             return
@@ -273,6 +274,29 @@ class ClusterMember:
                 epoch=lease.epoch if lease else 0,
             )
         self.view = view
+
+    async def _check_in_service(self) -> None:
+        """Executors in service here that the registry does not show as that
+        incarnation (restarted on the address, or gone: unregistered, or its
+        record expired) and that do not answer as it are marked down (an idle
+        one would only be found dead by its next step): then probed, so a new
+        incarnation is taken back, and one that left is forgotten. One that
+        answers as itself stays (Redis lost its record: it registers again)."""
+        service = self.service
+        for address, scheduler in list(service.schedulers.items()):
+            record = self.registry.get(address)
+            incarnation = scheduler.info.incarnation_id
+            if record is not None and record.incarnation_id == incarnation:
+                continue
+            try:
+                info = await service.clients[address].get_info(timeout=self.beat)
+                if info.incarnation_id == incarnation:
+                    continue
+                why = f"transport: {address} restarted (incarnation {info.incarnation_id})"
+            except ExecutorDown as exc:
+                why = str(exc)
+            if service.schedulers.get(address) is scheduler:
+                service.executor_ended(address, why)
 
     async def _forget_unregistered(self) -> None:
         """Executors that left the registry while down here: lease released."""

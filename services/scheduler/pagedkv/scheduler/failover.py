@@ -300,6 +300,7 @@ class ExecutorFailover:
         if self.metrics is not None:
             self.metrics.count_executor_down(address, cause)
         scheduler = self.schedulers.pop(address)
+        self._wake[address].set()  # an idle step loop ends
         self._resync.discard(address)
         self._preemptions_of_down += scheduler.num_preemptions
         self._move_elsewhere(scheduler.evacuate(), f"every executor is down ({why})")

@@ -121,6 +121,13 @@ class SchedulerService(ExecutorFailover):
         elif address in self.clients:
             self._spawn(self.forget(address))
 
+    def executor_ended(self, address: str, why: str) -> None:
+        """The incarnation in service ended (the cluster registry says so and
+        it does not answer as itself): down like a broken connection, so its
+        sequences move and it is probed (``why`` starts with the cause)."""
+        if address in self.schedulers:
+            self._executor_down(address, why, "transport")
+
     async def shutdown(self, drain_timeout: float) -> None:
         """A graceful stop (SIGTERM): new requests get UNAVAILABLE, waiting
         ones end with UNAVAILABLE at once (a client resumes them elsewhere),
@@ -305,7 +312,8 @@ class SchedulerService(ExecutorFailover):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if scheduler.released:  # given up while a step failed: nothing to contain
+                if scheduler.released or self.schedulers.get(address) is not scheduler:
+                    # given up, or out of service already: nothing to contain
                     scheduler.stopped.set()
                     return
                 if not await self._contain(address, scheduler, exc):
@@ -352,6 +360,8 @@ class SchedulerService(ExecutorFailover):
         while True:
             if scheduler.released and not inflight:
                 return
+            if self.schedulers.get(address) is not scheduler and not scheduler.released:
+                return  # out of service (marked down elsewhere): steps in flight are moot
             if address in self._resync:
                 raise Resync
             if cluster is not None and not cluster.may_step(address):
