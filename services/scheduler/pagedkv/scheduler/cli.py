@@ -80,11 +80,26 @@ def register_serve(subparsers: Any, name: str) -> None:
         help="start executors and a scheduler in one command",
         description=(
             "Starts K executor processes on a model (a tiny random one made in a temporary "
-            "directory when --model is not given) and a scheduler over them."
+            "directory when --model is not given) and a scheduler over them. With "
+            "--redis-url URL or --redis, they form a cluster of --schedulers N schedulers "
+            "(see docs/cluster.md). Prints one readiness line per scheduler."
         ),
     )
     parser.add_argument("--model", help="model directory (default: a tiny llama)")
     parser.add_argument("--executors", type=int, default=1, help="executor processes, K")
+    parser.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="schedulers, N: one in this process and N-1 child processes on --port+1.. "
+        "(any free port when --port is 0); over 1 needs --redis-url or --redis",
+    )
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="start a private redis-server (from PATH, no persistence) on a free port for the "
+        "cluster, stopped on exit; not with --redis-url",
+    )
     parser.add_argument("--device", default="cpu", help="executors' device (cuda: one GPU each)")
     parser.add_argument("--num-blocks", type=int, help="KV blocks per executor")
     parser.add_argument(
