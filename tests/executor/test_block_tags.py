@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pagedkv.common.ids import BlockHash, BlockId
 from pagedkv.executor.block_tags import BlockTags
@@ -390,3 +391,17 @@ def test_more_tags_than_a_chunk_are_listed_in_chunks_of_8192(model_dir: Path) ->
         assert [len(c.block_ids) for c in chunks] == [8192, 99]
         assert [b for c in chunks for b in c.block_ids] == block_ids
         assert [x for c in chunks for x in c.block_hashes] == [h(str(b)) for b in block_ids]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
+    model_dir: Path,
+) -> None:
+    """The same takeover on a CUDA executor (Triton kernels, decode steps
+    replayed from CUDA graphs): tags are set once the device has run the step."""
+    cuda = ExecutorProcess(
+        model_dir, backend="triton", device="cuda", num_blocks=NUM_BLOCKS, extra_args=LIMITS
+    )
+    with cuda:
+        test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(cuda.stub, model_dir)

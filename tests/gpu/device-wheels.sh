@@ -20,7 +20,8 @@ WHEEL_DIR=${WHEEL_DIR:-.whl}
 
 # grpcio-health-checking, grpcio-reflection and structlog are missing there;
 # the generated code in shared/pagedkv/v1 needs protobuf 7 and grpcio 1.85;
-# prometheus-client and xxhash are there at other versions.
+# prometheus-client and xxhash are there at other versions; redis (the
+# scheduler imports the cluster code) is missing.
 PACKAGES=(
   grpcio
   grpcio-health-checking
@@ -29,6 +30,7 @@ PACKAGES=(
   structlog
   prometheus-client
   xxhash
+  redis
 )
 
 pins=()

@@ -80,7 +80,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 for name in ("triton", "transformers", "tokenizers", "numpy", "grpcio", "protobuf",
              "grpcio-health-checking", "grpcio-reflection", "structlog",
-             "prometheus-client", "xxhash", "pytest", "pytest-timeout"):
+             "prometheus-client", "xxhash", "redis", "pytest", "pytest-timeout"):
     try:
         print(name, metadata.version(name))
     except metadata.PackageNotFoundError:
