@@ -9,23 +9,29 @@ Face's, and the live schedulers' pools pass their integrity checks."""
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import random
+import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedkv.client import AsyncClient
+from pagedkv.client import AsyncClient, PagedkvError
 from pagedkv.executor.tiny_model import make_tiny_model
 from tests.cluster.cluster_stack import LEASE_TTL, Cluster, SchedulerProcess, greedy, wait_until
+from tests.redis_server import free_port
 
 MAX_TOKENS = 24
 NUM_BLOCKS = 512  # room for every prompt of a test: nothing cached is evicted
+LOG_LINE = re.compile(r"(?P<time>\S+) \[\s*\w+\s*\] (?P<event>.+?)(?:\s{2,}(?P<fields>.*))?$")
+LOG_FIELD = re.compile(r"(\w+)=(\S+)")
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +134,101 @@ def assert_healthy(scheduler: SchedulerProcess, *, idle: bool = True) -> None:
                 assert executor.num_free_blocks == executor.num_usable_blocks, executor.address
 
 
-def log_events(scheduler: SchedulerProcess, event: str) -> list[dict[str, object]]:
-    """The scheduler's JSON log records whose event is ``event``."""
+def log_events(scheduler: SchedulerProcess, event: str) -> list[tuple[float, dict[str, str]]]:
+    """The scheduler's log records whose event is ``event`` (console
+    format: ``TIMESTAMP [level] event  key=value ...``): their times
+    (seconds since the epoch) and fields."""
     records = []
     for line in scheduler.stderr().splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("event") == event:
-                records.append(record)
+        match = LOG_LINE.match(line)
+        if match is not None and match["event"] == event:
+            stamp = datetime.fromisoformat(match["time"].replace("Z", "+00:00")).timestamp()
+            records.append((stamp, dict(LOG_FIELD.findall(match["fields"] or ""))))
     return records
+
+
+@dataclass
+class Progress:
+    """What a load has done so far (read by the action running beside it)."""
+
+    num_tokens: int = 0
+    num_finished: int = 0
+    stop: bool = False  # set when the action ends: a continuous load stops
+
+
+@dataclass
+class LoadResult:
+    outputs: list[tuple[list[int], list[int]]]  # (prompt, tokens) of each request that completed
+    errors: list[str]  # what each failed request raised
+    num_resumes: int
+
+
+def under_load(
+    targets: list[str],
+    prompts: list[list[int]],
+    action: Callable[[Progress], None],
+    *,
+    concurrency: int,
+    continuous: bool = False,
+) -> LoadResult:
+    """Runs greedy SDK streams (one AsyncClient over ``targets``),
+    ``concurrency`` at a time, while ``action`` runs in a thread beside them:
+    each prompt once, or (``continuous``) the prompts in turn until
+    ``action`` has returned. An exception of ``action`` is raised after the
+    streams end."""
+    progress = Progress()
+    outputs: list[tuple[list[int], list[int]]] = []
+    errors: list[str] = []
+    failure: list[BaseException] = []
+
+    def act() -> None:
+        try:
+            action(progress)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            progress.stop = True
+
+    async def one(client: AsyncClient, prompt: list[int]) -> None:
+        tokens: list[int] = []
+        try:
+            async for chunk in client.generate(
+                token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+            ):
+                for seq in chunk.sequences:
+                    tokens.extend(seq.token_ids)
+                    progress.num_tokens += len(seq.token_ids)
+        except PagedkvError as exc:
+            errors.append(f"{exc} after {len(tokens)} tokens")
+            return
+        outputs.append((prompt, tokens))
+        progress.num_finished += 1
+
+    async def main() -> int:
+        async with AsyncClient(targets, timeout=300) as client:
+            queue = iter(itertools.cycle(prompts) if continuous else prompts)
+
+            async def worker() -> None:
+                for prompt in queue:
+                    if continuous and progress.stop:
+                        return
+                    await one(client, prompt)
+
+            acting = asyncio.create_task(asyncio.to_thread(act))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await acting
+            return client.num_resumes
+
+    num_resumes = asyncio.run(main())
+    if failure:
+        raise failure[0]
+    return LoadResult(outputs, errors, num_resumes)
+
+
+def assert_greedy(result: LoadResult, hf: References) -> None:
+    assert not result.errors, result.errors
+    for prompt, tokens in result.outputs:
+        assert tokens == hf(prompt), prompt
 
 
 def test_a_killed_scheduler_s_executors_are_adopted_with_their_cache_and_every_stream_resumes(
@@ -213,3 +305,112 @@ def test_a_killed_scheduler_s_executors_are_adopted_with_their_cache_and_every_s
     assert hits_after >= 0.9 * hits_before, (hits_after, hits_before)
     assert_healthy(survivor)
     assert cluster.each_owned_once()
+
+
+def test_a_terminated_scheduler_drains_hands_its_executors_over_at_once_and_loses_nothing(
+    cluster: Cluster, hf: References
+) -> None:
+    # Few rows per executor: requests wait in the queues when SIGTERM comes.
+    start_cluster = ("--max-num-seqs", "4")
+    for _ in range(3):
+        cluster.add_executor()
+    for _ in range(2):
+        cluster.add_scheduler(*start_cluster)
+    wait_until(lambda: balanced(cluster, [1, 2]), what="executors in service as [1, 2]")
+    first, second = cluster.schedulers
+    leaving, staying = (first, second) if len(first.owned()) == 2 else (second, first)
+    released = leaving.owned()
+    prompts = prompt_families(seed=3, num_families=4, per_family=12, prefix=48)
+    seen_draining: list[bool] = []
+
+    def terminate(progress: Progress) -> None:
+        wait_until(lambda: progress.num_tokens >= len(prompts) * MAX_TOKENS // 4, timeout=300)
+        assert leaving.stats().num_waiting > 0
+        leaving.signal(signal.SIGTERM)
+        seen_draining.append(leaving.stats().draining)
+        assert leaving.process.wait(60) == 0
+        wait_until(lambda: len(staying.owned()) == 3, what="all three on the other scheduler")
+
+    result = under_load(
+        [leaving.target, staying.target], prompts, terminate, concurrency=len(prompts)
+    )
+    assert seen_draining == [True]
+    assert_greedy(result, hf)
+    assert len(result.outputs) == len(prompts)
+    assert result.num_resumes > 0  # the requests it ended were resumed on the other
+    # Released, then claimed at the other's next round: not after a lease TTL.
+    # (the last record per executor: the first member gave one up at start)
+    releases = {f["executor"]: t for t, f in log_events(leaving, "executor released")}
+    takeovers = {f["executor"]: t for t, f in log_events(staying, "executor taken over")}
+    assert released <= set(releases) and released <= set(takeovers)
+    delays = [takeovers[a] - releases[a] for a in released]
+    assert all(0 < d < LEASE_TTL / 2 for d in delays), delays
+    assert_healthy(staying)
+    assert cluster.each_owned_once()
+
+
+def test_a_third_scheduler_joining_under_load_gets_one_executor_and_no_request_fails(
+    cluster: Cluster, hf: References
+) -> None:
+    start(cluster)
+    port = free_port()  # the third's target is known before it starts
+    targets = [s.target for s in cluster.schedulers] + [f"127.0.0.1:{port}"]
+    prompts = prompt_families(seed=4, num_families=3, per_family=4, prefix=32)
+
+    def join(progress: Progress) -> None:
+        wait_until(lambda: progress.num_finished >= 6, timeout=300)
+        cluster.add_scheduler("--port", str(port))
+        wait_until(lambda: balanced(cluster, [1, 1, 1]), what="executors in service as 1/1/1")
+        finished = progress.num_finished
+        wait_until(lambda: progress.num_finished >= finished + 12, timeout=300)
+
+    result = under_load(targets, prompts, join, concurrency=6, continuous=True)
+    assert_greedy(result, hf)
+    assert len(result.outputs) >= 18
+    assert balanced(cluster, [1, 1, 1])
+    for scheduler in cluster.schedulers:
+        assert_healthy(scheduler)
+        tokens, _ = generate_ids(scheduler, prompts[0], MAX_TOKENS)
+        assert tokens == hf(prompts[0])
+
+
+def test_a_scheduler_paused_past_its_lease_loses_its_executors_and_corrupts_nothing(
+    cluster: Cluster, hf: References
+) -> None:
+    start(cluster)
+    first, second = cluster.schedulers
+    paused, other = (first, second) if len(first.owned()) == 2 else (second, first)
+    lost = paused.owned()
+    paused_id, other_id = paused.scheduler_id, other.scheduler_id
+    prompts = prompt_families(seed=5, num_families=2, per_family=6, prefix=32)
+
+    def pause(progress: Progress) -> None:
+        wait_until(lambda: progress.num_tokens >= len(prompts) * MAX_TOKENS // 4, timeout=300)
+        paused.signal(signal.SIGSTOP)
+        try:
+            # Its leases expire; the other member claims the executors.
+            wait_until(lambda: len(other.owned()) == 3, what="all three on the other scheduler")
+        finally:
+            paused.signal(signal.SIGCONT)
+        # Its renewals are refused: the executors leave service there.
+        wait_until(lambda: not paused.owned() & lost, what="the paused scheduler lets go")
+
+    result = under_load([paused.target, other.target], prompts, pause, concurrency=len(prompts))
+    assert_greedy(result, hf)
+    assert len(result.outputs) == len(prompts)
+    # Each executor left the paused scheduler because another member owns it now:
+    # its lease renewal was refused, or its next step was fenced.
+    seen = {f["executor"] for _, f in log_events(paused, "lease lost")}
+    seen |= {
+        f["executor"] for _, f in log_events(paused, "executor down") if f.get("cause") == "fenced"
+    }
+    assert lost <= seen, paused.stderr()[-5000:]
+    # Still a member: rebalancing gives it an executor back.
+    wait_until(lambda: balanced(cluster, [1, 2]), what="executors in service as [1, 2]")
+    assert paused.owned()
+    assert sorted(paused.stats().cluster.scheduler_ids) == sorted([paused_id, other_id])
+    for scheduler in (paused, other):
+        for prompt in prompts[:2]:
+            tokens, _ = generate_ids(scheduler, prompt, MAX_TOKENS)
+            assert tokens == hf(prompt)
+        assert_healthy(scheduler)

@@ -184,9 +184,46 @@ class ExecutorFailover:
         executor to be resynced."""
         if generation.done:
             return
+        self._finish_and_release(generation, str(error))
+        self._end(generation, error)
+
+    def _hand_back(self, generation: Generation, error: Unavailable) -> None:
+        """Ends a generation that another replica can continue (this
+        scheduler is stopping, or in a cluster its last executor went to
+        another member) as a broken stream: its news so far in a chunk that
+        is not final, its blocks released, then ``error`` (UNAVAILABLE), so
+        the SDK resumes it elsewhere with the tokens received. A final chunk
+        would tell the SDK the request ended here. n > 1 and beam searches
+        cannot be resumed: they fail (``_fail``)."""
+        if generation.done:
+            return
+        if generation.n > 1 or generation.beam is not None:
+            self._fail(generation, error)
+            return
+        if all(seq.finished for seq in generation.sequences):
+            self._end(generation)  # it has finished: its final chunk goes out
+            return
+        try:
+            generation.flush()  # not final: its sequence has not finished
+        except Exception as exc:
+            self._fail(
+                generation, self._internal_error(exc, "flush", request_id=generation.request_id)
+            )
+            return
+        self._finish_and_release(generation, str(error))
+        generation.done = True  # no final chunk after the news
+        generation.chunks.put_nowait(error)
+        if self.generations.get(generation.request_id) is generation:
+            del self.generations[generation.request_id]
+        self._count_finished(generation)
+
+    def _finish_and_release(self, generation: Generation, why: str) -> None:
+        """Finishes the generation's unfinished sequences with
+        FINISH_REASON_ERROR and releases every sequence's blocks. A release
+        that raises leaves its executor to be resynced."""
         for seq in generation.sequences:
             if not seq.finished:
-                seq.finish(FinishReason.FINISH_REASON_ERROR, error_message=str(error))
+                seq.finish(FinishReason.FINISH_REASON_ERROR, error_message=why)
         for seq in generation.sequences:
             scheduler = self.schedulers.get(seq.executor or "")
             if scheduler is None:
@@ -197,7 +234,6 @@ class ExecutorFailover:
                 self._internal_error(exc, "release", request_id=generation.request_id)
                 self._resync.add(scheduler.address)
             self._wake[scheduler.address].set()
-        self._end(generation, error)
 
     def _internal_error(self, exc: BaseException, where: str, **context: Any) -> ServiceError:
         """Logs and counts an error in the scheduler's own code; returns the
@@ -313,7 +349,9 @@ class ExecutorFailover:
     def _move_elsewhere(self, moved: list[Sequence], why: str) -> None:
         """Queues sequences taken off an executor on the others (the fullest
         free pool first, a generation's sequences together, draining
-        executors last); with none left they fail with UNAVAILABLE ``why``."""
+        executors last); with none left they end with UNAVAILABLE ``why``:
+        handed back to the SDK in a cluster (another member serves), failed
+        otherwise (docs/scheduler.md, "Failures")."""
         targets: dict[Generation, str] = {}
         open_ = [a for a, s in self.schedulers.items() if not s.draining] or list(self.schedulers)
         for seq in moved:
@@ -321,7 +359,10 @@ class ExecutorFailover:
             if seq.finished or generation.done:
                 continue
             if not open_:
-                self._fail(generation, Unavailable(why))
+                if self.cluster is not None:
+                    self._hand_back(generation, Unavailable(why))
+                else:
+                    self._fail(generation, Unavailable(why))
                 continue
             if generation not in targets:
                 targets[generation] = max(

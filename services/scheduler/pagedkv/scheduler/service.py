@@ -130,9 +130,10 @@ class SchedulerService(ExecutorFailover):
 
     async def shutdown(self, drain_timeout: float) -> None:
         """A graceful stop (SIGTERM): new requests get UNAVAILABLE, waiting
-        ones end with UNAVAILABLE at once (a client resumes them elsewhere),
-        running ones get ``drain_timeout`` seconds to finish; in a cluster the
-        executors are then released for the other members."""
+        ones are handed back at once (their streams end with UNAVAILABLE and
+        no final chunk: a client resumes them elsewhere), running ones get
+        ``drain_timeout`` seconds to finish, then are handed back too; in a
+        cluster the executors are then released for the other members."""
         self.draining = True
         log.info("scheduler draining", running=self.num_running, waiting=self.num_waiting)
         why = "the scheduler is stopping; resume on another replica"
@@ -140,7 +141,7 @@ class SchedulerService(ExecutorFailover):
             scheduler.draining = True
             for seq in list(scheduler.waiting):
                 if seq.row is None and not seq.generation.done:
-                    self._fail(seq.generation, Unavailable(why))
+                    self._hand_back(seq.generation, Unavailable(why))
         if self.cluster is not None:
             await self.cluster.leave(drain_timeout)
         else:
@@ -148,7 +149,7 @@ class SchedulerService(ExecutorFailover):
             while self.num_running and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         for generation in list(self.generations.values()):
-            self._fail(generation, Unavailable(why))
+            self._hand_back(generation, Unavailable(why))
         await self.stop()
 
     async def stop(self) -> None:
