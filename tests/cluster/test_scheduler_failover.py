@@ -386,6 +386,7 @@ def test_a_scheduler_paused_past_its_lease_loses_its_executors_and_corrupts_noth
 
     def pause(progress: Progress) -> None:
         wait_until(lambda: progress.num_tokens >= len(prompts) * MAX_TOKENS // 4, timeout=300)
+        assert paused.stats().num_running > 0
         paused.signal(signal.SIGSTOP)
         try:
             # Its leases expire; the other member claims the executors.
@@ -398,6 +399,7 @@ def test_a_scheduler_paused_past_its_lease_loses_its_executors_and_corrupts_noth
     result = under_load([paused.target, other.target], prompts, pause, concurrency=len(prompts))
     assert_greedy(result, hf)
     assert len(result.outputs) == len(prompts)
+    assert result.num_resumes > 0  # its requests were handed back and resumed on the other
     # Each executor left the paused scheduler because another member owns it now:
     # its lease renewal was refused, or its next step was fenced.
     seen = {f["executor"] for _, f in log_events(paused, "lease lost")}
