@@ -6,14 +6,20 @@ load and restarted empty, and the mirror and event streams staying bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from pagedkv.cluster.connection import connect
 from pagedkv.cluster.keys import Keys, parse_mirror_field
+from pagedkv.cluster.kv_events import EventEntry, read_events
+from pagedkv.cluster.leases import Lease
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 from tests.cluster.cluster_stack import Cluster, SchedulerProcess, greedy, wait_until
@@ -23,6 +29,7 @@ from tests.redis_server import RedisServer
 
 KEYS = Keys()
 BLOCK_SIZE = 16
+STREAM_CAP = 10_000 + 100  # the mirror's MAXLEN ~ 10,000, plus one stream node
 
 MirrorState = dict[tuple[bytes, int], int]
 
@@ -58,6 +65,11 @@ def read_mirror(client: redis.Redis, incarnation_id: str) -> MirrorState:
 def incarnation(executor: ExecutorProcess) -> str:
     info: executor_pb2.GetInfoResponse = executor.stub.GetInfo(executor_pb2.GetInfoRequest())
     return info.incarnation_id
+
+
+def executor_num_blocks(executor: ExecutorProcess) -> int:
+    info: executor_pb2.GetInfoResponse = executor.stub.GetInfo(executor_pb2.GetInfoRequest())
+    return info.num_blocks
 
 
 def num_tagged_blocks(executor: ExecutorProcess) -> int:
@@ -172,33 +184,279 @@ def test_a_killed_executor_restarted_on_its_port_is_claimed_and_its_old_keys_go(
         assert stats.num_internal_errors == 0
 
 
-def test_an_executor_that_leaves_on_sigterm_is_dropped_and_its_keys_deleted(
+def test_executors_that_leave_on_sigterm_are_dropped_and_their_keys_deleted(
     model_dir: Path, redis_url: str, redis_server: RedisServer
 ) -> None:
+    """One leaves after its lease holder died (another member deletes its
+    keys and never claims it), one while its holder serves it (the holder
+    takes it out of service, releases its lease, deletes its keys)."""
     client = redis_server.client()
     with Cluster(model_dir, redis_url) as cluster:
+        schedulers = [cluster.add_scheduler(), cluster.add_scheduler()]
+        cluster.add_executor()
+        cluster.add_executor()
+        wait_until(lambda: [len(s.owned()) for s in schedulers] == [1, 1], what="one each")
+        for scheduler in schedulers:  # cached blocks on both executors
+            generate(scheduler, prompt(100, 2 * BLOCK_SIZE), 2)
+        dead, survivor = schedulers
+        by_address = {e.target: e for e in cluster.executors}
+        (orphan,) = [by_address[a] for a in dead.owned()]
+        (held,) = [by_address[a] for a in survivor.owned()]
+        gone = {e.target: incarnation(e) for e in (orphan, held)}
+        for inc in gone.values():
+            wait_until(lambda i=inc: len(incarnation_keys_exist(client, i)) == 3, what="mirrored")
+
+        # The survivor saw the orphan registered (one that never did cannot
+        # know it ended: its keys would expire instead).
+        wait_until(lambda: len(view(survivor).executors) == 2, what="the survivor sees both")
+        dead.signal(signal.SIGKILL)
+        dead.process.wait()
+        orphan.process.send_signal(signal.SIGTERM)
+        assert orphan.process.wait(timeout=30) == 0
+        wait_until(lambda: [e.address for e in view(survivor).executors] == [held.target])
+        wait_until(lambda: not incarnation_keys_exist(client, gone[orphan.target]))
+        wait_until(lambda: [e.address for e in survivor.stats().executors] == [held.target])
+        wait_until(lambda: not client.exists(KEYS.lease(orphan.target)), what="its lease expired")
+
+        held.process.send_signal(signal.SIGTERM)
+        assert held.process.wait(timeout=30) == 0
+        wait_until(lambda: not survivor.stats().executors, what="dropped from the stats")
+        wait_until(lambda: not view(survivor).executors)
+        wait_until(lambda: not incarnation_keys_exist(client, gone[held.target]))
+        assert not client.exists(KEYS.lease(held.target))
+        assert not client.exists(KEYS.executor(held.target))
+        stats = survivor.stats()
+        assert stats.integrity.ok, stats.integrity.message
+        assert stats.num_internal_errors == 0
+
+
+class Load:
+    """Threads that send greedy requests (prompts cycled) to their scheduler
+    until stopped; ``outputs`` holds (prompt index, tokens), ``errors`` what
+    failed."""
+
+    def __init__(
+        self, schedulers: list[SchedulerProcess], prompts: list[list[int]], max_tokens: int
+    ) -> None:
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.outputs: list[tuple[int, list[int]]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(s, i), daemon=True)
+            for i, s in enumerate(schedulers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, scheduler: SchedulerProcess, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            index = i % len(self.prompts)
+            try:
+                self.outputs.append(
+                    (index, generate(scheduler, self.prompts[index], self.max_tokens))
+                )
+            except Exception as exc:
+                self.errors.append(exc)
+            i += 1
+
+    def wait_for(self, num_more: int) -> None:
+        target = len(self.outputs) + num_more
+        wait_until(lambda: len(self.outputs) >= target, what=f"{num_more} more requests done")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
+def leases(client: redis.Redis, addresses: list[str]) -> dict[str, Lease]:
+    found = {}
+    for address in addresses:
+        owner_id, epoch, inc = client.hmget(
+            KEYS.lease(address), "owner_id", "epoch", "incarnation_id"
+        )
+        if owner_id is not None:
+            found[address] = Lease(address, owner_id.decode(), int(epoch), inc.decode())
+    return found
+
+
+def test_redis_killed_under_load_then_restarted_empty_is_restored(
+    model_dir: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """While Redis is down the schedulers serve what they hold and say they
+    are degraded; once it is back empty, the registry, the leases, the member
+    records and the mirrors are written again within a few heartbeats, and a
+    later takeover still gets an epoch above every earlier one."""
+    prompts = [prompt(300 + i, 40) for i in range(4)]
+    expected = [hf_greedy(model_dir, p, 8) for p in prompts]
+    with Cluster(model_dir, redis_url) as cluster:
+        schedulers = [cluster.add_scheduler(), cluster.add_scheduler()]
+        cluster.add_executor()
+        cluster.add_executor()
+        addresses = sorted(e.target for e in cluster.executors)
+        wait_until(cluster.each_owned_once, what="each executor in service on one scheduler")
+        wait_until(lambda: [len(s.owned()) for s in schedulers] == [1, 1], what="one each")
+        ids = [s.scheduler_id for s in schedulers]
+        client = redis_server.client()
+        epochs_before = {a: lease.epoch for a, lease in leases(client, addresses).items()}
+        assert sorted(epochs_before) == addresses
+
+        load = Load(schedulers, prompts, 8)
+        try:
+            load.wait_for(4)
+            redis_server.kill()
+            for scheduler in schedulers:
+                wait_until(lambda s=scheduler: view(s).degraded, what="degraded")
+                assert "unreachable" in view(scheduler).detail
+            load.wait_for(8)  # serving goes on
+            assert [len(s.owned()) for s in schedulers] == [1, 1]
+
+            redis_server.start()  # empty
+            client = redis_server.client()
+            restarted = time.monotonic()
+
+            def missing() -> str:
+                """What is not restored yet (empty: everything is)."""
+                served = {a: s.scheduler_id for s in schedulers for a in s.owned()}
+                if sorted(served) != addresses:
+                    return f"in service: {served}"
+                if any(view(s).degraded for s in schedulers):
+                    return "degraded"
+                registered = sorted(m.decode() for m in client.smembers(KEYS.executors()))
+                if registered != addresses or not all(
+                    client.exists(KEYS.executor(a)) for a in addresses
+                ):
+                    return f"registry: {registered}"
+                members = sorted(m.decode() for m in client.smembers(KEYS.schedulers()))
+                if members != sorted(ids) or not all(client.exists(KEYS.scheduler(m)) for m in ids):
+                    return f"members: {members}"
+                owners = {a: lease.owner_id for a, lease in leases(client, addresses).items()}
+                if owners != served:
+                    return f"leases: {owners}, served: {served}"
+                incarnations = {e.address: e.incarnation_id for e in view(schedulers[0]).executors}
+                empty = [a for a in addresses if not read_mirror(client, incarnations.get(a, "?"))]
+                return f"empty mirrors: {empty}" if empty else ""
+
+            state = [""]
+            try:
+                wait_until(lambda: not (state.__setitem__(0, missing()) or state[0]), timeout=30)
+            except AssertionError:
+                raise AssertionError(f"not restored: {state[0]}") from None
+            took = time.monotonic() - restarted
+            assert took < 10, f"restored after {took:.1f} s"
+            load.wait_for(4)
+        finally:
+            load.stop()
+        assert not load.errors, load.errors[:3]
+        for index, tokens in load.outputs:
+            assert tokens == expected[index]
+
+        held = leases(client, addresses)
+        assert all(held[a].epoch >= epochs_before[a] for a in addresses)
+        victim, survivor = schedulers
+        (address,) = victim.owned()
+        earlier = max(epochs_before[address], held[address].epoch)
+        victim.signal(signal.SIGKILL)
+        victim.process.wait()
+        wait_until(
+            lambda: survivor.owned() == set(addresses), what="the dead one's executor adopted"
+        )
+        (taken,) = [e for e in survivor.stats().executors if e.address == address]
+        assert taken.epoch > earlier
+        assert leases(client, [address])[address].epoch == taken.epoch
+        assert generate(survivor, prompts[0], 8) == expected[0]
+        stats = survivor.stats()
+        assert stats.integrity.ok, stats.integrity.message
+        assert stats.num_internal_errors == 0
+
+
+def replay(entries: list[EventEntry]) -> MirrorState:
+    """The mirror that the stream's entries describe (from its last cleared)."""
+    state: MirrorState = {}
+    for entry in entries:
+        batch = entry.batch
+        if batch.type == "cleared":
+            state.clear()
+        for block_id, block_hash in zip(batch.block_ids, batch.hashes, strict=True):
+            if batch.type == "stored":
+                state[(block_hash, batch.group_id)] = block_id
+            else:
+                assert state.pop((block_hash, batch.group_id)) == block_id
+    return state
+
+
+async def _read_events(redis_url: str, incarnation_id: str) -> list[EventEntry]:
+    client = connect(redis_url)
+    try:
+        return await read_events(client, incarnation_id)
+    finally:
+        await client.aclose()
+
+
+NUM_REQUESTS = 2000
+
+
+def test_mirrors_and_event_streams_stay_bounded_over_many_requests(
+    model_dir: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """Thousands of distinct short prompts through small pools: each mirror
+    holds at most its executor's usable blocks, equals the executor's tags
+    once flushed and the replay of its stream; each stream stays within its cap."""
+    client = redis_server.client()
+    with Cluster(model_dir, redis_url, num_blocks=32) as cluster:
         scheduler = cluster.add_scheduler()
         executors = [cluster.add_executor(), cluster.add_executor()]
-        both = {e.target for e in executors}
-        wait_until(lambda: scheduler.owned() == both, what="both executors claimed")
-        generate(scheduler, prompt(100, 2 * BLOCK_SIZE), 2)
-        # The one that cached the prompt leaves.
-        wait_until(lambda: any(read_mirror(client, incarnation(e)) for e in executors))
-        leaving, staying = sorted(executors, key=lambda e: not read_mirror(client, incarnation(e)))
-        gone = incarnation(leaving)
-        assert len(incarnation_keys_exist(client, gone)) == 3
+        wait_until(lambda: len(scheduler.owned()) == 2, what="both executors claimed")
+        rng = random.Random(5)
+        prompts = [prompt(1000 + i, rng.randrange(17, 48)) for i in range(NUM_REQUESTS)]
+        num_threads = 8
+        failures: list[BaseException] = []
 
-        leaving.process.send_signal(signal.SIGTERM)
-        assert leaving.process.wait(timeout=30) == 0
-        wait_until(
-            lambda: [e.address for e in scheduler.stats().executors] == [staying.target],
-            what="the executor dropped from the stats",
-        )
-        wait_until(lambda: [e.address for e in view(scheduler).executors] == [staying.target])
-        wait_until(lambda: not incarnation_keys_exist(client, gone), what="its keys deleted")
-        assert not client.exists(KEYS.lease(leaving.target))
-        assert not client.exists(KEYS.executor(leaving.target))
-        expected = hf_greedy(model_dir, prompt(200, 20), 4)
-        assert generate(scheduler, prompt(200, 20), 4) == expected
+        def send(part: list[list[int]]) -> None:
+            try:
+                for token_ids in part:
+                    assert len(generate(scheduler, token_ids, 1)) == 1
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [
+            threading.Thread(target=send, args=(prompts[i::num_threads],))
+            for i in range(num_threads)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures[:3]
+
+        for executor in executors:
+            inc = incarnation(executor)
+
+            def settled(i: str = inc, e: ExecutorProcess = executor) -> bool:
+                """The last flush landed: the stream stopped growing, the
+                mirror holds as many blocks as the executor tags."""
+                length = client.xlen(KEYS.events(i))
+                time.sleep(0.3)
+                same = length == client.xlen(KEYS.events(i))
+                return same and len(read_mirror(client, i)) == num_tagged_blocks(e)
+
+            wait_until(settled, what="the mirror flushed")
+            mirror = read_mirror(client, inc)
+            assert 0 < len(mirror) <= executor_num_blocks(executor) - 1
+            assert len(set(mirror.values())) == len(mirror)
+            entries = asyncio.run(_read_events(redis_url, inc))
+            assert len(entries) == client.xlen(KEYS.events(inc)) <= STREAM_CAP
+            assert [e.seq for e in entries] == list(
+                range(entries[0].seq, entries[0].seq + len(entries))
+            )
+            assert int(client.get(KEYS.events_seq(inc))) == entries[-1].seq
+            assert any(e.batch.type == "removed" for e in entries), "nothing was evicted"
+            if entries[0].batch.type == "cleared":  # nothing trimmed yet
+                assert replay(entries) == mirror
         stats = scheduler.stats()
         assert stats.integrity.ok, stats.integrity.message
+        assert sum(e.prefix_cache_queries for e in stats.executors) > 0
+        assert stats.num_internal_errors == 0

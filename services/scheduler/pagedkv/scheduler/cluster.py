@@ -258,9 +258,19 @@ class ClusterMember:
     ) -> None:
         self.registry = {r.address: r for r in records}
         current = {r.address: r.incarnation_id for r in records}
+        quiet = time.monotonic() < self._quiet_until
+        serving = {a: s.info.incarnation_id for a, s in self.service.schedulers.items()}
         for address, incarnation in self.incarnations.items():
-            if current.get(address) != incarnation:  # that incarnation ended
-                self.mirror.drop(incarnation)
+            registered = current.get(address)
+            if registered == incarnation:
+                continue
+            if registered is None and (quiet or serving.get(address) == incarnation):
+                # Maybe not ended: Redis restarted empty moments ago (its record
+                # comes back at its next heartbeat), or it is in service here
+                # (``_check_in_service`` asks it).
+                current[address] = incarnation
+                continue
+            self.mirror.drop(incarnation)  # that incarnation ended
         self.incarnations = current
         view = scheduler_pb2.ClusterState(
             enabled=True, scheduler_ids=sorted(m.member_id for m in members)
