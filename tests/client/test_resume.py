@@ -37,7 +37,7 @@ from pagedkv.client import (
     ResumePolicy,
     UnavailableError,
 )
-from pagedkv.client.resume import is_stream_break, parse_targets
+from pagedkv.client.resume import TargetHealth, is_stream_break, parse_targets
 from pagedkv.common.cli import main
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.executor.driver import ExecutorProcess
@@ -349,3 +349,16 @@ def test_the_generate_command_takes_several_targets_and_resumes(
     help_text = " ".join(capsys.readouterr().out.split())
     assert "repeat the flag or separate them with commas" in help_text
     assert "resumes on the next" in help_text
+
+
+def test_targets_that_broke_a_stream_are_passed_over_until_they_answer() -> None:
+    health = TargetHealth(3, cooldown_s=60.0)
+    assert [health.pick() for _ in range(3)] == [0, 1, 2]
+    health.broke(1)
+    assert [health.pick() for _ in range(3)] == [0, 2, 2]  # 1's turn goes to 2
+    assert health.next_after(0) == 2
+    health.broke(0)
+    health.broke(2)
+    assert health.next_after(2) == 0  # all cooling down: plain round robin
+    health.answered(1)
+    assert health.next_after(0) == 1

@@ -21,7 +21,6 @@ is closed by the event loop shortly after; wrap it in
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -33,7 +32,13 @@ import grpc
 import grpc.aio
 
 from pagedkv.client.errors import IncompleteStreamError, PagedkvError, error_from_rpc
-from pagedkv.client.resume import Attempt, ResumePolicy, StreamResume, parse_targets
+from pagedkv.client.resume import (
+    Attempt,
+    ResumePolicy,
+    StreamResume,
+    TargetHealth,
+    parse_targets,
+)
 from pagedkv.client.types import (
     Completion,
     GenerateChunk,
@@ -176,7 +181,7 @@ class Client:
         self.num_resumes = 0
         self._channels = [grpc.insecure_channel(t) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
-        self._next_target = itertools.count()
+        self._health = TargetHealth(len(self.targets))
         self._lock = threading.Lock()
 
     def __enter__(self) -> Client:
@@ -252,10 +257,11 @@ class Client:
     ) -> Generator[GenerateChunk, None, None]:
         resume = StreamResume(
             _with_request_id(request),
-            first_target=next(self._next_target) % len(self.targets),
+            first_target=self._health.pick(),
             num_targets=len(self.targets),
             policy=self.resume,
             timeout=timeout,
+            health=self._health,
         )
         final = False
         while True:
@@ -381,7 +387,7 @@ class AsyncClient:
         self.num_resumes = 0
         self._channels = [grpc.aio.insecure_channel(t) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
-        self._next_target = itertools.count()
+        self._health = TargetHealth(len(self.targets))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -448,10 +454,11 @@ class AsyncClient:
     ) -> AsyncGenerator[GenerateChunk, None]:
         resume = StreamResume(
             _with_request_id(request),
-            first_target=next(self._next_target) % len(self.targets),
+            first_target=self._health.pick(),
             num_targets=len(self.targets),
             policy=self.resume,
             timeout=timeout,
+            health=self._health,
         )
         final = False
         while True:

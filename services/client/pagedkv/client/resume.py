@@ -4,7 +4,8 @@ which target to try again, and the request that continues the stream.
 A stream breaks when its scheduler (or the connection to it) goes away
 before the final chunk: status UNAVAILABLE, or UNKNOWN with one of gRPC's
 transport messages ("Stream removed", an RST_STREAM, a reset connection).
-The client then calls the next target, round robin, with the same request
+The client then calls the next target, round robin (passing over targets
+that broke a stream in the last seconds, see ``TargetHealth``), with the same request
 plus ``resumed_token_ids``: every token received so far. The scheduler
 continues after them (see docs/scheduler.md, "Resuming a broken stream"), so
 the caller sees one stream without a duplicate or missing token. Failures of
@@ -18,6 +19,8 @@ ended, and its text was flushed.
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +101,54 @@ class ResumePolicy:
         return float(min(self.backoff_s * 2**attempt, self.max_backoff_s))
 
 
+class TargetHealth:
+    """Which of a client's targets broke a stream lately: a target that did
+    is passed over for ``cooldown_s`` seconds when a stream starts or moves
+    on (unless every target is cooling down), so new streams do not keep
+    knocking at a replica that is gone; a chunk from it clears it at once.
+    Shared by the client's streams (thread-safe)."""
+
+    def __init__(self, num_targets: int, cooldown_s: float = 2.0) -> None:
+        self.num_targets = num_targets
+        self.cooldown_s = cooldown_s
+        self._turns = itertools.count()
+        self._broken: dict[int, float] = {}  # target index -> monotonic time of the break
+        self._lock = threading.Lock()
+
+    def _usable(self, index: int, now: float) -> bool:
+        broke = self._broken.get(index)
+        return broke is None or now - broke >= self.cooldown_s
+
+    def pick(self) -> int:
+        """The target of a new stream: the next in round robin that is not
+        cooling down."""
+        with self._lock:
+            return self._first_usable(next(self._turns) % self.num_targets)
+
+    def next_after(self, index: int) -> int:
+        """The target to move a broken stream to: the next one after
+        ``index`` that is not cooling down."""
+        with self._lock:
+            return self._first_usable((index + 1) % self.num_targets)
+
+    def _first_usable(self, start: int) -> int:
+        now = time.monotonic()
+        for offset in range(self.num_targets):
+            index = (start + offset) % self.num_targets
+            if self._usable(index, now):
+                return index
+        return start
+
+    def broke(self, index: int) -> None:
+        with self._lock:
+            self._broken[index] = time.monotonic()
+
+    def answered(self, index: int) -> None:
+        if index in self._broken:
+            with self._lock:
+                self._broken.pop(index, None)
+
+
 class Attempt(NamedTuple):
     """The next call of a stream: where, after how long a wait, with what."""
 
@@ -119,6 +170,7 @@ class StreamResume:
         "_deadline",
         "_failures",
         "_final",
+        "_health",
         "_num_targets",
         "_policy",
         "_request",
@@ -136,8 +188,10 @@ class StreamResume:
         num_targets: int,
         policy: ResumePolicy,
         timeout: float | None,
+        health: TargetHealth | None = None,
     ) -> None:
         sampling = request.sampling
+        self._health = health
         self._request = request
         self._policy = policy
         self._num_targets = num_targets
@@ -170,6 +224,8 @@ class StreamResume:
     def received(self, chunk: GenerateChunk) -> None:
         """Records the tokens of a chunk delivered to the caller."""
         self._final = self._final or chunk.is_final
+        if self._health is not None:
+            self._health.answered(self.target_index)
         for seq in chunk.sequences:
             if seq.index == 0 and seq.token_ids:
                 self._token_ids.extend(seq.token_ids)
@@ -182,9 +238,10 @@ class StreamResume:
         its stream end), not resumable, after the final chunk, out of
         attempts, or out of time."""
         resuming = self.num_resumes > 0
-        broken = is_stream_break(code, details) or (
-            resuming and code is grpc.StatusCode.ALREADY_EXISTS
-        )
+        lost = is_stream_break(code, details)
+        if lost and self._health is not None:
+            self._health.broke(self.target_index)
+        broken = lost or (resuming and code is grpc.StatusCode.ALREADY_EXISTS)
         if not (broken and self.resumable) or self._final:
             return None
         if self._failures >= self._policy.attempts(self._num_targets):
@@ -195,5 +252,8 @@ class StreamResume:
             return None
         self._failures += 1
         self.num_resumes += 1
-        self.target_index = (self.target_index + 1) % self._num_targets
+        if self._health is not None:
+            self.target_index = self._health.next_after(self.target_index)
+        else:
+            self.target_index = (self.target_index + 1) % self._num_targets
         return Attempt(self.target_index, delay, self.request)
