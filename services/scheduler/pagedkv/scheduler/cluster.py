@@ -138,6 +138,8 @@ class ClusterMember:
                 log.warning("cluster state degraded: redis unreachable", error=str(exc))
             self.degraded = f"redis at {redacted(self.config.redis_url)} unreachable: {exc}"
             self.view.degraded, self.view.detail = True, self.degraded
+        except Exception as exc:  # a bug of ours: the next round tries again
+            self.service._internal_error(exc, "cluster round")
         finally:
             self.num_rounds += 1
             self._round_done.set()

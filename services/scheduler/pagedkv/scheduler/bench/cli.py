@@ -88,7 +88,7 @@ def register_cluster_bench(subparsers: Any, name: str) -> None:
     parser.add_argument("--kill-at", type=float, default=12.0, help="seconds into the timeline")
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
     parser.add_argument("--requests", type=int, default=96, help="requests of a cost run")
-    parser.add_argument("--cost-tokens", type=int, default=48, help="new tokens per cost request")
+    parser.add_argument("--cost-tokens", type=int, default=128, help="new tokens per cost request")
     parser.add_argument("--repeat", type=int, default=3, help="cost runs of each kind")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
