@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import subprocess
 import sys
+
+import pytest
+
+from pagedkv.common.logging import configure_logging, get_logger
 
 
 def _log_with(fmt: str) -> str:
@@ -52,3 +58,20 @@ def test_cli_logs_readable_lines() -> None:
     text = _log_with("console")
     assert "hello" in text and "request_id" in text
     assert not text.lstrip().startswith("{")
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment_not_of_the_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("json")
+    try:
+        first.close()  # e.g. the capture of a test that has ended
+        monkeypatch.setattr(sys, "stderr", second)
+        get_logger("test").info("after the switch")
+        logging.getLogger("library").warning("a library line")
+    finally:
+        configure_logging("console")
+    lines = [json.loads(line) for line in second.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["after the switch", "a library line"]

@@ -11,6 +11,21 @@ import structlog
 LogFormat = Literal["json", "console"]
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is written, not when
+    logging was configured (a replaced stderr, e.g. a test's capture that has
+    since been closed, never receives lines meant for its successor)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(fmt: LogFormat = "console", level: str = "INFO") -> None:
     """Sets up structlog (and the stdlib root logger) for this process.
 
@@ -37,10 +52,10 @@ def configure_logging(fmt: LogFormat = "console", level: str = "INFO") -> None:
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     if fmt == "json":
         handler.setFormatter(
             structlog.stdlib.ProcessorFormatter(
