@@ -297,3 +297,41 @@ def test_the_demo_labels_its_comparison_request_and_its_n4_request(
     assert "after a 1-sample request of it\n      to compare the KV blocks each holds" in out
     bars = [line.split(":")[0] for line in re.split(r"[\r\n]+", err) if line.strip()]
     assert set(bars) == {"1 sample, to compare", "n=4 samples"}
+
+
+def test_stats_command_shows_the_cluster_and_a_draining_replica(
+    stats_target: tuple[StatsScheduler, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, target = stats_target
+    servicer.response = _stats(
+        draining=True,
+        cluster=scheduler_pb2.ClusterState(
+            enabled=True,
+            degraded=True,
+            detail="redis at redis://127.0.0.1:6390/0 unreachable",
+            scheduler_ids=["sched-a", "sched-b"],
+            executors=[
+                scheduler_pb2.ClusterExecutor(
+                    address="127.0.0.1:7001",
+                    incarnation_id="0123456789abcdef",
+                    owner_id="sched-b",
+                    epoch=4,
+                ),
+                scheduler_pb2.ClusterExecutor(address="127.0.0.1:7003", incarnation_id="fe"),
+            ],
+        ),
+    )
+    assert main(["stats", "--target", target]) == 0
+    assert capsys.readouterr().out.splitlines()[-5:] == [
+        "running 0, waiting 0, preemptions 0, internal errors 0, integrity ok, "
+        "DRAINING (admits nothing)",
+        "cluster DEGRADED: redis at redis://127.0.0.1:6390/0 unreachable; "
+        "schedulers: sched-a, sched-b",
+        "REGISTERED EXECUTOR  LEASED BY  EPOCH   INCARNATION",
+        "127.0.0.1:7001       sched-b        4  0123456789ab",
+        "127.0.0.1:7003       -              -            fe",
+    ]
+    assert main(["stats", "--target", target, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["draining"] and obj["cluster"]["scheduler_ids"] == ["sched-a", "sched-b"]
+    assert obj["cluster"]["executors"][0]["owner_id"] == "sched-b"

@@ -37,6 +37,8 @@ from pagedkv.client.errors import (
 from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.types import (
     Beam,
+    ClusterExecutor,
+    ClusterView,
     Completion,
     ExecutorStats,
     FinishReason,
@@ -54,6 +56,8 @@ __all__ = [
     "Beam",
     "CancelledError",
     "Client",
+    "ClusterExecutor",
+    "ClusterView",
     "Completion",
     "DeadlineExceededError",
     "ExecutorStats",

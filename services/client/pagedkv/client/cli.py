@@ -20,7 +20,13 @@ from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
-    from pagedkv.client.types import Completion, ExecutorStats, GenerateChunk, Stats
+    from pagedkv.client.types import (
+        ClusterView,
+        Completion,
+        ExecutorStats,
+        GenerateChunk,
+        Stats,
+    )
 
 _GENERATE_EPILOG = """\
 output:
@@ -354,9 +360,22 @@ def _stats_table(stats: Stats) -> str:
     lines.append(
         f"running {stats.num_running}, waiting {stats.num_waiting}, "
         f"preemptions {stats.num_preemptions}, {internal_errors(stats)}, "
-        f"integrity {integrity(stats)}"
+        f"integrity {integrity(stats)}" + (", DRAINING (admits nothing)" if stats.draining else "")
     )
+    if stats.cluster is not None:
+        lines += _cluster_lines(stats.cluster)
     return "\n".join(lines) + "\n"
+
+
+def _cluster_lines(cluster: ClusterView) -> list[str]:
+    """The cluster as Redis shows it: its schedulers, and who leases which executor."""
+    state = f"DEGRADED: {cluster.detail}" if cluster.degraded else "ok"
+    lines = [f"cluster {state}; schedulers: {', '.join(cluster.scheduler_ids) or '-'}"]
+    rows = [
+        (e.address, e.owner_id or "-", str(e.epoch) if e.epoch else "-", e.incarnation_id[:12])
+        for e in cluster.executors
+    ]
+    return lines + table(("REGISTERED EXECUTOR", "LEASED BY", "EPOCH", "INCARNATION"), rows, 2)
 
 
 def internal_errors(stats: Stats) -> str:

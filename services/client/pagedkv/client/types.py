@@ -231,6 +231,30 @@ class IntegrityCheck:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterExecutor:
+    """A registered executor of the cluster, as Redis shows it."""
+
+    address: str
+    incarnation_id: str
+    owner_id: str
+    """The scheduler holding its lease; empty when none does."""
+    epoch: int
+    """The lease's fencing epoch; 0 when unleased."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The cluster control plane as one replica sees it (``--redis-url``)."""
+
+    degraded: bool
+    """Redis cannot be reached: the replica serves what it holds, claims nothing."""
+    detail: str
+    scheduler_ids: tuple[str, ...]
+    """The live scheduler replicas, this one included."""
+    executors: tuple[ClusterExecutor, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of one scheduler replica."""
 
@@ -246,6 +270,10 @@ class Stats:
     """Errors in the scheduler's own code since start; each ended the
     requests it concerned with ``FinishReason.ERROR`` (the scheduler's log
     says more)."""
+    draining: bool = False
+    """The replica is stopping: it admits nothing new."""
+    cluster: ClusterView | None = None
+    """None without a Redis control plane."""
 
 
 # --- proto -> types: the only place that reads response protos ---------------
@@ -331,4 +359,17 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
         num_preemptions=msg.num_preemptions,
         integrity=IntegrityCheck(ok=msg.integrity.ok, message=msg.integrity.message),
         num_internal_errors=msg.num_internal_errors,
+        draining=msg.draining,
+        cluster=cluster_from_proto(msg.cluster) if msg.cluster.enabled else None,
+    )
+
+
+def cluster_from_proto(msg: scheduler_pb2.ClusterState) -> ClusterView:
+    return ClusterView(
+        degraded=msg.degraded,
+        detail=msg.detail,
+        scheduler_ids=tuple(msg.scheduler_ids),
+        executors=tuple(
+            ClusterExecutor(e.address, e.incarnation_id, e.owner_id, e.epoch) for e in msg.executors
+        ),
     )
