@@ -52,7 +52,9 @@ def configure_logging(fmt: LogFormat = "console", level: str = "INFO") -> None:
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
+        # One write per line (message and newline together), so the lines of
+        # processes sharing a stderr file never interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(_CurrentStderr())
