@@ -293,13 +293,19 @@ class ClusterMember:
         record expired) and that do not answer as it are marked down (an idle
         one would only be found dead by its next step): then probed, so a new
         incarnation is taken back, and one that left is forgotten. One that
-        answers as itself stays (Redis lost its record: it registers again)."""
+        answers as itself stays (Redis lost its record: it registers again);
+        in the first lease TTL after Redis started empty a missing record is
+        not even asked about."""
         service = self.service
+        quiet = time.monotonic() < self._quiet_until
         for address, scheduler in list(service.schedulers.items()):
             record = self.registry.get(address)
             incarnation = scheduler.info.incarnation_id
             if record is not None and record.incarnation_id == incarnation:
                 continue
+            if record is None and quiet:
+                continue  # Redis restarted empty moments ago: records come back
+
             try:
                 info = await service.clients[address].get_info(timeout=self.beat)
                 if info.incarnation_id == incarnation:
