@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.client import AsyncClient, PagedkvError
 from pagedkv.executor.tiny_model import make_tiny_model
@@ -327,7 +328,12 @@ def test_a_terminated_scheduler_drains_hands_its_executors_over_at_once_and_lose
         wait_until(lambda: progress.num_tokens >= len(prompts) * MAX_TOKENS // 4, timeout=300)
         assert leaving.stats().num_waiting > 0
         leaving.signal(signal.SIGTERM)
+        wait_until(lambda: leaving.stats().draining, what="the scheduler draining")
         seen_draining.append(leaving.stats().draining)
+        health = health_pb2_grpc.HealthStub(leaving.channel)
+        for name in ("", "pagedkv.v1.Scheduler"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING, name
         assert leaving.process.wait(60) == 0
         wait_until(lambda: len(staying.owned()) == 3, what="all three on the other scheduler")
 

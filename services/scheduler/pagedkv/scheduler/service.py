@@ -17,6 +17,7 @@ import itertools
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from pagedkv.common.errors import (
@@ -64,6 +65,8 @@ class SchedulerService(ExecutorFailover):
         self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
         self.draining = False  # shutting down: nothing new is admitted
+        # Awaited when draining starts (the server turns its health NOT_SERVING).
+        self.on_draining: list[Callable[[], Awaitable[None]]] = []
 
     # -- life -----------------------------------------------------------------
 
@@ -129,12 +132,15 @@ class SchedulerService(ExecutorFailover):
             self._executor_down(address, why, "transport")
 
     async def shutdown(self, drain_timeout: float) -> None:
-        """A graceful stop (SIGTERM): new requests get UNAVAILABLE, waiting
+        """A graceful stop (SIGTERM): health turns NOT_SERVING (the
+        ``on_draining`` hooks), new requests get UNAVAILABLE, waiting
         ones are handed back at once (their streams end with UNAVAILABLE and
         no final chunk: a client resumes them elsewhere), running ones get
         ``drain_timeout`` seconds to finish, then are handed back too; in a
         cluster the executors are then released for the other members."""
         self.draining = True
+        for hook in self.on_draining:
+            await hook()
         log.info("scheduler draining", running=self.num_running, waiting=self.num_waiting)
         why = "the scheduler is stopping; resume on another replica"
         for scheduler in list(self.schedulers.values()):

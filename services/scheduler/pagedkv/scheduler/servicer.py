@@ -68,7 +68,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 async def start_server(service: SchedulerService, address: str) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server for ``service`` on ``address`` (port 0: any
-    free port); returns it and the bound port."""
+    free port); returns it and the bound port. Its health is SERVING until
+    the service starts draining, NOT_SERVING from then on."""
     server = grpc.aio.server(interceptors=[AsyncRequestDecodingInterceptor()])
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -76,6 +77,12 @@ async def start_server(service: SchedulerService, address: str) -> tuple[grpc.ai
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    service.on_draining.append(not_serving)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
