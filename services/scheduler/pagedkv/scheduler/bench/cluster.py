@@ -26,11 +26,11 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pagedkv.cluster.connection import connect_sync
 from pagedkv.scheduler.bench.service import _drain, _machine, _summary
 from pagedkv.scheduler.cluster import ClusterConfig
-from pagedkv.scheduler.serve import ExecutorProcesses, _model_dir, executor_commands
+from pagedkv.scheduler.serve import (
+    ExecutorProcesses,
+    PrivateRedis,
+    _model_dir,
+    executor_commands,
+)
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -63,38 +69,13 @@ SUFFIX_LEN = 8
 NUM_PREFIXES = 8
 
 
-class _Redis:
-    """A private redis-server on a free port (no persistence)."""
-
-    def __init__(self, root: str) -> None:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"],
-            cwd=root,
-            stdout=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        import redis
-
-        self.client = redis.Redis(port=self.port)
-        for _ in range(200):
-            try:
-                self.client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def commands(self) -> int:
-        return int(self.client.info("stats")["total_commands_processed"])
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
+def _commands(redis: PrivateRedis) -> int:
+    """Commands Redis has processed since it started (its own count)."""
+    client = connect_sync(redis.url)
+    try:
+        return int(client.info("stats")["total_commands_processed"])
+    finally:
+        client.close()
 
 
 def _start_scheduler(url: str, lease_ttl: float) -> tuple[subprocess.Popen[str], str]:
@@ -205,7 +186,10 @@ async def _timeline(args: argparse.Namespace, url: str, vocab: int) -> dict[str,
 
 
 async def _cost(
-    args: argparse.Namespace, addresses: list[str], cluster: ClusterConfig | None, redis: _Redis
+    args: argparse.Namespace,
+    addresses: list[str],
+    cluster: ClusterConfig | None,
+    redis: PrivateRedis,
 ) -> dict[str, Any]:
     config = SchedulerConfig(
         executors=() if cluster else tuple(addresses),
@@ -230,12 +214,12 @@ async def _cost(
         )
         for i in range(args.requests)
     ]
-    commands = redis.commands()
+    commands = _commands(redis)
     start, cpu = time.perf_counter(), time.process_time()
     generations = [service.submit(request) for request in requests]
     await asyncio.gather(*(_drain(g) for g in generations))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    commands = redis.commands() - commands - 1  # the INFO call itself
+    commands = _commands(redis) - commands - 1  # the INFO call itself
     timings = list(service.step_timings)
     await service.stop()
     steps = [t for t in timings if t.num_entries > 0]
@@ -281,7 +265,7 @@ def _plot(timeline: dict[str, Any], path: Path) -> None:
         ax.axvline(timeline["kill_at_s"], color="red", linestyle="--")
     axes[0].set_title(
         f"scheduler {timeline['victim']} SIGKILLed at the dashed line; lease TTL "
-        f"{timeline['lease_ttl_s']:g} s; adopted after {timeline['adoption_s']:.2f} s"
+        f"{timeline['lease_ttl_s']:g} s; adopted after {_adoption(timeline)}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -294,12 +278,12 @@ def main(args: argparse.Namespace) -> int:
     args.enforce_eager = False
     args.log_format = getattr(args, "log_format", "console")
     args.log_level = getattr(args, "log_level", "warning")
-    with (
-        tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as root,
-        _model_dir(args.model) as model,
-    ):
+    with _model_dir(args.model) as model:
         args.model = model
-        redis = _Redis(root)
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("pagedkv bench cluster: redis-server is not on the PATH")
+        redis = PrivateRedis(binary)
         commands = [[*c, "--redis-url", redis.url] for c in executor_commands(args, model)]
         executors = ExecutorProcesses(commands)
         try:
@@ -354,8 +338,8 @@ def _report(
         f"failover: 2 schedulers, 3 CPU executors, {args.concurrency} concurrent SDK streams "
         f"({NUM_PREFIXES} shared {PREFIX_LEN}-token prefixes + {SUFFIX_LEN} random tokens, "
         f"{args.max_tokens} new tokens), lease TTL {args.lease_ttl:g} s",
-        f"  kill at {kill:.1f} s; survivor holds every executor {timeline['adoption_s']:.2f} s "
-        f"after the kill",
+        f"  kill at {kill:.1f} s; survivor holds every executor {_adoption(timeline)} after the "
+        f"kill",
         f"  requests: {len(before)} before ({len(before) / kill:.1f}/s), "
         f"{len(requests) - len(before)} after; failed {len(timeline['errors'])}; "
         f"SDK resumes {timeline['sdk_resumes']}",
@@ -398,6 +382,11 @@ def _report(
         },
         "cost": runs,
     }
+
+
+def _adoption(timeline: dict[str, Any]) -> str:
+    seconds = timeline["adoption_s"]
+    return "(not within the run)" if seconds is None else f"{seconds:.2f} s"
 
 
 def _per_second(requests: list[dict[str, Any]]) -> list[dict[str, float]]:
