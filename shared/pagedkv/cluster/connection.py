@@ -10,6 +10,8 @@ streams are binary); callers decode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -17,6 +19,12 @@ import redis.asyncio
 import redis.asyncio.retry
 import redis.backoff
 import redis.retry
+
+from pagedkv.common.logging import get_logger
+
+log = get_logger("pagedkv.cluster")
+
+R = TypeVar("R")
 
 SOCKET_TIMEOUT_S = 1.0
 SCHEMES = ("redis", "rediss", "unix")
@@ -92,3 +100,33 @@ def connect_sync(url: str) -> redis.Redis:
 def text(value: bytes | str) -> str:
     """A reply as ``str`` (the clients return bytes; typed as either)."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+async def live_records(
+    client: redis.asyncio.Redis,
+    set_key: str,
+    record_key: Callable[[str], str],
+    parse: Callable[[bytes | str], R],
+    what: str,
+) -> list[R]:
+    """The records of the members of ``set_key`` (each at ``record_key(member)``,
+    with a TTL), by member. Members whose record expired are removed from
+    the set (a live one adds itself back at its next heartbeat); unreadable
+    records (``parse`` raises ValueError) are logged and left out."""
+    members = sorted(text(m) for m in await client.smembers(set_key))
+    if not members:
+        return []
+    values = await client.mget([record_key(m) for m in members])
+    records: list[R] = []
+    dead: list[str] = []
+    for member, value in zip(members, values, strict=True):
+        if value is None:
+            dead.append(member)
+            continue
+        try:
+            records.append(parse(value))
+        except ValueError as exc:
+            log.warning(f"unreadable {what} record", member=member, error=str(exc))
+    if dead:
+        await client.srem(set_key, *dead)
+    return records

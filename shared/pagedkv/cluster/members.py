@@ -19,11 +19,8 @@ from typing import NamedTuple
 
 import redis.asyncio
 
-from pagedkv.cluster.connection import text
+from pagedkv.cluster.connection import live_records, text
 from pagedkv.cluster.keys import Keys
-from pagedkv.common.logging import get_logger
-
-log = get_logger("pagedkv.cluster.members")
 
 
 @dataclass(frozen=True)
@@ -103,23 +100,10 @@ class Members:
     async def live(self) -> list[MemberRecord]:
         """The live members by member id; ids whose record expired are removed
         from ``P:schedulers``."""
-        member_ids = sorted(text(m) for m in await self.client.smembers(self.keys.schedulers()))
-        if not member_ids:
-            return []
-        values = await self.client.mget([self.keys.scheduler(m) for m in member_ids])
-        records: list[MemberRecord] = []
-        dead: list[str] = []
-        for member_id, value in zip(member_ids, values, strict=True):
-            if value is None:
-                dead.append(member_id)
-                continue
-            try:
-                records.append(MemberRecord.from_json(value))
-            except ValueError as exc:
-                log.warning("unreadable member record", member_id=member_id, error=str(exc))
-        if dead:
-            await self.client.srem(self.keys.schedulers(), *dead)
-        return records
+        keys = self.keys
+        return await live_records(
+            self.client, keys.schedulers(), keys.scheduler, MemberRecord.from_json, "member"
+        )
 
     async def ensure_boot(self) -> BootMarker:
         """The boot marker, created (random id, Redis TIME) if absent."""

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import redis
 import redis.asyncio
 
-from pagedkv.cluster.connection import text
+from pagedkv.cluster.connection import live_records
 from pagedkv.cluster.keys import Keys
 from pagedkv.common.logging import get_logger
 
@@ -212,23 +212,10 @@ async def list_executors(
     client: redis.asyncio.Redis, keys: Keys | None = None
 ) -> list[ExecutorRecord]:
     """The registered executors whose record is alive, by address. Addresses
-    whose record expired (or is unreadable) are removed from ``P:executors``
-    (a live executor adds its address back at its next heartbeat)."""
+    whose record expired are removed from ``P:executors`` (a live executor
+    adds its address back at its next heartbeat); unreadable records are
+    logged and left out."""
     keys = keys or Keys()
-    addresses = sorted(text(a) for a in await client.smembers(keys.executors()))
-    if not addresses:
-        return []
-    values = await client.mget([keys.executor(a) for a in addresses])
-    records: list[ExecutorRecord] = []
-    dead: list[str] = []
-    for address, value in zip(addresses, values, strict=True):
-        if value is None:
-            dead.append(address)
-            continue
-        try:
-            records.append(ExecutorRecord.from_json(value))
-        except ValueError as exc:
-            log.warning("unreadable executor record", address=address, error=str(exc))
-    if dead:
-        await client.srem(keys.executors(), *dead)
-    return records
+    return await live_records(
+        client, keys.executors(), keys.executor, ExecutorRecord.from_json, "executor"
+    )
