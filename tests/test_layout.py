@@ -32,6 +32,9 @@ def test_scheduler_side_imports_no_torch_triton_or_transformers() -> None:
         "pagedkv.scheduler",
         "pagedkv.scheduler.kv_cache_manager",
         "pagedkv.scheduler.bench.blocks",
+        "pagedkv.router",
+        "pagedkv.router.scoring",
+        "pagedkv.router.index",
         "pagedkv.client",
     )
     assert not {m for m in loaded if m.split(".")[0] in HEAVY or m.startswith(HEAVY)}
@@ -50,6 +53,7 @@ def test_pagedkv_is_one_namespace_across_the_part_folders() -> None:
     expected = {
         REPO / "shared",
         REPO / "services" / "scheduler",
+        REPO / "services" / "router",
         REPO / "services" / "client",
         REPO / "services" / "executor",
         REPO / "kernels",

@@ -35,6 +35,12 @@ P:events:{inc}          stream  mirror of   10 min PX   KV events, ``XADD MAXLEN
                                                         little-endian uint32), hashes
                                                         (concatenated, hash_size bytes each)
 P:events_seq:{inc}      string  mirror      10 min PX   the last ``seq`` of the stream
+P:load:{member}         string  scheduler   3 s PX,     JSON ``LoadReport``: member_id,
+                                            written     updated_ms, per executor held:
+                                            when it     address, incarnation_id,
+                                            changes     num_running, num_waiting,
+                                            (100 ms)    num_free_blocks,
+                                                        num_usable_blocks, draining
 P:boot                  hash    first       never       boot_id (random), created_ms (Redis
                                 member                  TIME): a new boot_id means Redis
                                                         restarted without its data
@@ -87,6 +93,9 @@ class Keys:
 
     def scheduler(self, member_id: str) -> str:
         return f"{self.prefix}:scheduler:{member_id}"
+
+    def load(self, member_id: str) -> str:
+        return f"{self.prefix}:load:{member_id}"
 
     def lease(self, address: str) -> str:
         return f"{self.prefix}:lease:{address}"

@@ -9,7 +9,7 @@ packed as little-endian uint32 and ``hashes`` concatenated, plus its ``seq``.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -124,17 +124,22 @@ async def read_events(
     entries: list[EventEntry] = []
     for entry_id, fields in raw or []:
         assert entry_id is not None and fields is not None
-        values = {text(k): v for k, v in fields.items()}
-        size = int(values["hash_size"])
-        packed_ids, packed_hashes = values["block_ids"], values["hashes"]
-        assert isinstance(packed_ids, bytes) and isinstance(packed_hashes, bytes)
-        block_ids = list(struct.unpack(f"<{len(packed_ids) // 4}I", packed_ids))
-        hashes = [packed_hashes[i : i + size] for i in range(0, len(packed_hashes), size or 1)]
-        batch = EventBatch(
-            _EVENT_TYPES[text(values["type"])],
-            int(values["group"]),
-            block_ids,
-            hashes if size else [],
-        )
-        entries.append(EventEntry(text(entry_id), int(values["seq"]), batch))
+        entries.append(parse_entry(entry_id, fields))
     return entries
+
+
+def parse_entry(entry_id: bytes | str, fields: Mapping[bytes | str, bytes | str]) -> EventEntry:
+    """One stream entry (as XRANGE or XREAD return it) decoded."""
+    values = {text(k): v for k, v in fields.items()}
+    size = int(values["hash_size"])
+    packed_ids, packed_hashes = values["block_ids"], values["hashes"]
+    assert isinstance(packed_ids, bytes) and isinstance(packed_hashes, bytes)
+    block_ids = list(struct.unpack(f"<{len(packed_ids) // 4}I", packed_ids))
+    hashes = [packed_hashes[i : i + size] for i in range(0, len(packed_hashes), size or 1)]
+    batch = EventBatch(
+        _EVENT_TYPES[text(values["type"])],
+        int(values["group"]),
+        block_ids,
+        hashes if size else [],
+    )
+    return EventEntry(text(entry_id), int(values["seq"]), batch)

@@ -16,12 +16,23 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class PlacementHint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_HINT_NONE: _ClassVar[PlacementHint]
+    PLACEMENT_HINT_HONOURED: _ClassVar[PlacementHint]
+    PLACEMENT_HINT_NOT_HELD: _ClassVar[PlacementHint]
+    PLACEMENT_HINT_DRAINING: _ClassVar[PlacementHint]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+PLACEMENT_HINT_NONE: PlacementHint
+PLACEMENT_HINT_HONOURED: PlacementHint
+PLACEMENT_HINT_NOT_HELD: PlacementHint
+PLACEMENT_HINT_DRAINING: PlacementHint
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -30,7 +41,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority", "resumed_token_ids")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority", "resumed_token_ids", "preferred_executor")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +49,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -45,7 +57,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     priority: int
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    preferred_executor: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., preferred_executor: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -97,17 +110,27 @@ class Usage(_message.Message):
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
+class Placement(_message.Message):
+    __slots__ = ("executor", "hint")
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    executor: str
+    hint: PlacementHint
+    def __init__(self, executor: _Optional[str] = ..., hint: _Optional[_Union[PlacementHint, str]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "outputs", "beams", "usage")
+    __slots__ = ("request_id", "outputs", "beams", "usage", "placement")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
     beams: _containers.RepeatedCompositeFieldContainer[BeamOutput]
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., beams: _Optional[_Iterable[_Union[BeamOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., beams: _Optional[_Iterable[_Union[BeamOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -194,7 +217,7 @@ class ClusterState(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., degraded: _Optional[bool] = ..., detail: _Optional[str] = ..., scheduler_ids: _Optional[_Iterable[str]] = ..., executors: _Optional[_Iterable[_Union[ClusterExecutor, _Mapping]]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id", "num_internal_errors", "cluster", "draining")
+    __slots__ = ("executors", "num_running", "num_waiting", "num_preemptions", "integrity", "scheduler_id", "num_internal_errors", "cluster", "draining", "router")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +227,7 @@ class GetStatsResponse(_message.Message):
     NUM_INTERNAL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     num_running: int
     num_waiting: int
@@ -213,4 +237,21 @@ class GetStatsResponse(_message.Message):
     num_internal_errors: int
     cluster: ClusterState
     draining: bool
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., num_internal_errors: _Optional[int] = ..., cluster: _Optional[_Union[ClusterState, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    router: RouterState
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., integrity: _Optional[_Union[IntegrityCheck, _Mapping]] = ..., scheduler_id: _Optional[str] = ..., num_internal_errors: _Optional[int] = ..., cluster: _Optional[_Union[ClusterState, _Mapping]] = ..., draining: _Optional[bool] = ..., router: _Optional[_Union[RouterState, _Mapping]] = ...) -> None: ...
+
+class RouterState(_message.Message):
+    __slots__ = ("router_id", "unreachable_scheduler_ids", "num_indexed_blocks", "num_followed_executors", "kv_event_lag_seconds", "policy")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_SCHEDULER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FOLLOWED_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENT_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    unreachable_scheduler_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_indexed_blocks: int
+    num_followed_executors: int
+    kv_event_lag_seconds: float
+    policy: str
+    def __init__(self, router_id: _Optional[str] = ..., unreachable_scheduler_ids: _Optional[_Iterable[str]] = ..., num_indexed_blocks: _Optional[int] = ..., num_followed_executors: _Optional[int] = ..., kv_event_lag_seconds: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...

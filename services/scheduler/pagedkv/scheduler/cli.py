@@ -95,6 +95,19 @@ def register_serve(subparsers: Any, name: str) -> None:
         "(any free port when --port is 0); over 1 needs --redis-url or --redis",
     )
     parser.add_argument(
+        "--routers",
+        type=int,
+        default=0,
+        help="routers, R (`pagedkv router` child processes, docs/routing.md) on --port.. "
+        "(the schedulers' ports then follow theirs); needs --redis-url or --redis",
+    )
+    parser.add_argument(
+        "--router-policy",
+        default="kv",
+        choices=("kv", "round-robin", "least-loaded"),
+        help="the routers' --policy",
+    )
+    parser.add_argument(
         "--redis",
         action="store_true",
         help="start a private redis-server (from PATH, no persistence) on a free port for the "

@@ -34,6 +34,7 @@ from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
 from pagedkv.cluster.leases import EpochsExhausted, Lease, LeaseHeld, LeaseTable, Renewed
+from pagedkv.cluster.load import ExecutorLoad, LoadPublisher
 from pagedkv.cluster.members import MemberRecord, Members
 from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
@@ -73,6 +74,7 @@ class ClusterMember:
         self.leases = LeaseTable(self.redis, self.keys)
         self.members = Members(self.redis, self.keys)
         self.mirror = PrefixMirror(self.redis, self.keys)
+        self.load = LoadPublisher(self.redis, self.member_id, self._loads, self.keys)
         self.mirrored: dict[str, str] = {}  # address -> incarnation mirrored from here
         self.ttl_ms = max(1, int(config.lease_ttl * 1000))
         self.beat = config.lease_ttl / 4
@@ -98,6 +100,7 @@ class ClusterMember:
     async def start(self) -> None:
         """Runs a first round (claims included) and starts the member task."""
         self.mirror.start()
+        self.load.start()
         await self._guarded_round()
         self._task = asyncio.create_task(self._run())
 
@@ -120,6 +123,7 @@ class ClusterMember:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.mirror.close()
+        await self.load.close()
         with contextlib.suppress(*REDIS_ERRORS):
             await self.members.leave(self.member_id)
         await self.redis.aclose()
@@ -207,6 +211,26 @@ class ClusterMember:
 
         self.mirror.track(incarnation, snapshot)
         scheduler.on_cache_events = record
+
+    def _loads(self) -> list[ExecutorLoad]:
+        """The load of each executor held and in service (for routers)."""
+        loads = []
+        for address in self.held:
+            scheduler = self.service.schedulers.get(address)
+            if scheduler is None:
+                continue
+            loads.append(
+                ExecutorLoad(
+                    address=address,
+                    incarnation_id=scheduler.info.incarnation_id,
+                    num_running=len(scheduler.running),
+                    num_waiting=len(scheduler.waiting),
+                    num_free_blocks=scheduler.kv.pool.get_num_free_blocks(),
+                    num_usable_blocks=scheduler.info.num_blocks - 1,
+                    draining=scheduler.draining or self.service.draining,
+                )
+            )
+        return loads
 
     # -- one round ------------------------------------------------------------
 

@@ -15,7 +15,8 @@ Metric names (``_total`` on counters as exposed):
   ``pagedkv_preemptions_total``, ``pagedkv_requests_finished_total{finish_reason}``,
   ``pagedkv_prompt_tokens_total``, ``pagedkv_generation_tokens_total``,
   ``pagedkv_internal_errors_total``, ``pagedkv_executors_down_total{executor,cause}``,
-  ``pagedkv_executor_recoveries_total{executor}``;
+  ``pagedkv_executor_recoveries_total{executor}``,
+  ``pagedkv_placement_hints_total{outcome}`` (honoured, not_held, draining);
 * histograms (seconds): ``pagedkv_step_seconds{executor}``,
   ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``;
 * with a cluster (``watch_cluster``), read at scrape time:
@@ -46,6 +47,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pagedkv.v1 import scheduler_pb2
 
 STEP_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -155,6 +158,13 @@ class SchedulerMetrics:
             "pagedkv_kv_cache_usage",
             "Fraction of the executor's KV cache blocks in use (0..1).",
             ["executor"],
+            registry=r,
+        )
+        self._placement_hints = Counter(
+            "pagedkv_placement_hints",
+            "Requests that named an executor (a router's hint), by outcome "
+            "(honoured, not_held, draining).",
+            ["outcome"],
             registry=r,
         )
         self._num_running = Gauge(
@@ -296,6 +306,13 @@ class SchedulerMetrics:
     def count_recovery(self, executor: str) -> None:
         """Count an executor taken back after it was down."""
         self._executor_recoveries.labels(executor=executor).inc()
+
+    def count_placement_hint(self, hint: int) -> None:
+        """Count a request's placement hint outcome (nothing for requests
+        without a hint)."""
+        if hint != scheduler_pb2.PLACEMENT_HINT_NONE:
+            name = scheduler_pb2.PlacementHint.Name(hint)
+            self._placement_hints.labels(name.removeprefix("PLACEMENT_HINT_").lower()).inc()
 
     def count_tokens(self, prompt: int, generated: int) -> None:
         """Count ``prompt`` admitted prompt tokens and ``generated`` output tokens."""

@@ -116,6 +116,8 @@ class Generation:
     # from it, never from the client's request_id (which is free text).
     key: int = 0
     num_seq_ids: int = 0
+    # Where the generation was queued; sent on its first chunk, then None.
+    placement: scheduler_pb2.Placement | None = None
 
     def new_seq_id(self) -> str:
         """A name for a new sequence of this generation (its block-core
@@ -183,7 +185,14 @@ class Generation:
             )
             self.done = True
         if response.outputs or all_finished:
-            self.chunks.put_nowait(response)
+            self._send(response)
+
+    def _send(self, response: scheduler_pb2.GenerateResponse) -> None:
+        """Queues a chunk; the first one carries the placement."""
+        if self.placement is not None:
+            response.placement.CopyFrom(self.placement)
+            self.placement = None
+        self.chunks.put_nowait(response)
 
     def _finish_beams(self, response: scheduler_pb2.GenerateResponse) -> None:
         """The final chunk of a beam search: the best beams and usage (a
@@ -208,4 +217,4 @@ class Generation:
         response.usage.cached_prompt_tokens = self.num_cached_prompt_tokens
         response.usage.completion_tokens = sum(len(b.token_ids) for b in best)
         self.done = True
-        self.chunks.put_nowait(response)
+        self._send(response)

@@ -11,8 +11,10 @@ the executors register, the scheduler here joins and claims them, then
 which take their share (the members balance by draining). One ready line per
 scheduler: this process's once it has claimed its executors, the others once
 every registered executor is leased to a live member and none holds two more
-than another. Every child (and the private Redis) is stopped on exit:
-SIGTERM, then SIGKILL after a grace."""
+than another. ``--routers R`` then starts R ``pagedkv router`` children on
+``--port``.. (the schedulers' ports follow theirs), one ready line each.
+Every child (and the private Redis) is stopped on exit: SIGTERM, then
+SIGKILL after a grace."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
 READY = re.compile(r"executor ready on ([\w.\-]+:\d+)")
 SCHEDULER_READY = re.compile(r"scheduler ready on ([\w.\-]+:\d+)")
+ROUTER_READY = re.compile(r"router ready on ([\w.\-]+:\d+)")
 STARTUP_TIMEOUT_S = 600.0
 REGISTER_TIMEOUT_S = 60.0  # executors in the registry, once they are ready
 SETTLE_TIMEOUT_S = 60.0  # the cluster's executors all leased and balanced
@@ -237,17 +240,35 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
 
 def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> list[list[str]]:
     """The ``--schedulers N`` - 1 child schedulers: this command's scheduler
-    options, ports ``--port`` + 1.. (any free port when it is 0), metrics
-    ports likewise."""
+    options, ports after this one's (any free port when ``--port`` is 0),
+    metrics ports likewise."""
     commands = []
+    base = args.port + args.routers if args.port else 0
     for i in range(1, args.schedulers):
         command = [sys.executable, "-m", "pagedkv.common.cli"]
         command += ["--log-format", args.log_format, "--log-level", args.log_level, "scheduler"]
         command += ["--redis-url", redis_url, "--lease-ttl", str(args.lease_ttl), "--model", model]
-        command += ["--host", args.host, "--port", str(args.port + i if args.port else 0)]
+        command += ["--host", args.host, "--port", str(base + i if base else 0)]
         command += ["--max-num-seqs", str(args.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         command += ["--executor-timeout", str(args.executor_timeout)]
+        command += ["--drain-timeout", str(args.drain_timeout)]
+        if args.metrics_port is not None:
+            port = args.metrics_port + args.routers + i if args.metrics_port else 0
+            command += ["--metrics-port", str(port)]
+        commands.append(command)
+    return commands
+
+
+def router_commands(args: argparse.Namespace, model: str, redis_url: str) -> list[list[str]]:
+    """The ``--routers R`` routers: ports ``--port``.. (the schedulers' come
+    after), metrics ports likewise."""
+    commands = []
+    for i in range(args.routers):
+        command = [sys.executable, "-m", "pagedkv.common.cli"]
+        command += ["--log-format", args.log_format, "--log-level", args.log_level, "router"]
+        command += ["--redis-url", redis_url, "--model", model, "--policy", args.router_policy]
+        command += ["--host", args.host, "--port", str(args.port + i if args.port else 0)]
         command += ["--drain-timeout", str(args.drain_timeout)]
         if args.metrics_port is not None:
             port = args.metrics_port + i if args.metrics_port else 0
@@ -331,7 +352,12 @@ async def _serve_cluster(
     scheduler here stops (SIGTERM or SIGINT)."""
     client = connect(redis_url)
     children: ChildProcesses | None = None
+    routers: ChildProcesses | None = None
     num = args.schedulers
+    port = args.port + args.routers if args.port else 0
+    metrics_port = args.metrics_port
+    if metrics_port:
+        metrics_port += args.routers
     try:
         registered = await _wait_for(
             client,
@@ -341,13 +367,13 @@ async def _serve_cluster(
         if registered is None:
             raise StartError(f"executors not registered at {redacted(redis_url)} in time")
         label = "pagedkv serve" if num == 1 else f"pagedkv serve scheduler 1/{num}"
-        config = config_from_args(args, [], port=args.port)
+        config = config_from_args(args, [], port=port)
         scheduler = asyncio.ensure_future(
             serve_scheduler(
                 config,
                 args.host,
-                args.port,
-                args.metrics_port,
+                port,
+                metrics_port,
                 ready_line=label,
                 drain_timeout=args.drain_timeout,
             )
@@ -375,8 +401,18 @@ async def _serve_cluster(
                     f"({held.get(address, 0)} executors, model {model})",
                     flush=True,
                 )
+        if args.routers:
+            labels = [f"{i + 1}/{args.routers}" for i in range(args.routers)]
+            commands = router_commands(args, model, redis_url)
+            grace = args.drain_timeout + STOP_GRACE_S
+            routers = ChildProcesses(commands, "router", ROUTER_READY, labels, grace)
+            addresses = await _unless_stopped(scheduler, asyncio.to_thread(routers.wait_ready))
+            for label, address in zip(labels, addresses, strict=True):
+                print(f"pagedkv serve router {label} ready on {address}", flush=True)
         await scheduler
     finally:
+        if routers is not None:
+            await asyncio.to_thread(routers.stop)
         if children is not None:
             await asyncio.to_thread(children.stop)
         await client.aclose()
@@ -456,6 +492,13 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         return "give --redis (a private redis-server) or --redis-url URL, not both"
     if args.schedulers < 1:
         return f"--schedulers {args.schedulers}: at least 1"
+    if args.routers < 0:
+        return f"--routers {args.routers}: at least 0"
+    if args.routers and not (args.redis or args.redis_url):
+        return (
+            f"--routers {args.routers} needs a cluster: give --redis-url URL "
+            "or --redis (a private redis-server)"
+        )
     if args.schedulers > 1 and not (args.redis or args.redis_url):
         return (
             f"--schedulers {args.schedulers} needs a cluster: give --redis-url URL "

@@ -201,7 +201,10 @@ class SchedulerService(ExecutorFailover):
             raise AlreadyExists(f"request_id: {request_id!r} is live")
         prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
         generation = self._generation(request_id, prompt, request)
-        executor = self._place(generation)
+        executor, hint = self._place(generation, request.preferred_executor)
+        generation.placement = scheduler_pb2.Placement(executor=executor, hint=hint)
+        if self.metrics is not None:
+            self.metrics.count_placement_hint(hint)
         self.generations[request_id] = generation
         self.schedulers[executor].add(generation.sequences[0])
         self._wake[executor].set()
@@ -273,9 +276,28 @@ class SchedulerService(ExecutorFailover):
             )
         return generation
 
-    def _place(self, generation: Generation) -> str:
-        """The executor for a new generation: longest cached prefix, then most
-        free blocks."""
+    def _place(
+        self, generation: Generation, preferred: str
+    ) -> tuple[str, scheduler_pb2.PlacementHint]:
+        """The executor for a new generation and what became of the
+        ``preferred`` executor (a router's hint): honoured when this replica
+        holds it, healthy and not draining; otherwise the longest cached
+        prefix, then the most free blocks."""
+        Hint = scheduler_pb2.PlacementHint
+        open_ = [a for a, s in self.schedulers.items() if not s.draining]
+        if preferred:
+            if preferred in open_:
+                return preferred, Hint.PLACEMENT_HINT_HONOURED
+            draining = preferred in self.schedulers
+            hint = Hint.PLACEMENT_HINT_DRAINING if draining else Hint.PLACEMENT_HINT_NOT_HELD
+            log.info(
+                "placement hint not honoured",
+                request_id=generation.request_id,
+                preferred_executor=preferred,
+                why="draining" if draining else "not held",
+            )
+        else:
+            hint = Hint.PLACEMENT_HINT_NONE
         request = generation.sequences[0].request
 
         def score(address: str) -> tuple[int, int]:
@@ -283,8 +305,7 @@ class SchedulerService(ExecutorFailover):
             hit = kv.get_computed_blocks(request, count=False).num_tokens
             return hit, kv.pool.get_num_free_blocks()
 
-        open_ = [a for a, s in self.schedulers.items() if not s.draining]
-        return max(open_ or self.schedulers, key=score)
+        return max(open_ or self.schedulers, key=score), hint
 
     def abort(self, request_id: str) -> bool:
         """Ends a live generation with FINISH_REASON_ABORT and frees its blocks."""

@@ -1,0 +1,177 @@
+"""Routing policies: which executor a request should run on.
+
+A policy ranks the candidate executors (those with a live lease holder that
+admits requests) for one request, best first; the router tries them in that
+order. Three policies, swappable by type (``POLICIES``):
+
+- ``KVAwarePolicy`` (``kv``, the default) scores each executor by the share
+  of the prompt's full blocks its prefix cache holds, minus its load relative
+  to the cluster's mean, minus its KV usage::
+
+      score = w_prefix * cached_blocks / prompt_blocks
+            - w_load * queued / (mean_queued + 1)
+            - w_kv * kv_usage
+
+  ``queued`` is the executor's running plus waiting sequences (the last load
+  report, plus what this router placed there since). The load term is relative
+  to the mean, so the same weights hold for 4 executors or 64, for idle
+  clusters or busy ones: with ``w_prefix = 1`` and ``w_load = 2``, an executor
+  holding the whole prompt is preferred to an idle one without it until it
+  runs about half the mean load above it. One hot prefix therefore spreads:
+  the next copies go where it is not cached, and those executors then cache
+  it too.
+- ``RoundRobinPolicy`` (``round-robin``) and ``LeastLoadedPolicy``
+  (``least-loaded``, fewest queued then lowest KV usage) ignore the cache:
+  they are the baselines of the routing benchmarks.
+
+Ties go round robin (a counter rotates the order of equal candidates), so
+identical requests on an idle cluster do not all land on the first address.
+Pure and synchronous: the cluster simulation drives the same code.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An executor a request can be sent to, with the load inputs of its score."""
+
+    address: str
+    incarnation_id: str
+    owner_id: str  # the scheduler member holding its lease
+    num_queued: float  # running + waiting sequences (report + own placements since)
+    kv_usage: float  # fraction of usable blocks in use, 0.0 to 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingWeights:
+    """The ``kv`` policy's weights (see the module docstring)."""
+
+    prefix: float = 1.0
+    load: float = 2.0
+    kv_usage: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("prefix", "load", "kv_usage"):
+            value = getattr(self, name)
+            if not value >= 0.0:
+                raise ValueError(f"weight {name}: {value} must be >= 0")
+
+
+class Choice(NamedTuple):
+    """One ranked candidate: the prompt blocks it holds and its score (policies
+    without a score rank by their own order; their score is minus the rank)."""
+
+    candidate: Candidate
+    cached_blocks: int
+    score: float
+
+
+class RoutingPolicy(ABC):
+    """Ranks candidates for one request, best first."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def _rotation(self, candidates: Sequence[Candidate]) -> dict[str, int]:
+        """Each candidate's place in this call's round-robin order."""
+        turn = next(self._turn)
+        ordered = sorted(c.address for c in candidates)
+        n = len(ordered) or 1
+        return {address: (i - turn) % n for i, address in enumerate(ordered)}
+
+    @abstractmethod
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        cached_blocks: Mapping[str, int],
+        num_prompt_blocks: int,
+    ) -> list[Choice]:
+        """``candidates`` best first. ``cached_blocks``: leading prompt blocks
+        each incarnation holds (absent: none); ``num_prompt_blocks``: the
+        prompt's full blocks."""
+
+
+class KVAwarePolicy(RoutingPolicy):
+    name = "kv"
+
+    def __init__(self, weights: RoutingWeights | None = None) -> None:
+        super().__init__()
+        self.weights = weights or RoutingWeights()
+
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        cached_blocks: Mapping[str, int],
+        num_prompt_blocks: int,
+    ) -> list[Choice]:
+        if not candidates:
+            return []
+        w = self.weights
+        mean = sum(c.num_queued for c in candidates) / len(candidates)
+        rotation = self._rotation(candidates)
+        choices = []
+        for c in candidates:
+            cached = cached_blocks.get(c.incarnation_id, 0)
+            hit = cached / num_prompt_blocks if num_prompt_blocks else 0.0
+            score = w.prefix * hit - w.load * c.num_queued / (mean + 1.0) - w.kv_usage * c.kv_usage
+            choices.append(Choice(c, cached, score))
+        choices.sort(key=lambda ch: (-ch.score, rotation[ch.candidate.address]))
+        return choices
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round-robin"
+
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        cached_blocks: Mapping[str, int],
+        num_prompt_blocks: int,
+    ) -> list[Choice]:
+        rotation = self._rotation(candidates)
+        ordered = sorted(candidates, key=lambda c: rotation[c.address])
+        return [
+            Choice(c, cached_blocks.get(c.incarnation_id, 0), -float(i))
+            for i, c in enumerate(ordered)
+        ]
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    name = "least-loaded"
+
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        cached_blocks: Mapping[str, int],
+        num_prompt_blocks: int,
+    ) -> list[Choice]:
+        rotation = self._rotation(candidates)
+        ordered = sorted(candidates, key=lambda c: (c.num_queued, c.kv_usage, rotation[c.address]))
+        return [
+            Choice(c, cached_blocks.get(c.incarnation_id, 0), -float(i))
+            for i, c in enumerate(ordered)
+        ]
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (KVAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy)
+}
+
+
+def make_policy(name: str, weights: RoutingWeights | None = None) -> RoutingPolicy:
+    """The policy called ``name`` (ValueError naming the choices otherwise)."""
+    if name == KVAwarePolicy.name:
+        return KVAwarePolicy(weights)
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICIES)}")
+    return policy()

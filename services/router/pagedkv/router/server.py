@@ -1,0 +1,81 @@
+"""``pagedkv router``: the router process around ``RouterService``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+from pagedkv.cluster.connection import check_redis_url
+from pagedkv.common.logging import get_logger
+from pagedkv.router.metrics import RouterMetrics
+from pagedkv.router.scoring import RoutingWeights
+from pagedkv.router.service import RouterConfig, RouterService
+from pagedkv.router.servicer import start_server
+
+log = get_logger(__name__)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """ValueError naming the option when one is wrong."""
+    weights = RoutingWeights(args.weight_prefix, args.weight_load, args.weight_kv)
+    if not args.refresh_interval > 0:
+        raise ValueError(f"--refresh-interval: {args.refresh_interval} must be > 0")
+    return RouterConfig(
+        redis_url=check_redis_url(args.redis_url),
+        policy=args.policy,
+        weights=weights,
+        model_dir=args.model,
+        refresh_interval_s=args.refresh_interval,
+    )
+
+
+async def serve_router(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    drain_timeout: float,
+    ready_line: str = "router",
+) -> None:
+    """Runs a router until SIGTERM or SIGINT; prints ``<ready_line> ready on
+    HOST:PORT ...`` once it serves. On a signal: health NOT_SERVING, open
+    streams get ``drain_timeout`` seconds, then the server stops."""
+    metrics = RouterMetrics()
+    service = RouterService(config, metrics)
+    await service.start()
+    server = await start_server(service, f"{host}:{port}")
+    extra = ""
+    if metrics_port is not None:
+        extra = f", metrics on :{metrics.serve(metrics_port, host)}"
+    snapshot = service.snapshot
+    print(
+        f"{ready_line} ready on {host}:{server.port} ({len(snapshot.members)} schedulers, "
+        f"{len(snapshot.records)} executors, policy {config.policy}{extra})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping", open_streams=service.num_open_streams)
+    await server.not_serving()
+    deadline = time.monotonic() + drain_timeout
+    while service.num_open_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.server.stop(grace=1)
+    await service.stop()
+    metrics.close()
+
+
+def run_router(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"pagedkv router: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve_router(config, args.host, args.port, args.metrics_port, args.drain_timeout))
+    return 0

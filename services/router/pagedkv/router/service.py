@@ -1,0 +1,373 @@
+"""``RouterService``: the router's state and its decisions, without gRPC serving.
+
+It keeps, from Redis: a ``ClusterSnapshot`` refreshed every
+``refresh_interval_s`` (registry, members, leases, load reports) and the
+prefix index, kept by a ``KVEventFollower`` task. ``route`` turns a request
+into the schedulers to try, best first, each with the executor to hint; the
+servicer forwards the call. Scheduler channels are opened lazily and kept.
+
+While Redis cannot be read the router is *degraded*: it keeps routing on the
+last snapshot and index (stale hints cost misses, never wrong answers: a
+scheduler checks every hint) and recovers by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import grpc
+import redis.exceptions
+
+from pagedkv.cluster.connection import connect, redacted
+from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
+from pagedkv.common.errors import InvalidArgument, Unavailable
+from pagedkv.common.logging import get_logger
+from pagedkv.router.follower import KVEventFollower
+from pagedkv.router.index import PrefixIndex, prompt_block_hashes
+from pagedkv.router.metrics import RouterMetrics
+from pagedkv.router.placements import Placements
+from pagedkv.router.scoring import Choice, RoutingWeights, make_policy
+from pagedkv.router.view import ClusterSnapshot, candidates_of, read_cluster
+from pagedkv.scheduler.text import TextTokenizer
+from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger(__name__)
+
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    redis_url: str
+    prefix: str = DEFAULT_PREFIX
+    policy: str = "kv"
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
+    refresh_interval_s: float = 0.1
+    avoid_s: float = 2.0  # a scheduler whose call broke is routed around this long
+    max_attempts: int = 3  # schedulers tried for one call before any chunk
+    stats_timeout_s: float = 5.0
+
+
+class Route(NamedTuple):
+    """One scheduler to try, and the executor to hint ("" for none)."""
+
+    member_id: str
+    address: str  # the scheduler's
+    executor: str
+    cached_blocks: int
+    score: float
+
+
+class RouterService:
+    """The router's cluster view, prefix index and routing decisions."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.keys = Keys(config.prefix)
+        self.redis = connect(config.redis_url)
+        self.policy = make_policy(config.policy, config.weights)
+        self.index = PrefixIndex()
+        self.follower = KVEventFollower(
+            self.redis,
+            self.index,
+            self.keys,
+            on_lag=metrics.observe_lag if metrics else None,
+            on_reload=metrics.count_reload if metrics else None,
+        )
+        self.placements = Placements()
+        self.snapshot = ClusterSnapshot()
+        self.degraded: str | None = "not read yet"
+        self.tokenizer: TextTokenizer | None = None
+        self._tokenizer_for: str | None = None
+        self.live: dict[str, str] = {}  # request id -> scheduler address
+        self.num_open_streams = 0
+        self._avoid: dict[str, float] = {}  # member id -> monotonic until
+        self._fallback = itertools.count()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        if metrics is not None:
+            metrics.watch(self)
+
+    # -- life -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reads the cluster once (a Redis that does not answer yet is retried
+        in the background) and starts the refresh and follow tasks."""
+        await self._refresh()
+        self._tasks = [
+            asyncio.create_task(self._refresh_loop()),
+            asyncio.create_task(self._follow_loop()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+        await self.redis.aclose()
+
+    async def _refresh(self) -> None:
+        try:
+            self.snapshot = await read_cluster(self.redis, self.keys)
+            await self.follower.sync(r.incarnation_id for r in self.snapshot.records.values())
+        except REDIS_ERRORS as exc:
+            if self.metrics is not None:
+                self.metrics.count_redis_error()
+            if self.degraded is None:
+                log.warning("cannot read redis; routing on the last view", error=str(exc))
+            self.degraded = f"redis {redacted(self.config.redis_url)}: {exc}"
+            return
+        if self.degraded is not None and self.degraded != "not read yet":
+            log.info("cluster view restored")
+        self.degraded = None
+        self._load_tokenizer()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            await self._refresh()
+
+    async def _follow_loop(self) -> None:
+        while True:
+            try:
+                if not await self.follower.poll() and not self.follower.cursors:
+                    await asyncio.sleep(self.config.refresh_interval_s)
+            except REDIS_ERRORS:
+                if self.metrics is not None:
+                    self.metrics.count_redis_error()
+                await asyncio.sleep(self.config.refresh_interval_s)
+
+    def _load_tokenizer(self) -> None:
+        """Loads the tokenizer once the model is known (text prompts are
+        routed by load alone without one)."""
+        records = self.snapshot.records
+        if not records:
+            return
+        source = self.config.model_dir or next(iter(records.values())).model_id
+        if source == self._tokenizer_for:
+            return
+        self._tokenizer_for = source
+        try:
+            self.tokenizer = TextTokenizer.from_model_dir(source)
+        except Exception as exc:  # a broken tokenizer.json: route text by load
+            log.warning(
+                "cannot load the tokenizer; text prompts are routed by load", error=str(exc)
+            )
+            self.tokenizer = None
+
+    # -- routing --------------------------------------------------------------
+
+    def avoid(self, member_id: str, why: str) -> None:
+        """Routes around ``member_id`` for ``avoid_s`` (its call just broke)."""
+        log.info("routing around a scheduler", scheduler_id=member_id, why=why)
+        self._avoid[member_id] = time.monotonic() + self.config.avoid_s
+
+    def _avoided(self) -> set[str]:
+        now = time.monotonic()
+        for member_id in [m for m, until in self._avoid.items() if until <= now]:
+            del self._avoid[member_id]
+        return set(self._avoid)
+
+    def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("prompt: set text or token_ids")
+        if which == "text":
+            if self.tokenizer is None:
+                return None
+            ids = self.tokenizer.encode(request.text)
+        else:
+            ids = list(request.token_ids.ids)
+        return ids + list(request.resumed_token_ids)
+
+    def route(self, request: scheduler_pb2.GenerateRequest) -> list[Route]:
+        """The schedulers to try for ``request``, best first: the owner of the
+        best-ranked executor (with it as the hint), then the best executor of
+        each other member. With no executor to rank, the live members in turn,
+        without a hint. Unavailable when no member is live."""
+        snapshot, avoided = self.snapshot, self._avoided()
+        tokens = self._prompt(request)
+        candidates = candidates_of(snapshot, avoided, self.placements.placed_since)
+        cached: dict[str, int] = {}
+        num_prompt_blocks = 0
+        if tokens is not None and candidates:
+            groups: dict[tuple[str, int], list[str]] = {}
+            for candidate in candidates:
+                record = snapshot.records[candidate.address]
+                groups.setdefault((record.model_id, record.block_size), []).append(
+                    candidate.incarnation_id
+                )
+            for (model_id, block_size), incarnations in groups.items():
+                hashes = prompt_block_hashes(tokens, model_id, block_size, request.cache_salt)
+                num_prompt_blocks = max(num_prompt_blocks, len(hashes))
+                depth = self.index.match(hashes)
+                cached.update((i, depth[i]) for i in incarnations if i in depth)
+        choices = self.policy.rank(candidates, cached, num_prompt_blocks)
+        routes = self._routes(snapshot, choices, avoided)
+        if not routes:
+            detail = f" ({self.degraded})" if self.degraded else ""
+            raise Unavailable(f"no scheduler is live in the cluster{detail}")
+        self._count(request, choices, cached, num_prompt_blocks)
+        return routes
+
+    def _routes(
+        self, snapshot: ClusterSnapshot, choices: list[Choice], avoided: set[str]
+    ) -> list[Route]:
+        routes: list[Route] = []
+        seen: set[str] = set()
+        for choice in choices:
+            owner_id = choice.candidate.owner_id
+            if owner_id in seen:
+                continue
+            seen.add(owner_id)
+            member = snapshot.members[owner_id]
+            routes.append(
+                Route(
+                    owner_id,
+                    member.address,
+                    choice.candidate.address,
+                    choice.cached_blocks,
+                    choice.score,
+                )
+            )
+        others = sorted(m for m in snapshot.members if m not in seen and m not in avoided)
+        if others:
+            turn = next(self._fallback) % len(others)
+            for member_id in others[turn:] + others[:turn]:
+                routes.append(Route(member_id, snapshot.members[member_id].address, "", 0, 0.0))
+        return routes
+
+    def _count(
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        choices: list[Choice],
+        cached: dict[str, int],
+        num_prompt_blocks: int,
+    ) -> None:
+        best = choices[0] if choices else None
+        if best is None:
+            kind = "no_candidate"
+        elif best.cached_blocks < max(cached.values(), default=0):
+            kind = "load_over_cache"
+        else:
+            kind = "cache_hit" if best.cached_blocks else "cache_miss"
+        if self.metrics is not None:
+            self.metrics.count_request(self.policy.name)
+            self.metrics.count_decision(kind, num_prompt_blocks, best.cached_blocks if best else 0)
+        log.debug(
+            "routed",
+            request_id=request.request_id,
+            policy=self.policy.name,
+            decision=kind,
+            prompt_blocks=num_prompt_blocks,
+            candidates=[
+                {
+                    "executor": c.candidate.address,
+                    "scheduler_id": c.candidate.owner_id,
+                    "cached_blocks": c.cached_blocks,
+                    "queued": c.candidate.num_queued,
+                    "kv_usage": round(c.candidate.kv_usage, 3),
+                    "score": round(c.score, 4),
+                }
+                for c in choices[:4]
+            ],
+        )
+
+    def first_chunk(self, route: Route, chunk: scheduler_pb2.GenerateResponse) -> None:
+        """Counts what the scheduler made of the hint (its first chunk says)."""
+        if not route.executor or not chunk.HasField("placement"):
+            return
+        hint = chunk.placement.hint
+        if hint != scheduler_pb2.PLACEMENT_HINT_NONE and self.metrics is not None:
+            name = scheduler_pb2.PlacementHint.Name(hint).removeprefix("PLACEMENT_HINT_").lower()
+            self.metrics.count_hint(name)
+
+    # -- schedulers -----------------------------------------------------------
+
+    def stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = channel
+        return scheduler_pb2_grpc.SchedulerStub(channel)
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts ``request_id`` on the scheduler this router sent it to, or
+        on every live scheduler when it did not send it."""
+        address = self.live.get(request_id)
+        addresses = [address] if address else [m.address for m in self.snapshot.members.values()]
+        request = scheduler_pb2.AbortRequest(request_id=request_id)
+        replies = await asyncio.gather(
+            *(self.stub(a).Abort(request, timeout=self.config.stats_timeout_s) for a in addresses),
+            return_exceptions=True,
+        )
+        return any(isinstance(r, scheduler_pb2.AbortResponse) and r.aborted for r in replies)
+
+    async def stats(self) -> scheduler_pb2.GetStatsResponse:
+        """The live schedulers' stats summed, the cluster view and the router's state."""
+        members = sorted(self.snapshot.members.values(), key=lambda m: m.member_id)
+        request = scheduler_pb2.GetStatsRequest()
+        replies = await asyncio.gather(
+            *(self.stub(m.address).GetStats(request, timeout=self.config.stats_timeout_s)
+              for m in members),
+            return_exceptions=True,
+        )  # fmt: skip
+        response = scheduler_pb2.GetStatsResponse(scheduler_id=self.router_id)
+        problems, unreachable = [], []
+        for member, reply in zip(members, replies, strict=True):
+            if not isinstance(reply, scheduler_pb2.GetStatsResponse):
+                unreachable.append(member.member_id)
+                continue
+            response.executors.extend(reply.executors)
+            response.num_running += reply.num_running
+            response.num_waiting += reply.num_waiting
+            response.num_preemptions += reply.num_preemptions
+            response.num_internal_errors += reply.num_internal_errors
+            if not reply.integrity.ok:
+                problems.append(f"{member.member_id}: {reply.integrity.message}")
+        response.integrity.ok = not problems
+        response.integrity.message = "\n".join(problems)
+        response.cluster.CopyFrom(self.snapshot.state())
+        if self.degraded is not None:
+            response.cluster.degraded = True
+            response.cluster.detail = self.degraded
+        response.router.CopyFrom(
+            scheduler_pb2.RouterState(
+                router_id=self.router_id,
+                unreachable_scheduler_ids=unreachable,
+                num_indexed_blocks=self.num_indexed_blocks,
+                num_followed_executors=self.num_followed_executors,
+                kv_event_lag_seconds=self.follower.lag_s,
+                policy=self.policy.name,
+            )
+        )
+        return response
+
+    @property
+    def num_indexed_blocks(self) -> int:
+        return self.index.num_blocks()
+
+    @property
+    def num_followed_executors(self) -> int:
+        return len(self.follower.cursors)
+
+
+def forwarded_metadata(metadata: object) -> tuple[tuple[str, str | bytes], ...]:
+    """The caller's metadata to pass on (gRPC's own and pseudo headers dropped)."""
+    items: list[tuple[str, str | bytes]] = []
+    with contextlib.suppress(TypeError):
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key.startswith((":", "grpc-")) or key in ("user-agent", "content-type", "te"):
+                continue
+            items.append((key, value))
+    return tuple(items)

@@ -1,0 +1,74 @@
+"""Routing policies: the kv policy prefers cached prefixes until load
+outweighs them; ties rotate; the baselines ignore the cache."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pagedkv.router.scoring import (
+    Candidate,
+    KVAwarePolicy,
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    RoutingWeights,
+    make_policy,
+)
+
+
+def candidate(name: str, queued: float = 0.0, usage: float = 0.0) -> Candidate:
+    return Candidate(f"{name}:1", name, f"s-{name}", queued, usage)
+
+
+def test_kv_prefers_the_executor_holding_the_longest_prefix() -> None:
+    policy = KVAwarePolicy()
+    ranked = policy.rank([candidate("a"), candidate("b"), candidate("c")], {"b": 4, "c": 2}, 8)
+    assert [c.candidate.incarnation_id for c in ranked] == ["b", "c", "a"]
+    assert [c.cached_blocks for c in ranked] == [4, 2, 0]
+    assert ranked[0].score == pytest.approx(0.5)
+
+
+def test_kv_gives_a_hot_prefix_up_when_its_holder_is_far_above_the_mean() -> None:
+    policy = KVAwarePolicy(RoutingWeights(prefix=1.0, load=2.0, kv_usage=0.0))
+    # Mean queued 4: the holder loses once it runs more than (4 + 1) / 2
+    # above the least loaded.
+    near = [candidate("hot", 5), candidate("cold", 4), candidate("x", 3), candidate("y", 4)]
+    assert policy.rank(near, {"hot": 8}, 8)[0].candidate.incarnation_id == "hot"
+    far = [candidate("hot", 8), candidate("cold", 2), candidate("x", 3), candidate("y", 3)]
+    assert policy.rank(far, {"hot": 8}, 8)[0].candidate.incarnation_id == "cold"
+
+
+def test_kv_weighs_kv_usage() -> None:
+    policy = KVAwarePolicy(RoutingWeights(prefix=1.0, load=0.0, kv_usage=0.5))
+    ranked = policy.rank([candidate("full", usage=0.9), candidate("empty", usage=0.1)], {}, 4)
+    assert ranked[0].candidate.incarnation_id == "empty"
+
+
+def test_ties_rotate_so_identical_requests_spread() -> None:
+    policy = KVAwarePolicy()
+    candidates = [candidate(n) for n in "abcd"]
+    firsts = Counter(policy.rank(candidates, {}, 0)[0].candidate.incarnation_id for _ in range(8))
+    assert firsts == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+def test_round_robin_and_least_loaded_ignore_the_cache() -> None:
+    candidates = [candidate("a", 3), candidate("b", 1), candidate("c", 2)]
+    rr = RoundRobinPolicy()
+    firsts = [rr.rank(candidates, {"a": 9}, 9)[0].candidate.incarnation_id for _ in range(3)]
+    assert firsts == ["a", "b", "c"]
+    ll = LeastLoadedPolicy()
+    ranked = ll.rank(candidates, {"a": 9}, 9)
+    assert [c.candidate.incarnation_id for c in ranked] == ["b", "c", "a"]
+    assert ranked[2].cached_blocks == 9
+
+
+def test_policies_by_name_and_bad_values_name_the_field() -> None:
+    assert isinstance(make_policy("kv"), KVAwarePolicy)
+    assert isinstance(make_policy("round-robin"), RoundRobinPolicy)
+    assert isinstance(make_policy("least-loaded"), LeastLoadedPolicy)
+    with pytest.raises(ValueError, match="policy: 'random'"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="weight load"):
+        RoutingWeights(load=-1.0)
+    assert make_policy("kv").rank([], {}, 3) == []
