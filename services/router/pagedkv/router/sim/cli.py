@@ -33,7 +33,7 @@ def register(subparsers: Any, name: str) -> None:
     trace.add_argument(
         "--rate-per-executor", type=float, default=40.0, help="arrivals/s per executor"
     )
-    trace.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    trace.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     trace.add_argument("--num-prefixes", type=int, default=48)
     trace.add_argument("--min-prefix-len", type=int, default=512)
     trace.add_argument("--max-prefix-len", type=int, default=2048)

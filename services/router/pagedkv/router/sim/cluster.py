@@ -154,6 +154,11 @@ class _Loop:
         tracked = TrackedRequest(arrival.request_id, now, len(arrival.prompt_token_ids))
         self.tracked.append(tracked)
         self.num_unfinished += 1
+        # The most a prefix cache can hit: the shared prefix's full blocks
+        # (never the prompt's last token, whose logits are needed).
+        block_size = self.config.block_size
+        shareable = min(arrival.prefix_len, len(arrival.prompt_token_ids) - 1)
+        self.recorder.num_shareable_tokens += shareable // block_size * block_size
         request = Request(
             arrival.request_id,
             arrival.prompt_token_ids,

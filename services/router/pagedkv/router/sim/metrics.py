@@ -40,6 +40,7 @@ class Recorder:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_shareable_tokens: int = 0  # trace prompts' tokens in full shared-prefix blocks
     load_times: list[float] = field(default_factory=list)
     load_samples: list[list[int | None]] = field(default_factory=list)
 
@@ -63,6 +64,7 @@ class RunSummary:
     num_prompt_tokens: int
     num_cached_tokens: int
     hit_rate: float
+    hit_rate_ceiling: float  # shared-prefix tokens in full blocks / trace prompt tokens
     num_prefill_tokens: int
     ttft_p50_s: float
     ttft_p99_s: float
@@ -138,6 +140,7 @@ def summarize(
     ttfts = [r.first_token_s - r.arrival_s for r in tracked if r.first_token_s is not None]
     finishes = [r.finish_s for r in tracked if r.finish_s is not None]
     makespan = max(finishes, default=0.0)
+    trace_prompt = sum(r.num_prompt_tokens for r in tracked)
     prompt = sum(a[2] for a in recorder.admissions)
     cached = sum(a[3] for a in recorder.admissions)
     times = np.array(recorder.load_times)
@@ -159,6 +162,7 @@ def summarize(
         num_prompt_tokens=prompt,
         num_cached_tokens=cached,
         hit_rate=cached / prompt if prompt else float("nan"),
+        hit_rate_ceiling=recorder.num_shareable_tokens / trace_prompt if trace_prompt else 0.0,
         num_prefill_tokens=recorder.num_prefill_tokens,
         ttft_p50_s=_percentile(ttfts, 50),
         ttft_p99_s=_percentile(ttfts, 99),

@@ -50,6 +50,7 @@ class TraceRequest:
     request_id: str
     arrival_s: float
     prefix_id: int
+    prefix_len: int
     prompt_token_ids: list[int]
     num_output_tokens: int
 
@@ -88,4 +89,5 @@ def generate(config: TraceConfig) -> Iterator[TraceRequest]:
         suffix_len = lognormal_len(rng, config.mean_suffix_len, config.sigma, config.max_suffix_len)
         prompt = prefixes[prefix_id] + rng.choices(vocab, k=suffix_len)
         num_output = lognormal_len(rng, config.mean_output_len, config.sigma, config.max_output_len)
-        yield TraceRequest(f"req-{i}", now, prefix_id, prompt, num_output)
+        prefix_len = len(prefixes[prefix_id])
+        yield TraceRequest(f"req-{i}", now, prefix_id, prefix_len, prompt, num_output)
