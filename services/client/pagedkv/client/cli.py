@@ -353,7 +353,8 @@ def _stats_table(stats: Stats) -> str:
         )
         for ex in stats.executors
     ]
-    lines = [f"scheduler {stats.scheduler_id or '-'}", *table(header, rows, 2), NULL_BLOCK_NOTE]
+    who = "router" if stats.router is not None else "scheduler"
+    lines = [f"{who} {stats.scheduler_id or '-'}", *table(header, rows, 2), NULL_BLOCK_NOTE]
     if any(ex.healthy and ex.suspect for ex in stats.executors):
         lines.append(SUSPECT_NOTE)
     lines += [f"{ex.address} is down: {ex.down_reason}" for ex in stats.executors if ex.down_reason]
@@ -364,6 +365,15 @@ def _stats_table(stats: Stats) -> str:
     )
     if stats.cluster is not None:
         lines += _cluster_lines(stats.cluster)
+    if stats.router is not None:
+        router = stats.router
+        lines.append(
+            f"router policy {router.policy}: {router.num_indexed_blocks} cached blocks indexed "
+            f"over {router.num_followed_executors} executors, KV event lag "
+            f"{router.kv_event_lag_seconds * 1000:.0f} ms"
+        )
+        if router.unreachable_scheduler_ids:
+            lines.append("unreachable schedulers: " + ", ".join(router.unreachable_scheduler_ids))
     return "\n".join(lines) + "\n"
 
 

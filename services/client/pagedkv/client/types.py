@@ -99,6 +99,17 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request was placed, from its stream's first chunk."""
+
+    executor: str
+    """The address of the executor it was queued on."""
+    hint: str
+    """What became of a router's placement hint: "none" (there was none),
+    "honoured", "not_held" or "draining" (the scheduler placed it itself)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateChunk:
     """One message of a Generate stream."""
 
@@ -110,6 +121,8 @@ class GenerateChunk:
     """Beam search only: the final beams, best first, on the final chunk."""
     usage: Usage | None
     """Set on the final chunk only."""
+    placement: Placement | None = None
+    """Set on the stream's first chunk only."""
 
     @property
     def is_final(self) -> bool:
@@ -255,6 +268,19 @@ class ClusterView:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterView:
+    """A router's own state (``pagedkv router``)."""
+
+    router_id: str
+    policy: str
+    unreachable_scheduler_ids: tuple[str, ...]
+    """Live schedulers whose stats did not come."""
+    num_indexed_blocks: int
+    num_followed_executors: int
+    kv_event_lag_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of one scheduler replica."""
 
@@ -274,6 +300,9 @@ class Stats:
     """The replica is stopping: it admits nothing new."""
     cluster: ClusterView | None = None
     """None without a Redis control plane."""
+    router: RouterView | None = None
+    """Set when the target is a router: its own state (the other fields are
+    then summed over the cluster's schedulers)."""
 
 
 # --- proto -> types: the only place that reads response protos ---------------
@@ -329,6 +358,16 @@ def chunk_from_proto(msg: scheduler_pb2.GenerateResponse) -> GenerateChunk:
             if msg.HasField("usage")
             else None
         ),
+        placement=(
+            Placement(
+                executor=msg.placement.executor,
+                hint=scheduler_pb2.PlacementHint.Name(msg.placement.hint)
+                .removeprefix("PLACEMENT_HINT_")
+                .lower(),
+            )
+            if msg.HasField("placement")
+            else None
+        ),
     )
 
 
@@ -361,6 +400,18 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
         num_internal_errors=msg.num_internal_errors,
         draining=msg.draining,
         cluster=cluster_from_proto(msg.cluster) if msg.cluster.enabled else None,
+        router=(
+            RouterView(
+                router_id=msg.router.router_id,
+                policy=msg.router.policy,
+                unreachable_scheduler_ids=tuple(msg.router.unreachable_scheduler_ids),
+                num_indexed_blocks=msg.router.num_indexed_blocks,
+                num_followed_executors=msg.router.num_followed_executors,
+                kv_event_lag_seconds=msg.router.kv_event_lag_seconds,
+            )
+            if msg.HasField("router")
+            else None
+        ),
     )
 
 

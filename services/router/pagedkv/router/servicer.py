@@ -38,8 +38,9 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Streams the chosen scheduler's chunks as they come. A scheduler
         that fails before its first chunk with a broken stream is routed
         around and the next one tried; after a chunk, its status is passed
-        on (UNAVAILABLE: the SDK resumes through a router again). Cancelling
-        the call cancels the forwarded one."""
+        on (UNAVAILABLE: the SDK resumes through a router again). Either way
+        a scheduler whose stream broke is routed around for a while.
+        Cancelling the call cancels the forwarded one."""
         service = self.service
         try:
             routes = service.route(request)
@@ -72,10 +73,12 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
                     return
                 except grpc.aio.AioRpcError as exc:
                     code, details = exc.code(), exc.details() or ""
-                    if sent or not is_stream_break(code, details):
+                    broke = is_stream_break(code, details)
+                    if broke:
+                        service.avoid(route.member_id, f"{code.name}: {details}")
+                    if sent or not broke:
                         await context.abort(code, details)
                         return
-                    service.avoid(route.member_id, f"{code.name}: {details}")
                     failures.append(f"{route.member_id}: {details}")
                 finally:
                     call.cancel()
