@@ -26,6 +26,7 @@ from tests.executor.test_generation import hf_greedy
 
 PROMPT = list(range(5, 30))
 READY = re.compile(r"pagedkv serve scheduler (\d+)/(\d+) ready on ([\d.]+:\d+)")
+ROUTER_READY = re.compile(r"pagedkv serve router (\d+)/(\d+) ready on ([\d.]+:\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class ServedCluster:
     """``pagedkv serve ... --schedulers N --port 0``, once all N schedulers
-    printed their ready line; ``stubs`` in the order of the lines' labels."""
+    (and ``num_routers`` routers) printed their ready line; ``stubs`` in the
+    order of the lines' labels, ``router_targets`` likewise."""
 
-    def __init__(self, model_dir: Path, num_schedulers: int, *extra: str) -> None:
+    def __init__(
+        self, model_dir: Path, num_schedulers: int, *extra: str, num_routers: int = 0
+    ) -> None:
         command = [sys.executable, "-m", "pagedkv.common.cli", "serve", "--model", str(model_dir)]
         command += ["--schedulers", str(num_schedulers), "--port", "0", "--num-blocks", "128"]
         command += ["--lease-ttl", str(LEASE_TTL), "--executor-timeout", "20", *extra]
@@ -55,14 +59,17 @@ class ServedCluster:
             assert self.process.stdout is not None
             for line in self.process.stdout:
                 self.lines.append(line)
-                if len(self.ready_lines()) == num_schedulers:
+                if len(self.ready_lines()) == num_schedulers and (
+                    len(self.ready_lines(ROUTER_READY)) == num_routers
+                ):
                     ready.set()
             ready.set()  # the process ended
 
         threading.Thread(target=read, daemon=True).start()
         ready.wait(300)
         found = self.ready_lines()
-        if len(found) != num_schedulers:
+        routers = self.ready_lines(ROUTER_READY)
+        if len(found) != num_schedulers or len(routers) != num_routers:
             self.log.seek(0)
             errors = self.log.read()[-4000:]
             self.close()
@@ -71,12 +78,13 @@ class ServedCluster:
             f"{i}/{num_schedulers}" for i in range(1, 1 + num_schedulers)
         ]
         self.targets = [target for _, target in found]
+        self.router_targets = [target for _, target in routers]
         self.channels = [grpc.insecure_channel(target) for target in self.targets]
         self.stubs = [scheduler_pb2_grpc.SchedulerStub(channel) for channel in self.channels]
 
-    def ready_lines(self) -> list[tuple[str, str]]:
+    def ready_lines(self, pattern: re.Pattern[str] = READY) -> list[tuple[str, str]]:
         """(label, target) of each ready line so far."""
-        matches = [READY.search(line) for line in self.lines]
+        matches = [pattern.search(line) for line in self.lines]
         return [(f"{m.group(1)}/{m.group(2)}", m.group(3)) for m in matches if m]
 
     def stats(self, i: int) -> scheduler_pb2.GetStatsResponse:
@@ -173,19 +181,29 @@ def test_serve_with_a_redis_url_runs_two_schedulers_over_three_executors(
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_serve_with_a_private_redis_works_the_same_and_sigterm_leaves_no_child(
+def test_serve_with_a_private_redis_and_a_router_and_sigterm_leaves_no_child(
     model_dir: Path,
 ) -> None:
-    served = ServedCluster(model_dir, 2, "--redis", "--executors", "2")
+    served = ServedCluster(
+        model_dir, 2, "--redis", "--executors", "2", "--routers", "1", num_routers=1
+    )
     try:
         _check_cluster(served, model_dir, 2)
+        with grpc.insecure_channel(served.router_targets[0]) as channel:
+            router = scheduler_pb2_grpc.SchedulerStub(channel)
+            chunks = list(router.Generate(greedy(PROMPT, 10), timeout=120))
+            stats = router.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+        tokens = [t for chunk in chunks for out in chunk.outputs for t in out.token_ids]
+        assert tokens == hf_greedy(model_dir, PROMPT, 10)
+        assert chunks[0].placement.hint == scheduler_pb2.PLACEMENT_HINT_HONOURED
+        assert stats.router.policy == "kv" and len(stats.cluster.scheduler_ids) == 2
         children = _descendants(served.process.pid)
         names = []
         for pid in children:
             with open(f"/proc/{pid}/comm") as comm:
                 names.append(comm.read().strip())
         assert sorted(names).count("redis-server") == 1
-        assert len(children) >= 4  # redis, 2 executors, 1 scheduler
+        assert len(children) >= 5  # redis, 2 executors, 1 scheduler, 1 router
         served.process.send_signal(signal.SIGTERM)
         assert served.process.wait(timeout=90) == 0
         assert not [pid for pid in children if _alive(pid)]
@@ -199,6 +217,16 @@ def test_several_schedulers_without_redis_are_refused_in_one_line(
     assert main(["serve", "--schedulers", "2"]) == 2
     assert capsys.readouterr().err.strip() == (
         "pagedkv serve: --schedulers 2 needs a cluster: give --redis-url URL "
+        "or --redis (a private redis-server)"
+    )
+
+
+def test_routers_without_redis_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--routers", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pagedkv serve: --routers 1 needs a cluster: give --redis-url URL "
         "or --redis (a private redis-server)"
     )
 

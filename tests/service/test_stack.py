@@ -84,6 +84,30 @@ def test_greedy_output_through_the_stack_equals_hugging_face(stack, model_dirs) 
     assert_nothing_held(stack.stub)
 
 
+def test_a_placement_hint_is_honoured_when_held_and_said_when_not(stack, model_dirs) -> None:
+    """A request naming one of the scheduler's executors runs there (the
+    first chunk says so); one naming an unknown executor is placed by the
+    scheduler, and the first chunk says the hint was not held."""
+    prompt = PROMPTS[0]
+    expected = hf_greedy(model_dirs["llama"], prompt, 6)
+    addresses = [e.address for e in stack.stub.GetStats(scheduler_pb2.GetStatsRequest()).executors]
+    for address in addresses:
+        tokens, chunks = collect(stack.stub, greedy_request(prompt, 6, preferred_executor=address))
+        assert tokens[0] == expected
+        assert chunks[0].placement.executor == address
+        assert chunks[0].placement.hint == scheduler_pb2.PLACEMENT_HINT_HONOURED
+        assert not any(c.HasField("placement") for c in chunks[1:])
+    tokens, chunks = collect(
+        stack.stub, greedy_request(prompt, 6, preferred_executor="127.0.0.1:1")
+    )
+    assert tokens[0] == expected
+    assert chunks[0].placement.executor in addresses
+    assert chunks[0].placement.hint == scheduler_pb2.PLACEMENT_HINT_NOT_HELD
+    tokens, chunks = collect(stack.stub, greedy_request(prompt, 6))
+    assert chunks[0].placement.hint == scheduler_pb2.PLACEMENT_HINT_NONE
+    assert_nothing_held(stack.stub)
+
+
 def test_many_concurrent_streams_survive_preemption(stack, model_dirs) -> None:
     """64 streams on two pools of 47 usable blocks: they cannot all fit, so
     running sequences are preempted and recomputed; outputs stay exact."""
