@@ -12,11 +12,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.client import AsyncClient
 from pagedkv.cluster.connection import connect_sync
 from pagedkv.executor.tiny_model import make_tiny_model
+from pagedkv.v1 import scheduler_pb2
 from tests.cluster.cluster_stack import Cluster, SchedulerProcess, greedy, wait_until
 from tests.router.router_stack import (
     PREFIX_TOKENS,
@@ -112,6 +115,41 @@ def test_a_cached_prefix_is_served_where_it_is_cached_and_a_hot_one_spreads(
         outputs = asyncio.run(burst())
         for i, tokens in enumerate(outputs):
             assert tokens == hf(with_suffix(prefix, 100 + i), 4)
+        check_the_api_edges(router, cluster)
+
+
+def check_the_api_edges(router: RouterProcess, cluster: Cluster) -> None:
+    """Health, bad requests and Abort through the router; nothing is left held."""
+    health = health_pb2_grpc.HealthStub(router.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as missing:
+        list(router.stub.Generate(scheduler_pb2.GenerateRequest(), timeout=30))
+    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt" in (missing.value.details() or "")
+    bad = greedy([1, 2, 3], 4)
+    bad.sampling.top_p = 1.5
+    with pytest.raises(grpc.RpcError) as refused:
+        list(router.stub.Generate(bad, timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # the scheduler's
+    assert "sampling.top_p" in (refused.value.details() or "")
+    stream = router.stub.Generate(greedy(make_prefix(7), 400, request_id="long"), timeout=120)
+    first = next(stream)
+    assert first.request_id == "long"
+    aborted = router.stub.Abort(scheduler_pb2.AbortRequest(request_id="long"), timeout=30)
+    assert aborted.aborted
+    final = list(stream)[-1]
+    assert final.outputs[-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+    unknown = router.stub.Abort(scheduler_pb2.AbortRequest(request_id="none"), timeout=30)
+    assert not unknown.aborted
+
+    def nothing_held() -> bool:
+        stats = router.stats()
+        return stats.num_running == stats.num_waiting == 0 and all(
+            e.num_free_blocks == e.num_usable_blocks for e in stats.executors if e.healthy
+        )
+
+    wait_until(nothing_held, what="every block free again")
 
 
 def test_placement_survives_router_restart_trimmed_streams_and_a_scheduler_kill(

@@ -96,6 +96,13 @@ class KVEventFollower:
         for incarnation in sorted(wanted - set(self.cursors)):
             await self.reload(incarnation, "new")
 
+    def reset(self) -> None:
+        """Forgets every cursor and index entry: the next ``sync`` reloads
+        each incarnation from its mirror."""
+        for incarnation in self.cursors:
+            self.index.clear(incarnation)
+        self.cursors.clear()
+
     async def reload(self, incarnation: str, reason: str) -> None:
         """Replaces the incarnation's index entries with its mirror hash and
         moves its cursor to the stream's last entry, read atomically."""

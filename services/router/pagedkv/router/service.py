@@ -94,6 +94,7 @@ class RouterService:
         self._fallback = itertools.count()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop_errors: set[str] = set()
         if metrics is not None:
             metrics.watch(self)
 
@@ -135,7 +136,10 @@ class RouterService:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.refresh_interval_s)
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception as exc:  # unreadable data: keep the last view, say so once
+                self._loop_error("refresh", exc)
 
     async def _follow_loop(self) -> None:
         while True:
@@ -146,6 +150,17 @@ class RouterService:
                 if self.metrics is not None:
                     self.metrics.count_redis_error()
                 await asyncio.sleep(self.config.refresh_interval_s)
+            except Exception as exc:  # an entry that does not parse: reload at next sync
+                self._loop_error("follow", exc)
+                self.follower.reset()
+                await asyncio.sleep(self.config.refresh_interval_s)
+
+    def _loop_error(self, loop: str, exc: Exception) -> None:
+        """Logs an unexpected error of a background loop (once per message)."""
+        message = f"{type(exc).__name__}: {exc}"
+        if message not in self._loop_errors:
+            self._loop_errors.add(message)
+            log.error("router loop error", loop=loop, error=message)
 
     def _load_tokenizer(self) -> None:
         """Loads the tokenizer once the model is known (text prompts are
