@@ -23,8 +23,11 @@ PREFIX_TOKENS = 64  # 4 blocks of the tiny model's 16
 class RouterProcess(ServedProcess):
     """``pagedkv router --redis-url URL`` on a free port, metrics on another."""
 
-    def __init__(self, redis_url: str, *extra: str) -> None:
-        command = [sys.executable, "-m", "pagedkv.common.cli", "router", "--redis-url", redis_url]
+    def __init__(self, redis_url: str, *extra: str, debug_json: bool = False) -> None:
+        command = [sys.executable, "-m", "pagedkv.common.cli"]
+        if debug_json:
+            command += ["--log-format", "json", "--log-level", "debug"]
+        command += ["router", "--redis-url", redis_url]
         command += ["--port", "0", "--metrics-port", "0", "--refresh-interval", "0.05", *extra]
         super().__init__(command, timeout=120)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)

@@ -7,6 +7,7 @@ SIGKILL. Every greedy output equals Hugging Face's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -59,8 +60,8 @@ def cluster(model_dir: Path, redis_url: str) -> Iterator[Cluster]:
         yield cluster
 
 
-def start_router(cluster: Cluster, num_blocks: int = 0) -> RouterProcess:
-    router = RouterProcess(cluster.redis_url)
+def start_router(cluster: Cluster, num_blocks: int = 0, debug_json: bool = False) -> RouterProcess:
+    router = RouterProcess(cluster.redis_url, debug_json=debug_json)
     wait_until(lambda: router.sees(NUM_EXECUTORS, num_blocks), what="the router sees the cluster")
     return router
 
@@ -96,6 +97,15 @@ def test_a_cached_prefix_is_served_where_it_is_cached_and_a_hot_one_spreads(
             ran = run_one(router, with_suffix(prefix, seed), hf)
             assert (ran.executor, ran.hint) == (first.executor, "honoured")
             assert ran.cached_tokens >= PREFIX_TOKENS
+        with start_router(cluster, PREFIX_BLOCKS, debug_json=True) as second:
+            ran = run_one(second, with_suffix(prefix, 5), hf)  # routers side by side agree
+            assert (ran.executor, ran.hint) == (first.executor, "honoured")
+            records = [json.loads(line) for line in second.stderr().splitlines()]
+            (decision,) = [r for r in records if r["event"] == "routed"]
+            assert decision["decision"] == "cache_hit" and decision["policy"] == "kv"
+            best = decision["candidates"][0]
+            assert best["executor"] == first.executor
+            assert best["cached_blocks"] == PREFIX_BLOCKS and "score" in best
         stats = router.stats()
         by_address = {e.address: e for e in stats.executors}
         assert by_address[first.executor].prefix_cache_hits >= 4 * PREFIX_TOKENS

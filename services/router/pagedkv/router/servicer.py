@@ -42,14 +42,14 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
         a scheduler whose stream broke is routed around for a while.
         Cancelling the call cancels the forwarded one."""
         service = self.service
-        try:
-            routes = service.route(request)
-        except ServiceError as exc:
-            await context.abort(exc.code, str(exc))
-            return
         forward = scheduler_pb2.GenerateRequest()
         forward.CopyFrom(request)
         forward.request_id = request.request_id or uuid.uuid4().hex
+        try:
+            routes = service.route(forward)
+        except ServiceError as exc:
+            await context.abort(exc.code, str(exc))
+            return
         metadata = forwarded_metadata(context.invocation_metadata())
         failures = []
         service.num_open_streams += 1
