@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint proto run bench-blocks redis fuzz gpu-wheels clean
+.PHONY: setup test lint proto run bench-blocks bench-cluster-sim redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,13 @@ run: setup
 # Refreshes the committed block-core results.
 bench-blocks: setup
 	$(BIN)/pagedkv bench blocks --repeat 5 --output tests/benchmarks/results/blocks-cpu.json
+
+# Refreshes the committed cluster simulations (64 executors x 8 schedulers,
+# two traces; some 15 minutes on 2 cores).
+bench-cluster-sim: setup
+	$(BIN)/pagedkv bench cluster-sim --jobs 2 --output tests/benchmarks/results/cluster-sim-cpu.json
+	$(BIN)/pagedkv bench cluster-sim --jobs 2 --num-prefixes 512 \
+		--output tests/benchmarks/results/cluster-sim-512-prefixes-cpu.json
 
 # The stateful fuzz suite's long profile against the live stack (CI runs a
 # short, derandomized one): PAGEDKV_FUZZ_EXAMPLES random bursts (default 300),
