@@ -40,6 +40,19 @@ def test_remove_and_clear_drop_exactly_what_they_name() -> None:
     assert index.check_integrity() == []
 
 
+def test_holder_numbers_are_reused_and_many_holders_match() -> None:
+    index = PrefixIndex()
+    for n in range(100):  # more holders than a machine word has bits
+        index.add(f"h{n}", H[: 1 + n % 5])
+    assert index.match(H[:5]) == {f"h{n}": 1 + n % 5 for n in range(100)}
+    for n in range(0, 100, 2):
+        index.clear(f"h{n}")
+    index.add("new", H[:2])  # takes a freed number
+    expected = {f"h{n}": 1 + n % 5 for n in range(1, 100, 2)} | {"new": 2}
+    assert index.match(H[:5]) == expected
+    assert index.check_integrity() == []
+
+
 def test_replace_is_a_reload() -> None:
     index = PrefixIndex()
     index.add("a", H[:4])
