@@ -240,6 +240,11 @@ def test_abort_and_cancel_free_everything(stack) -> None:
             "sampling.top_p",
         ),
         (
+            lambda r: setattr(r, "preferred_executor", "x" * 300),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "preferred_executor",
+        ),
+        (
             lambda r: setattr(r.sampling, "top_p", 0.0),
             grpc.StatusCode.INVALID_ARGUMENT,
             "sampling.top_p",

@@ -199,6 +199,12 @@ class SchedulerService(ExecutorFailover):
             )
         if request_id in self.generations:
             raise AlreadyExists(f"request_id: {request_id!r} is live")
+        size = len(request.preferred_executor.encode())
+        if size > MAX_REQUEST_ID_BYTES:
+            raise InvalidArgument(
+                f"preferred_executor: {size} bytes; an executor address has at most "
+                f"{MAX_REQUEST_ID_BYTES}"
+            )
         prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
         generation = self._generation(request_id, prompt, request)
         executor, hint = self._place(generation, request.preferred_executor)
