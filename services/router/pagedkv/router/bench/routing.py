@@ -49,13 +49,14 @@ executor ("executors per prefix"). Once every executor has cached every
 prefix, all policies hit equally; the gap is a warm-up cost, so it shrinks
 relative to the total as a trace gets longer.
 
-KV size: every executor here holds all the prefixes at once (`num_blocks`
-below; a prefix is prefix_len / 16 blocks) plus the running requests. With
-fewer blocks than the prefixes need, round-robin and least-loaded keep
-evicting and recomputing prefixes for the whole run, while kv needs only
-its share of the prefixes per executor, so the gap grows instead of
-shrinking; with fewer blocks than even that share, every policy recomputes
-(and preempts) and the gap closes again.
+KV size: with the default 1024 blocks every executor holds all the prefixes
+at once (a prefix is prefix_len / 16 blocks) plus its running requests.
+With fewer blocks than all the prefixes need (`--num-blocks 384`, say: 16
+prefixes need 512), round-robin and least-loaded keep evicting and
+recomputing prefixes for the whole run, while kv needs only its share of
+the prefixes per executor: their cost grows and kv's barely moves, so the
+gap widens. With fewer blocks than even kv's share, every policy would
+recompute (and preempt), and the gap would close again.
 """
 
 
