@@ -92,6 +92,7 @@ class ChildProcesses:
             subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for command in commands
         ]
         self.addresses: list[str] = []
+        self.details: dict[int, str] = {}  # child -> the rest of its ready line
         self._outcomes: queue.Queue[tuple[int, str | None]] = queue.Queue()
         for i, process in enumerate(self.processes):
             threading.Thread(target=self._read, args=(i, process, ready), daemon=True).start()
@@ -105,6 +106,7 @@ class ChildProcesses:
             match = ready.search(line)
             if match and address is None:
                 address = match.group(1)
+                self.details[i] = line[match.end() :].strip()
                 self._outcomes.put((i, address))
         if address is None:
             self._outcomes.put((i, None))
@@ -407,8 +409,9 @@ async def _serve_cluster(
             grace = args.drain_timeout + STOP_GRACE_S
             routers = ChildProcesses(commands, "router", ROUTER_READY, labels, grace)
             addresses = await _unless_stopped(scheduler, asyncio.to_thread(routers.wait_ready))
-            for label, address in zip(labels, addresses, strict=True):
-                print(f"pagedkv serve router {label} ready on {address}", flush=True)
+            for i, (label, address) in enumerate(zip(labels, addresses, strict=True)):
+                details = routers.details.get(i, "")
+                print(f"pagedkv serve router {label} ready on {address} {details}", flush=True)
         await scheduler
     finally:
         if routers is not None:
