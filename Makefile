@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint proto run bench-blocks bench-cluster-sim redis fuzz gpu-wheels clean
+.PHONY: setup test lint proto run bench-blocks bench-routing bench-cluster-sim redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,13 @@ run: setup
 # Refreshes the committed block-core results.
 bench-blocks: setup
 	$(BIN)/pagedkv bench blocks --repeat 5 --output tests/benchmarks/results/blocks-cpu.json
+
+# Refreshes the committed routing benchmarks (local CPU clusters, a fresh one
+# per policy; some 15 minutes on 2 cores).
+bench-routing: setup redis
+	$(BIN)/pagedkv bench routing --output tests/benchmarks/results/routing-cpu.json
+	$(BIN)/pagedkv bench routing --num-blocks 384 --num-requests 512 \
+		--output tests/benchmarks/results/routing-small-kv-cpu.json
 
 # Refreshes the committed cluster simulations (64 executors x 8 schedulers,
 # two traces; some 15 minutes on 2 cores).
