@@ -231,6 +231,13 @@ def test_routers_without_redis_are_refused_in_one_line(
     )
 
 
+def test_bad_router_weights_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--router-weights", "1,x,2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pagedkv serve: --router-weights 1,x,2: three weights >= 0, PREFIX,LOAD,KV"
+    )
+
+
 def test_redis_and_a_redis_url_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--redis", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "not both" in capsys.readouterr().err

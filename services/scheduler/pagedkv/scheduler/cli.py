@@ -108,6 +108,11 @@ def register_serve(subparsers: Any, name: str) -> None:
         help="the routers' --policy",
     )
     parser.add_argument(
+        "--router-weights",
+        metavar="PREFIX,LOAD,KV",
+        help="the routers' --weight-prefix, --weight-load and --weight-kv (default: theirs)",
+    )
+    parser.add_argument(
         "--redis",
         action="store_true",
         help="start a private redis-server (from PATH, no persistence) on a free port for the "

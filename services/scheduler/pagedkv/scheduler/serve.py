@@ -272,6 +272,9 @@ def router_commands(args: argparse.Namespace, model: str, redis_url: str) -> lis
         command += ["--redis-url", redis_url, "--model", model, "--policy", args.router_policy]
         command += ["--host", args.host, "--port", str(args.port + i if args.port else 0)]
         command += ["--drain-timeout", str(args.drain_timeout)]
+        if args.router_weights:
+            prefix, load, kv = args.router_weights.split(",")
+            command += ["--weight-prefix", prefix, "--weight-load", load, "--weight-kv", kv]
         if args.metrics_port is not None:
             port = args.metrics_port + i if args.metrics_port else 0
             command += ["--metrics-port", str(port)]
@@ -502,6 +505,13 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             f"--routers {args.routers} needs a cluster: give --redis-url URL "
             "or --redis (a private redis-server)"
         )
+    if args.router_weights:
+        try:
+            weights = [float(w) for w in args.router_weights.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != 3 or not all(w >= 0 for w in weights):
+            return f"--router-weights {args.router_weights}: three weights >= 0, PREFIX,LOAD,KV"
     if args.schedulers > 1 and not (args.redis or args.redis_url):
         return (
             f"--schedulers {args.schedulers} needs a cluster: give --redis-url URL "

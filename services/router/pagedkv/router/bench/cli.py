@@ -28,6 +28,12 @@ def register(subparsers: Any, name: str) -> None:
         help="KV blocks per executor (default 1024: every prefix fits on every executor)",
     )
     cluster.add_argument("--max-num-seqs", type=int, default=64)
+    cluster.add_argument(
+        "--weights",
+        default="",
+        metavar="PREFIX,LOAD,KV",
+        help="the kv policy's weights (default: the router's)",
+    )
     trace = parser.add_argument_group("trace")
     trace.add_argument("--num-requests", type=int, default=256)
     trace.add_argument("--concurrency", type=int, default=16, help="streams at once")

@@ -39,6 +39,7 @@ class ClusterShape:
     num_blocks: int = 1024  # per executor, the null block included
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    router_weights: str = ""  # PREFIX,LOAD,KV for the kv policy; empty: the router's defaults
 
 
 def free_port_run(length: int) -> int:
@@ -75,6 +76,8 @@ class LocalCluster:
         command += ["--max-num-seqs", str(shape.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(shape.max_num_batched_tokens)]
         command += ["--metrics-port", str(self.metrics_port)]
+        if shape.router_weights:
+            command += ["--router-weights", shape.router_weights]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

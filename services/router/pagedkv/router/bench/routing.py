@@ -116,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
             num_schedulers=args.schedulers,
             num_blocks=args.num_blocks,
             max_num_seqs=args.max_num_seqs,
+            router_weights=args.weights,
         )
         results: dict[str, dict[str, Any]] = {}
         records: dict[str, list[RequestRecord]] = {}
@@ -137,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
                 "num_blocks": shape.num_blocks,
                 "max_num_seqs": shape.max_num_seqs,
                 "max_num_batched_tokens": shape.max_num_batched_tokens,
+                "router_weights": shape.router_weights or "defaults (1,2,0.5)",
                 "model": "tiny random llama" if args.model is None else args.model,
             },
             "trace": {
@@ -173,7 +175,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Cluster per policy: 1 router, {cluster['schedulers']} schedulers, "
         f"{cluster['executors']} CPU executors ({cluster['model']}, {cluster['num_blocks']} "
         f"KV blocks of 16 tokens each, max {cluster['max_num_seqs']} sequences), a private "
-        "Redis; started fresh for each policy.",
+        "Redis; started fresh for each policy; kv weights (prefix, load, KV usage): "
+        f"{cluster.get('router_weights', 'defaults (1,2,0.5)')}.",
         f"Trace: {trace['num_requests']} requests, {params['concurrency']} at a time (closed "
         f"loop); {trace['num_prefixes']} shared prefixes of {trace['prefix_len']} tokens, "
         f"{popularity} popularity; a unique suffix of {trace['min_suffix_len']}-"
