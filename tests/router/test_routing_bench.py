@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -11,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pagedkv.common.cli import build_parser
 from pagedkv.router.bench.load import RequestRecord
 from pagedkv.router.bench.report import goal, summarize, table
 from pagedkv.router.bench.routing import main
@@ -97,24 +97,11 @@ def test_the_summary_counts_prefill_tokens_spread_and_hints() -> None:
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("routing") / "routing.json"
-    args = argparse.Namespace(
-        model=None,
-        executors=2,
-        schedulers=2,
-        num_blocks=256,
-        max_num_seqs=16,
-        num_requests=24,
-        concurrency=2,
-        num_prefixes=4,
-        prefix_len=64,
-        min_suffix_len=4,
-        max_suffix_len=16,
-        output_lens="4,8",
-        zipf=0.0,
-        seed=0,
-        policies="kv,round-robin",
-        output=str(out),
-    )
+    command = "bench routing --executors 2 --schedulers 2 --num-blocks 256 --max-num-seqs 16"
+    command += " --num-requests 24 --concurrency 2 --num-prefixes 4 --prefix-len 64"
+    command += " --min-suffix-len 4 --max-suffix-len 16 --output-lens 4,8 --zipf 0 --seed 0"
+    command += " --policies kv,round-robin --weights 1,2,0.5"
+    args = build_parser().parse_args([*command.split(), "--output", str(out)])
     status = main(args)
     return status, json.loads(out.read_text()), out
 

@@ -1,18 +1,26 @@
-"""The requests this router placed whose streams are still open.
+"""The requests this router placed, for correcting lagging load reports.
 
-Load reports lag by up to their publish interval; a burst of requests that
-arrives inside one interval would all see the same load and pile onto one
-executor. The router therefore adds to each executor's reported load the
-placements it made there after the report's time (wall clock milliseconds:
-the report's ``updated_ms`` is the scheduler's clock, so clocks are assumed
-close, as NTP keeps them). A placement leaves when its stream ends.
+A scheduler's load report is up to its publish interval old when the router
+reads it. Left alone, that lag misleads twice: a burst of requests inside
+one interval would all see the same load and pile onto one executor, and a
+request that just finished would still count against its executor (so the
+next request with the same prefix would be sent elsewhere). The router
+therefore corrects each executor's reported load with what it knows
+better: plus the placements it made there after the report's time, minus
+those it made before that time whose streams have ended since. Times are
+wall-clock milliseconds (the report's ``updated_ms`` is the scheduler's
+clock, so clocks are assumed close, as NTP keeps them).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from typing import NamedTuple
+
+CLOSED_HISTORY_MS = 5_000
+"""How long ended placements are remembered (far longer than any report lag)."""
 
 
 class Placement(NamedTuple):
@@ -23,34 +31,56 @@ class Placement(NamedTuple):
     placed_ms: int
 
 
+class _Closed(NamedTuple):
+    address: str
+    placed_ms: int
+    closed_ms: int
+
+
 class Placements:
-    """Open placements by executor address. Only this class's methods change it."""
+    """Open and recently ended placements by executor address. Only this
+    class's methods change it."""
 
     def __init__(self) -> None:
         self._open: dict[str, dict[int, int]] = {}  # address -> key -> placed_ms
+        self._closed: deque[_Closed] = deque()  # in closing order
         self._keys = itertools.count()
 
     def open(self, address: str) -> Placement:
-        placement = Placement(next(self._keys), address, int(time.time() * 1000))
+        placement = Placement(next(self._keys), address, _now_ms())
         self._open.setdefault(address, {})[placement.key] = placement.placed_ms
         return placement
 
     def close(self, placement: Placement) -> None:
         """Idempotent."""
         placed = self._open.get(placement.address)
-        if placed is not None:
-            placed.pop(placement.key, None)
-            if not placed:
-                del self._open[placement.address]
-
-    def placed_since(self, address: str, since_ms: int | None) -> int:
-        """Open placements on ``address`` made after ``since_ms`` (all with None)."""
-        placed = self._open.get(address)
+        if placed is None or placed.pop(placement.key, None) is None:
+            return
         if not placed:
-            return 0
-        if since_ms is None:
+            del self._open[placement.address]
+        now = _now_ms()
+        self._closed.append(_Closed(placement.address, placement.placed_ms, now))
+        while self._closed and now - self._closed[0].closed_ms > CLOSED_HISTORY_MS:
+            self._closed.popleft()
+
+    def correction(self, address: str, report_ms: int | None) -> int:
+        """What to add to ``address``'s load as reported at ``report_ms``:
+        open placements made after it, minus placements made before it that
+        ended after it. Without a report (None): every open placement."""
+        placed = self._open.get(address, {})
+        if report_ms is None:
             return len(placed)
-        return sum(1 for placed_ms in placed.values() if placed_ms > since_ms)
+        added = sum(1 for placed_ms in placed.values() if placed_ms > report_ms)
+        ended = sum(
+            1
+            for c in self._closed
+            if c.address == address and c.placed_ms <= report_ms < c.closed_ms
+        )
+        return added - ended
 
     def num_open(self) -> int:
         return sum(len(p) for p in self._open.values())
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

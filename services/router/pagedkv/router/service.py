@@ -212,7 +212,7 @@ class RouterService:
         without a hint. Unavailable when no member is live."""
         snapshot, avoided = self.snapshot, self._avoided()
         tokens = self._prompt(request)
-        candidates = candidates_of(snapshot, avoided, self.placements.placed_since)
+        candidates = candidates_of(snapshot, avoided, self.placements.correction)
         cached: dict[str, int] = {}
         num_prompt_blocks = 0
         if tokens is not None and candidates:

@@ -96,11 +96,11 @@ async def read_cluster(client: redis.asyncio.Redis, keys: Keys) -> ClusterSnapsh
 def candidates_of(
     snapshot: ClusterSnapshot,
     avoided_members: Container[str],
-    placed_since: Callable[[str, int | None], int],
+    correction: Callable[[str, int | None], int],
 ) -> list[Candidate]:
-    """The executors a request can be placed on. ``placed_since(address,
-    updated_ms)``: the router's own open placements there after the load
-    report's time (all of them when there is no report)."""
+    """The executors a request can be placed on. ``correction(address,
+    updated_ms)``: what the router's own placements add to the load reported
+    at that time (``Placements.correction``)."""
     candidates = []
     for address, record in snapshot.records.items():
         owner = snapshot.owner_of(address)
@@ -108,12 +108,12 @@ def candidates_of(
             continue
         reported = snapshot.loads.get(address)
         if reported is None:
-            queued, usage = float(placed_since(address, None)), 0.0
+            queued, usage = float(correction(address, None)), 0.0
         else:
             load = reported.load
             if load.draining:
                 continue
-            queued = float(load.num_queued + placed_since(address, reported.updated_ms))
+            queued = float(max(0, load.num_queued + correction(address, reported.updated_ms)))
             usable = max(1, load.num_usable_blocks)
             usage = min(1.0, max(0.0, 1.0 - load.num_free_blocks / usable))
         candidates.append(
