@@ -156,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
     print(text)
     if args.output:
         out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         plot(results, records, out.with_suffix(".png"))
         text = text.replace("<PLOT>", out.with_suffix(".png").name)

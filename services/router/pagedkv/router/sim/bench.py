@@ -153,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(data))
     if args.output:
         output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
         write_markdown(data, output.with_suffix(".md"), output.with_suffix(".png").name)
         write_plot(data, output.with_suffix(".png"))
