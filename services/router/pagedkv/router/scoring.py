@@ -128,38 +128,39 @@ class KVAwarePolicy(RoutingPolicy):
         return choices
 
 
-class RoundRobinPolicy(RoutingPolicy):
+class _CacheBlindPolicy(RoutingPolicy):
+    """Ranks by its own key alone; a choice's score is minus its rank."""
+
+    @abstractmethod
+    def _key(self, candidate: Candidate, turn: int) -> tuple[float, ...]:
+        """``turn``: the candidate's place in this call's round-robin order."""
+
+    def rank(
+        self,
+        candidates: Sequence[Candidate],
+        cached_blocks: Mapping[str, int],
+        num_prompt_blocks: int,
+    ) -> list[Choice]:
+        rotation = self._rotation(candidates)
+        ordered = sorted(candidates, key=lambda c: self._key(c, rotation[c.address]))
+        return [
+            Choice(c, cached_blocks.get(c.incarnation_id, 0), -float(i))
+            for i, c in enumerate(ordered)
+        ]
+
+
+class RoundRobinPolicy(_CacheBlindPolicy):
     name = "round-robin"
 
-    def rank(
-        self,
-        candidates: Sequence[Candidate],
-        cached_blocks: Mapping[str, int],
-        num_prompt_blocks: int,
-    ) -> list[Choice]:
-        rotation = self._rotation(candidates)
-        ordered = sorted(candidates, key=lambda c: rotation[c.address])
-        return [
-            Choice(c, cached_blocks.get(c.incarnation_id, 0), -float(i))
-            for i, c in enumerate(ordered)
-        ]
+    def _key(self, candidate: Candidate, turn: int) -> tuple[float, ...]:
+        return (turn,)
 
 
-class LeastLoadedPolicy(RoutingPolicy):
+class LeastLoadedPolicy(_CacheBlindPolicy):
     name = "least-loaded"
 
-    def rank(
-        self,
-        candidates: Sequence[Candidate],
-        cached_blocks: Mapping[str, int],
-        num_prompt_blocks: int,
-    ) -> list[Choice]:
-        rotation = self._rotation(candidates)
-        ordered = sorted(candidates, key=lambda c: (c.num_queued, c.kv_usage, rotation[c.address]))
-        return [
-            Choice(c, cached_blocks.get(c.incarnation_id, 0), -float(i))
-            for i, c in enumerate(ordered)
-        ]
+    def _key(self, candidate: Candidate, turn: int) -> tuple[float, ...]:
+        return (candidate.num_queued, candidate.kv_usage, turn)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
