@@ -86,12 +86,15 @@ class KVEventFollower:
         for incarnation in [i for i in self.cursors if i not in wanted]:
             del self.cursors[incarnation]
             self.index.clear(incarnation)
-        followed = [i for i in self.cursors if i in wanted]
-        if followed:
-            seqs = await self.client.mget([self.keys.events_seq(i) for i in followed])
-            for incarnation, value in zip(followed, seqs, strict=True):
+        # The seqs applied before the read: ``poll`` may apply newer entries
+        # while it is under way, and only a seq below what was already applied
+        # means the stream went backwards.
+        applied = {i: c.seq for i, c in self.cursors.items() if i in wanted}
+        if applied:
+            seqs = await self.client.mget([self.keys.events_seq(i) for i in applied])
+            for (incarnation, seq_before), value in zip(applied.items(), seqs, strict=True):
                 seq = int(value) if value is not None else 0
-                if seq < self.cursors[incarnation].seq:
+                if seq < seq_before and incarnation in self.cursors:
                     await self.reload(incarnation, "restarted")
         for incarnation in sorted(wanted - set(self.cursors)):
             await self.reload(incarnation, "new")
