@@ -19,8 +19,9 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-CLOSED_HISTORY_MS = 5_000
-"""How long ended placements are remembered (far longer than any report lag)."""
+CLOSED_HISTORY_MS = 2_000
+"""How long ended placements are remembered: longer than any report's age
+(reports are rewritten at least every second)."""
 
 
 class Placement(NamedTuple):
@@ -32,7 +33,6 @@ class Placement(NamedTuple):
 
 
 class _Closed(NamedTuple):
-    address: str
     placed_ms: int
     closed_ms: int
 
@@ -43,7 +43,7 @@ class Placements:
 
     def __init__(self) -> None:
         self._open: dict[str, dict[int, int]] = {}  # address -> key -> placed_ms
-        self._closed: deque[_Closed] = deque()  # in closing order
+        self._closed: dict[str, deque[_Closed]] = {}  # address -> in closing order
         self._keys = itertools.count()
 
     def open(self, address: str) -> Placement:
@@ -59,9 +59,10 @@ class Placements:
         if not placed:
             del self._open[placement.address]
         now = _now_ms()
-        self._closed.append(_Closed(placement.address, placement.placed_ms, now))
-        while self._closed and now - self._closed[0].closed_ms > CLOSED_HISTORY_MS:
-            self._closed.popleft()
+        closed = self._closed.setdefault(placement.address, deque())
+        closed.append(_Closed(placement.placed_ms, now))
+        while now - closed[0].closed_ms > CLOSED_HISTORY_MS:
+            closed.popleft()
 
     def correction(self, address: str, report_ms: int | None) -> int:
         """What to add to ``address``'s load as reported at ``report_ms``:
@@ -72,9 +73,7 @@ class Placements:
             return len(placed)
         added = sum(1 for placed_ms in placed.values() if placed_ms > report_ms)
         ended = sum(
-            1
-            for c in self._closed
-            if c.address == address and c.placed_ms <= report_ms < c.closed_ms
+            1 for c in self._closed.get(address, ()) if c.placed_ms <= report_ms < c.closed_ms
         )
         return added - ended
 
