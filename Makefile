@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint proto run bench-blocks bench-routing bench-cluster-sim redis fuzz gpu-wheels clean
+.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,28 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/hadolint deploy/Dockerfile.scheduler deploy/Dockerfile.executor
+
+# Runs the images' install steps (deploy/install.sh) in fresh temporary venvs,
+# since no container daemon builds the images here: the scheduler set must
+# give working `pagedkv scheduler` and `pagedkv router` commands and no torch,
+# the executor set a `pagedkv executor` command (torch as pip finds it: CPU
+# here, CUDA in the image).
+image-install-check:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	echo "image-install-check: the scheduler image's parts" && \
+	PYTHON=$(PYTHON) sh deploy/install.sh scheduler "$$tmp/scheduler" >"$$tmp/scheduler.log" 2>&1 || \
+		{ cat "$$tmp/scheduler.log"; exit 1; }; \
+	"$$tmp/scheduler/bin/pagedkv" scheduler --help >/dev/null && \
+	"$$tmp/scheduler/bin/pagedkv" router --help >/dev/null && \
+	if "$$tmp/scheduler/bin/python" -c "import torch" 2>/dev/null; then \
+		echo "image-install-check: torch is importable in the scheduler set"; exit 1; fi && \
+	echo "image-install-check: the executor image's parts" && \
+	{ PYTHON=$(PYTHON) sh deploy/install.sh executor "$$tmp/executor" >"$$tmp/executor.log" 2>&1 || \
+		{ cat "$$tmp/executor.log"; exit 1; }; } && \
+	"$$tmp/executor/bin/pagedkv" executor --help >/dev/null && \
+	"$$tmp/executor/bin/python" -c "import torch, triton, transformers, pagedkv.executor.server" && \
+	echo "image-install-check: ok"
 
 # Regenerates shared/pagedkv/v1 from protos/ (never edit the generated files).
 proto: setup
