@@ -25,14 +25,16 @@ def free_port() -> int:
 class RedisServer:
     """Starts ``redis-server`` on a free port and waits for PING. ``url`` stays
     the same across ``restart()``. A context manager: closing kills the server
-    and removes its directory."""
+    and removes its directory. ``password``: the server requires it
+    (``--requirepass``; ``url`` does not carry it)."""
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float = 30.0, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (`make redis` installs it)")
         self.binary = binary
         self.timeout = timeout
+        self.password = password
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = Path(tempfile.mkdtemp(prefix="pagedkv-redis-"))
@@ -44,13 +46,17 @@ class RedisServer:
         assert self.process is None, "already running"
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         command += ["--save", "", "--appendonly", "no", "--dir", str(self.dir)]
+        if self.password is not None:
+            command += ["--requirepass", self.password]
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + self.timeout
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1
+        )
         try:
             while True:
                 try:
@@ -79,7 +85,7 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         """A plain synchronous client, for assertions."""
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
     def close(self) -> None:
         self.kill()

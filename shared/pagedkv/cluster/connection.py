@@ -11,8 +11,9 @@ streams are binary); callers decode.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -74,6 +75,41 @@ def redacted(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def redis_url_with(url: str, *, password_file: str | None = None, tls_ca: str | None = None) -> str:
+    """``url`` (checked) with the password of ``password_file`` (its first
+    line; it replaces the URL's) and, for a ``rediss://`` URL, ``tls_ca``
+    as the CA that verifies Redis' certificate (redis-py's ``ssl_ca_certs``
+    query). The result carries the password: log it only ``redacted``.
+    RedisUrlError naming the flag; never shows the password."""
+    check_redis_url(url)
+    parts = urlsplit(url)
+    if tls_ca is not None:
+        if parts.scheme != "rediss":
+            raise RedisUrlError(
+                f"--redis-tls-ca needs a rediss:// --redis-url (got {parts.scheme}://)"
+            )
+        if not Path(tls_ca).is_file():
+            raise RedisUrlError(f"--redis-tls-ca {tls_ca}: no such file")
+        query = [(k, v) for k, v in parse_qsl(parts.query) if k != "ssl_ca_certs"]
+        parts = parts._replace(query=urlencode([*query, ("ssl_ca_certs", tls_ca)]))
+    if password_file is not None:
+        if parts.scheme == "unix":
+            raise RedisUrlError("--redis-password-file: not for a unix:// --redis-url")
+        try:
+            lines = Path(password_file).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise RedisUrlError(f"--redis-password-file {password_file}: no such file") from None
+        except (OSError, UnicodeDecodeError):
+            raise RedisUrlError(f"--redis-password-file {password_file}: cannot read it") from None
+        password = lines[0].strip() if lines else ""
+        if not password:
+            raise RedisUrlError(f"--redis-password-file {password_file}: its first line is empty")
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user = userinfo.partition(":")[0]  # as written in the URL (quoted)
+        parts = parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}")
+    return urlunsplit(parts)
 
 
 def connect(url: str) -> redis.asyncio.Redis:

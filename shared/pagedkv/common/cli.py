@@ -53,6 +53,62 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_server_tls_arguments(parser: argparse.ArgumentParser, *, clients: str) -> None:
+    """``--tls-cert``, ``--tls-key`` and ``--tls-ca`` of a server (read by
+    ``pagedkv.common.security.server_tls_from_args``); ``clients`` says who
+    ``--tls-ca`` lets in."""
+    group = parser.add_argument_group("TLS (see docs/security.md)")
+    group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate to serve TLS with")
+    group.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca",
+        metavar="PATH",
+        help=f"PEM CA: only {clients} with a certificate it signed get through (mutual TLS)",
+    )
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser, prefix: str, peers: str) -> None:
+    """``--{prefix}tls-ca``, ``-cert`` and ``-key`` of a client of ``peers``
+    (read by ``pagedkv.common.security.client_tls_from_args``)."""
+    group = parser.add_argument_group(f"TLS towards {peers} (see docs/security.md)")
+    group.add_argument(
+        f"--{prefix}tls-ca",
+        metavar="PATH",
+        help=f"PEM CA that signed the {peers}' certificates; turns TLS on towards them",
+    )
+    group.add_argument(
+        f"--{prefix}tls-cert",
+        metavar="PATH",
+        help=f"PEM client certificate presented to the {peers} (mutual TLS)",
+    )
+    group.add_argument(f"--{prefix}tls-key", metavar="PATH", help=f"PEM key of --{prefix}tls-cert")
+
+
+def add_auth_token_argument(parser: argparse.ArgumentParser) -> None:
+    """``--auth-token-file`` of a server of the client-facing API."""
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="accepted bearer tokens, one per line (# comments); every call but health needs "
+        "authorization: Bearer <one of them>; re-read when the file changes",
+    )
+
+
+def add_redis_secret_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--redis-password-file`` and ``--redis-tls-ca`` (read by
+    ``pagedkv.cluster.connection.redis_url_with``)."""
+    parser.add_argument(
+        "--redis-password-file",
+        metavar="PATH",
+        help="file holding the Redis password (its first line); overrides the URL's",
+    )
+    parser.add_argument(
+        "--redis-tls-ca",
+        metavar="PATH",
+        help="PEM CA that signed Redis' certificate, for a rediss:// --redis-url",
+    )
+
+
 def show_defaults(parser: argparse.ArgumentParser) -> None:
     """Makes --help state the default of every option of ``parser`` and of
     its subcommands, at any depth: "(default: X)" is added to the help of

@@ -12,6 +12,10 @@ Given several targets (``Client(["a:50051", "b:50051"])``), requests start on
 them in turn and a stream whose scheduler goes away resumes on the next one
 (``ResumePolicy``; ``pagedkv.client.resume``).
 
+Security: ``Client(target, tls=TlsConfig(ca="ca.pem"), token="...")`` talks
+TLS (``cert``/``key`` too for mutual TLS) and sends a bearer token on every
+call (docs/security.md).
+
 Results are frozen dataclasses (``pagedkv.client.types``); failed calls raise a
 ``PagedkvError`` subclass per gRPC status code (``pagedkv.client.errors``).
 """
@@ -51,6 +55,7 @@ from pagedkv.client.types import (
     TokenLogprob,
     Usage,
 )
+from pagedkv.common.security import TlsConfig
 
 __all__ = [
     "AlreadyExistsError",
@@ -79,6 +84,7 @@ __all__ = [
     "RouterView",
     "SequenceChunk",
     "Stats",
+    "TlsConfig",
     "TokenLogprob",
     "UnauthenticatedError",
     "UnavailableError",

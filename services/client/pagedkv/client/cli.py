@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
+from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT, add_client_tls_arguments
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
@@ -84,6 +84,34 @@ def _add_target(parser: argparse.ArgumentParser, several: str) -> None:
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
 
 
+TOKEN_ENV = "PAGEDKV_TOKEN"
+
+
+def _add_security(parser: argparse.ArgumentParser) -> None:
+    """TLS and token options of a command that calls a server."""
+    add_client_tls_arguments(parser, "", "servers")
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"file whose first token is sent as authorization: Bearer <token> "
+        f"(default: the {TOKEN_ENV} environment variable, if set)",
+    )
+
+
+def client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``tls`` and ``token`` keyword arguments of ``Client`` for the
+    command's options; ValueError naming the option (never its secret)."""
+    import os
+
+    from pagedkv.common.security import client_tls_from_args, read_token
+
+    tls = client_tls_from_args(args, "")
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.token_file is not None:
+        token = read_token(args.token_file)
+    return {"tls": tls, "token": token}
+
+
 def _targets(args: argparse.Namespace) -> list[str]:
     """Every --target, comma-separated ones split."""
     from pagedkv.client.resume import parse_targets
@@ -120,6 +148,7 @@ def register_generate(subparsers: Any, name: str) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--logprobs", type=int, help="top-K logprobs per token (--json)")
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
+    _add_security(parser)
     parser.set_defaults(handler=_run_generate)
 
 
@@ -133,6 +162,7 @@ def register_stats(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--json", action="store_true", help="one JSON object (per target, one per line)"
     )
+    _add_security(parser)
     parser.set_defaults(handler=_run_stats)
 
 
@@ -158,6 +188,7 @@ def register_demo(subparsers: Any, name: str) -> None:
     parser.add_argument("--requests", type=int, default=24, help="chat requests")
     parser.add_argument("--concurrency", type=int, default=8, help="chat streams at a time")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sequence")
+    _add_security(parser)
     parser.set_defaults(handler=_run_demo)
 
 
@@ -182,7 +213,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     shown = terminal_text if out.isatty() else str
     try:
-        with Client(_targets(args), timeout=args.timeout) as client:
+        security = client_security(args)
+    except ValueError as exc:
+        print(f"pagedkv generate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with Client(_targets(args), timeout=args.timeout, **security) as client:
             stream = client.generate(
                 args.prompt,
                 token_ids=args.token_ids,
@@ -291,8 +327,13 @@ def _run_stats(args: argparse.Namespace) -> int:
     from pagedkv.client.client import Client
     from pagedkv.client.errors import PagedkvError
 
+    try:
+        security = client_security(args)
+    except ValueError as exc:
+        print(f"pagedkv stats: {exc}", file=sys.stderr)
+        return 2
     code = 0
-    with Client(_targets(args), timeout=args.timeout) as client:
+    with Client(_targets(args), timeout=args.timeout, **security) as client:
         for target in client.targets:
             try:
                 stats = client.stats(target=target)

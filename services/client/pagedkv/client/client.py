@@ -46,6 +46,7 @@ from pagedkv.client.types import (
     chunk_from_proto,
     stats_from_proto,
 )
+from pagedkv.common.security import TlsConfig, bearer_metadata, open_aio_channel, open_channel
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("pagedkv.client")
@@ -140,6 +141,15 @@ def _log_resume(attempt: Attempt, error: PagedkvError, target: str) -> None:
     )
 
 
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call carries: the bearer token, if any."""
+    if token is None:
+        return None
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise ValueError("token: must be printable ASCII without spaces (not shown)")
+    return bearer_metadata(token)
+
+
 def _target_index(targets: tuple[str, ...], target: str | None) -> int:
     """Where ``target`` is in ``targets`` (None: the first); ValueError if absent."""
     if target is None:
@@ -165,6 +175,11 @@ class Client:
     to share between threads. ``timeout`` (seconds) is the default deadline of
     every call, a whole Generate stream included (its resumed calls too);
     None means no deadline.
+
+    ``tls`` (a ``TlsConfig`` of PEM paths or bytes: ``ca`` to verify the
+    servers, ``cert`` and ``key`` for mutual TLS) makes every channel TLS;
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call,
+    resumed ones included. Neither ever appears in an error or a log line.
     """
 
     def __init__(
@@ -173,13 +188,16 @@ class Client:
         *,
         timeout: float | None = None,
         resume: ResumePolicy | None = None,
+        tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.targets = parse_targets(target)
         self.target = self.targets[0]
         self.timeout = timeout
         self.resume = resume if resume is not None else ResumePolicy()
         self.num_resumes = 0
-        self._channels = [grpc.insecure_channel(t) for t in self.targets]
+        self._metadata = _metadata(token)
+        self._channels = [open_channel(t, tls) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
         self._health = TargetHealth(len(self.targets))
         self._lock = threading.Lock()
@@ -266,7 +284,7 @@ class Client:
         final = False
         while True:
             call = self._stubs[resume.target_index].Generate(
-                resume.request, timeout=resume.timeout()
+                resume.request, timeout=resume.timeout(), metadata=self._metadata
             )
             try:
                 for response in call:
@@ -342,7 +360,9 @@ class Client:
         aborted, errors = False, []
         for stub in self._stubs:
             try:
-                response = stub.Abort(request, timeout=_deadline(timeout, self.timeout))
+                response = stub.Abort(
+                    request, timeout=_deadline(timeout, self.timeout), metadata=self._metadata
+                )
             except grpc.RpcError as exc:
                 errors.append(exc)
                 continue
@@ -357,7 +377,9 @@ class Client:
         stub = self._stubs[_target_index(self.targets, target)]
         try:
             response = stub.GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
+                scheduler_pb2.GetStatsRequest(),
+                timeout=_deadline(timeout, self.timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from exc
@@ -371,6 +393,7 @@ class AsyncClient:
     The ``grpc.aio`` twin of ``Client``, with the same methods as coroutines
     (``generate`` returns an async iterator). Create it inside the event loop
     that uses it; close it with ``await close()`` or ``async with``.
+    ``tls`` and ``token`` as for ``Client``.
     """
 
     def __init__(
@@ -379,13 +402,16 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         resume: ResumePolicy | None = None,
+        tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.targets = parse_targets(target)
         self.target = self.targets[0]
         self.timeout = timeout
         self.resume = resume if resume is not None else ResumePolicy()
         self.num_resumes = 0
-        self._channels = [grpc.aio.insecure_channel(t) for t in self.targets]
+        self._metadata = _metadata(token)
+        self._channels = [open_aio_channel(t, tls) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
         self._health = TargetHealth(len(self.targets))
 
@@ -463,7 +489,7 @@ class AsyncClient:
         final = False
         while True:
             call = self._stubs[resume.target_index].Generate(
-                resume.request, timeout=resume.timeout()
+                resume.request, timeout=resume.timeout(), metadata=self._metadata
             )
             try:
                 async for response in call:
@@ -534,7 +560,9 @@ class AsyncClient:
         aborted, errors = False, []
         for stub in self._stubs:
             try:
-                response = await stub.Abort(request, timeout=_deadline(timeout, self.timeout))
+                response = await stub.Abort(
+                    request, timeout=_deadline(timeout, self.timeout), metadata=self._metadata
+                )
             except grpc.RpcError as exc:
                 errors.append(exc)
                 continue
@@ -548,7 +576,9 @@ class AsyncClient:
         stub = self._stubs[_target_index(self.targets, target)]
         try:
             response = await stub.GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=_deadline(timeout, self.timeout)
+                scheduler_pb2.GetStatsRequest(),
+                timeout=_deadline(timeout, self.timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from exc

@@ -33,7 +33,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedkv.client.cli import NULL_BLOCK_NOTE, executor_state, integrity, internal_errors, table
+from pagedkv.client.cli import (
+    NULL_BLOCK_NOTE,
+    client_security,
+    executor_state,
+    integrity,
+    internal_errors,
+    table,
+)
 from pagedkv.client.client import AsyncClient
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.types import Completion, GenerateChunk, Stats
@@ -316,10 +323,13 @@ class DemoResult:
     seconds: float
 
 
-async def run_workload(target: str, args: argparse.Namespace) -> DemoResult:
-    """Both phases against ``target``, then the final stats."""
+async def run_workload(
+    target: str, args: argparse.Namespace, security: dict[str, Any] | None = None
+) -> DemoResult:
+    """Both phases against ``target``, then the final stats; ``security``:
+    the client's ``tls`` and ``token`` (``client_security``)."""
     start = time.perf_counter()
-    async with AsyncClient(target, timeout=300) as client:
+    async with AsyncClient(target, timeout=300, **(security or {})) as client:
         chats = await chat_phase(client, args)
         shared = await sharing_phase(client, args)
         stats = await client.stats()
@@ -350,9 +360,14 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"pagedkv demo: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
     try:
+        security = client_security(args)
+    except ValueError as exc:
+        print(f"pagedkv demo: {exc}", file=sys.stderr)
+        return 2
+    try:
         with contextlib.ExitStack() as stack:
             target = args.target or stack.enter_context(local_serve(args.executors, args.model))
-            result = asyncio.run(run_workload(target, args))
+            result = asyncio.run(run_workload(target, args, security))
             report(result, random_model=not (args.model or args.target))
             if not args.target:
                 print("\nstopping pagedkv serve ...", flush=True)

@@ -7,7 +7,12 @@ import os
 import sys
 from typing import Any
 
-from pagedkv.common.cli import ModelArgumentError, check_model_argument
+from pagedkv.common.cli import (
+    ModelArgumentError,
+    add_redis_secret_arguments,
+    add_server_tls_arguments,
+    check_model_argument,
+)
 
 
 def register(subparsers: Any, name: str) -> None:
@@ -72,6 +77,8 @@ def register(subparsers: Any, name: str) -> None:
         help="HOST:PORT schedulers reach this executor at, as registered (default: --host and "
         "the bound port; the machine's host name when --host is a wildcard)",
     )
+    add_redis_secret_arguments(parser)
+    add_server_tls_arguments(parser, clients="schedulers")
     parser.set_defaults(handler=_run)
 
 
@@ -81,14 +88,30 @@ def _run(args: argparse.Namespace) -> int:
     except ModelArgumentError as exc:
         print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
         return 2
+    from pagedkv.common.security import SecurityError, server_security_from_args
+
+    try:
+        # An executor serving TLS accepts only the cluster CA's clients.
+        args.security = server_security_from_args(args, require_ca=True)
+    except SecurityError as exc:
+        print(f"pagedkv executor: {exc}", file=sys.stderr)
+        return 2
     if args.redis_url is not None:
-        from pagedkv.cluster.connection import RedisUrlError, check_redis_url
+        from pagedkv.cluster.connection import RedisUrlError, redis_url_with
 
         try:
-            check_redis_url(args.redis_url)
+            args.redis_url = redis_url_with(
+                args.redis_url, password_file=args.redis_password_file, tls_ca=args.redis_tls_ca
+            )
         except RedisUrlError as exc:
             print(f"pagedkv executor: {exc}", file=sys.stderr)
             return 2
+    elif args.redis_password_file is not None or args.redis_tls_ca is not None:
+        print(
+            "pagedkv executor: --redis-password-file and --redis-tls-ca need --redis-url",
+            file=sys.stderr,
+        )
+        return 2
     if args.advertise_address is not None:
         host, _, port = args.advertise_address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

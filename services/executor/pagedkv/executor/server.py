@@ -72,7 +72,8 @@ def serve(args: argparse.Namespace) -> int:
             runner.warm_up()
         bar.update()
     executor = Executor(runner, args.model)
-    server, port = build_server(executor, f"{args.host}:{args.port}")
+    security = getattr(args, "security", None)
+    server, port = build_server(executor, f"{args.host}:{args.port}", security)
     kv_mib = runner.kv.num_bytes / 2**20
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "

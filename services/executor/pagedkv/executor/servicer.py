@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
+from pagedkv.common.security import ServerSecurity, bind
 from pagedkv.executor.engine import Executor
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
@@ -103,9 +104,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         return handler
 
 
-def build_server(executor: Executor, address: str) -> tuple[grpc.Server, int]:
+def build_server(
+    executor: Executor, address: str, security: ServerSecurity | None = None
+) -> tuple[grpc.Server, int]:
     """A started server for ``executor`` on ``address`` (port 0: any free
-    port); returns it and the bound port."""
+    port), with ``security``'s TLS (mutual: only the cluster CA's clients);
+    returns it and the bound port."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
         interceptors=[RequestDecodingInterceptor(), ErrorInterceptor()],
@@ -122,8 +126,6 @@ def build_server(executor: Executor, address: str) -> tuple[grpc.Server, int]:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
-    if not port:
-        raise OSError(f"cannot bind {address}")
+    port = bind(server, address, security or ServerSecurity())
     server.start()
     return server, port

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
+from pagedkv.common.cli import (
+    DEFAULT_SCHEDULER_PORT,
+    add_auth_token_argument,
+    add_client_tls_arguments,
+    add_redis_secret_arguments,
+    add_server_tls_arguments,
+)
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +73,16 @@ def register_router(subparsers: Any, name: str) -> None:
         "and clients resume them elsewhere)",
     )
     add_routing_arguments(parser)
+    add_redis_secret_arguments(parser)
+    add_server_tls_arguments(parser, clients="clients (the SDK)")
+    add_auth_token_argument(parser)
+    add_client_tls_arguments(parser, "scheduler-", "schedulers")
+    parser.add_argument(
+        "--scheduler-token-file",
+        metavar="PATH",
+        help="bearer token the router presents to schedulers (the file's first; re-read when "
+        "it changes); without it, each call's own authorization is forwarded",
+    )
     parser.set_defaults(handler=_run_router)
 
 

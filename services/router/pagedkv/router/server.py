@@ -8,8 +8,14 @@ import signal
 import sys
 import time
 
-from pagedkv.cluster.connection import check_redis_url
+from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.logging import get_logger
+from pagedkv.common.security import (
+    ServerSecurity,
+    TokenFile,
+    client_tls_from_args,
+    server_security_from_args,
+)
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.scoring import RoutingWeights
 from pagedkv.router.service import RouterConfig, RouterService
@@ -19,16 +25,24 @@ log = get_logger(__name__)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """ValueError naming the option when one is wrong."""
+    """ValueError (RedisUrlError, SecurityError) naming the option when one is wrong."""
     weights = RoutingWeights(args.weight_prefix, args.weight_load, args.weight_kv)
     if not args.refresh_interval > 0:
         raise ValueError(f"--refresh-interval: {args.refresh_interval} must be > 0")
     return RouterConfig(
-        redis_url=check_redis_url(args.redis_url),
+        redis_url=redis_url_with(
+            args.redis_url, password_file=args.redis_password_file, tls_ca=args.redis_tls_ca
+        ),
         policy=args.policy,
         weights=weights,
         model_dir=args.model,
         refresh_interval_s=args.refresh_interval,
+        scheduler_tls=client_tls_from_args(args, "scheduler-"),
+        scheduler_token=(
+            None
+            if args.scheduler_token_file is None
+            else TokenFile(args.scheduler_token_file, "--scheduler-token-file")
+        ),
     )
 
 
@@ -39,14 +53,16 @@ async def serve_router(
     metrics_port: int | None,
     drain_timeout: float,
     ready_line: str = "router",
+    security: ServerSecurity | None = None,
 ) -> None:
     """Runs a router until SIGTERM or SIGINT; prints ``<ready_line> ready on
     HOST:PORT ...`` once it serves. On a signal: health NOT_SERVING, open
-    streams get ``drain_timeout`` seconds, then the server stops."""
+    streams get ``drain_timeout`` seconds, then the server stops.
+    ``security``: TLS and tokens of the gRPC server (default: plaintext, open)."""
     metrics = RouterMetrics()
     service = RouterService(config, metrics)
     await service.start()
-    server = await start_server(service, f"{host}:{port}")
+    server = await start_server(service, f"{host}:{port}", security)
     extra = ""
     if metrics_port is not None:
         extra = f", metrics on :{metrics.serve(metrics_port, host)}"
@@ -74,8 +90,18 @@ async def serve_router(
 def run_router(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        security = server_security_from_args(args, require_ca=False)
     except ValueError as exc:
         print(f"pagedkv router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve_router(config, args.host, args.port, args.metrics_port, args.drain_timeout))
+    asyncio.run(
+        serve_router(
+            config,
+            args.host,
+            args.port,
+            args.metrics_port,
+            args.drain_timeout,
+            security=security,
+        )
+    )
     return 0

@@ -28,6 +28,7 @@ from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.logging import get_logger
+from pagedkv.common.security import TlsConfig, TokenClientInterceptor, TokenFile, open_aio_channel
 from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.router.metrics import RouterMetrics
@@ -53,6 +54,8 @@ class RouterConfig:
     avoid_s: float = 2.0  # a scheduler whose call broke is routed around this long
     max_attempts: int = 3  # schedulers tried for one call before any chunk
     stats_timeout_s: float = 5.0
+    scheduler_tls: TlsConfig | None = None  # TLS towards the schedulers (None: plaintext)
+    scheduler_token: TokenFile | None = None  # presented to schedulers (None: callers' forwarded)
 
 
 class Route(NamedTuple):
@@ -312,7 +315,12 @@ class RouterService:
     def stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            token = self.config.scheduler_token
+            channel = open_aio_channel(
+                address,
+                self.config.scheduler_tls,
+                interceptors=[TokenClientInterceptor(token.first)] if token else [],
+            )
             self._channels[address] = channel
         return scheduler_pb2_grpc.SchedulerStub(channel)
 

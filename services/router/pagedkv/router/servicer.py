@@ -18,6 +18,7 @@ from pagedkv.client.resume import is_stream_break
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
+from pagedkv.common.security import ServerSecurity, bind
 from pagedkv.router.service import RouterService, forwarded_metadata
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -117,9 +118,15 @@ class RouterServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def start_server(service: RouterService, address: str) -> RouterServer:
-    """A started server for ``service`` on ``address`` (port 0: any free port)."""
-    server = grpc.aio.server(interceptors=[AsyncRequestDecodingInterceptor()])
+async def start_server(
+    service: RouterService, address: str, security: ServerSecurity | None = None
+) -> RouterServer:
+    """A started server for ``service`` on ``address`` (port 0: any free
+    port), closed as ``security`` says (TLS, tokens)."""
+    security = security or ServerSecurity()
+    server = grpc.aio.server(
+        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()]
+    )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(RouterServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,8 +135,6 @@ async def start_server(service: RouterService, address: str) -> RouterServer:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
-    if not port:
-        raise OSError(f"cannot bind {address}")
+    port = bind(server, address, security)
     await server.start()
     return RouterServer(server, health_servicer, port)

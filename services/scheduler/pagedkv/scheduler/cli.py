@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
+from pagedkv.common.cli import (
+    DEFAULT_SCHEDULER_PORT,
+    add_auth_token_argument,
+    add_client_tls_arguments,
+    add_redis_secret_arguments,
+    add_server_tls_arguments,
+)
 
 
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +77,10 @@ def register_scheduler(subparsers: Any, name: str) -> None:
         "--model", help="model directory for the tokenizer (default: the executors' model id)"
     )
     _scheduler_args(parser)
+    add_redis_secret_arguments(parser)
+    add_server_tls_arguments(parser, clients="clients (routers, the SDK)")
+    add_auth_token_argument(parser)
+    add_client_tls_arguments(parser, "executor-", "executors")
     parser.set_defaults(handler=_run_scheduler)
 
 
@@ -109,8 +119,9 @@ def register_serve(subparsers: Any, name: str) -> None:
     )
     parser.add_argument(
         "--router-weights",
-        metavar="PREFIX,LOAD,KV",
-        help="the routers' --weight-prefix, --weight-load and --weight-kv (default: theirs)",
+        metavar="PREFIX,LOAD,KV[,BOUND[,SLACK]]",
+        help="the routers' --weight-prefix, --weight-load, --weight-kv, --load-bound and "
+        "--load-slack (default: theirs)",
     )
     parser.add_argument(
         "--redis",

@@ -21,6 +21,7 @@ import grpc
 
 from pagedkv.common.ids import MAX_EPOCH, BlockHash, BlockId
 from pagedkv.common.logging import get_logger
+from pagedkv.common.security import TlsConfig, open_aio_channel
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
@@ -80,15 +81,19 @@ def _down(exc: BaseException, address: str, seconds: float) -> ExecutorDown:
 
 
 class ExecutorClient:
-    """One executor at ``address``; ``connect`` takes it over."""
+    """One executor at ``address``; ``connect`` takes it over. ``tls``:
+    (mutual) TLS towards it; plaintext without."""
 
-    def __init__(self, address: str, owner_id: str, *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, address: str, owner_id: str, *, timeout: float = 60.0, tls: TlsConfig | None = None
+    ) -> None:
         self.address = address
         self.owner = common_pb2.Owner(owner_id=owner_id)
         self.timeout = timeout
         self.info = executor_pb2.GetInfoResponse()
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = open_aio_channel(
             address,
+            tls,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pagedkv.common.errors import ServiceError, Unavailable
 from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
+from pagedkv.common.security import TlsConfig
 from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
@@ -62,6 +63,7 @@ class SchedulerConfig:
     scheduler_id: str = ""
     pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
+    executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)
 
 
 def _owner(info: executor_pb2.GetInfoResponse) -> str:
@@ -107,7 +109,12 @@ class ExecutorFailover:
         raise NotImplementedError
 
     def _client(self, address: str) -> ExecutorClient:
-        return ExecutorClient(address, self.scheduler_id, timeout=self.config.executor_timeout)
+        return ExecutorClient(
+            address,
+            self.scheduler_id,
+            timeout=self.config.executor_timeout,
+            tls=self.config.executor_tls,
+        )
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)

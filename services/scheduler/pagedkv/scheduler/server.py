@@ -7,9 +7,10 @@ import asyncio
 import signal
 import sys
 
-from pagedkv.cluster.connection import check_redis_url
+from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.common.security import ServerSecurity, client_tls_from_args, server_security_from_args
 from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
@@ -21,12 +22,18 @@ log = get_logger(__name__)
 def config_from_args(
     args: argparse.Namespace, executors: list[str], port: int | None = None
 ) -> SchedulerConfig:
-    """``port``: the one the scheduler binds, for its member record."""
+    """``port``: the one the scheduler binds, for its member record.
+    ValueError (RedisUrlError, SecurityError) naming the option when one is wrong."""
     cluster = None
     if getattr(args, "redis_url", None):
         address = args.advertise_address or f"{args.host}:{port if port is not None else args.port}"
+        redis_url = redis_url_with(
+            args.redis_url,
+            password_file=getattr(args, "redis_password_file", None),
+            tls_ca=getattr(args, "redis_tls_ca", None),
+        )
         cluster = ClusterConfig(
-            redis_url=check_redis_url(args.redis_url),
+            redis_url=redis_url,
             address=address,
             lease_ttl=args.lease_ttl,
             drain_timeout=args.drain_timeout,
@@ -38,6 +45,9 @@ def config_from_args(
         executor_timeout=args.executor_timeout,
         model_dir=args.model,
         cluster=cluster,
+        executor_tls=(
+            client_tls_from_args(args, "executor-") if hasattr(args, "executor_tls_ca") else None
+        ),
     )
 
 
@@ -48,14 +58,17 @@ async def serve_scheduler(
     metrics_port: int | None,
     ready_line: str = "scheduler",
     drain_timeout: float = 30.0,
+    security: ServerSecurity | None = None,
 ) -> None:
     """Runs a scheduler until SIGTERM or SIGINT; prints ``<ready_line> ready
     on HOST:PORT ...`` once it serves. The metrics endpoint (with
-    ``metrics_port``) listens on ``host`` too, like the gRPC server."""
+    ``metrics_port``) listens on ``host`` too, like the gRPC server, and is
+    plaintext and open (it holds no secret). ``security``: TLS and tokens of
+    the gRPC server (default: plaintext, open)."""
     metrics = SchedulerMetrics()
     service = SchedulerService(config, metrics)
     await service.start()
-    server, bound = await start_server(service, f"{host}:{port}")
+    server, bound = await start_server(service, f"{host}:{port}", security)
     if service.cluster is not None and not port:
         service.cluster.address = f"{host}:{bound}"
     extra = ""
@@ -83,8 +96,15 @@ def run_scheduler(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if (args.redis_password_file or args.redis_tls_ca) and not args.redis_url:
+        print(
+            "pagedkv scheduler: --redis-password-file and --redis-tls-ca need --redis-url",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = config_from_args(args, args.executors)
+        security = server_security_from_args(args, require_ca=False)
     except ValueError as exc:
         print(f"pagedkv scheduler: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +116,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
                 args.port,
                 args.metrics_port,
                 drain_timeout=args.drain_timeout,
+                security=security,
             )
         )
     except ServiceError as exc:

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
+from pagedkv.common.security import ServerSecurity, bind
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -66,11 +67,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.service.stats()
 
 
-async def start_server(service: SchedulerService, address: str) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    service: SchedulerService, address: str, security: ServerSecurity | None = None
+) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server for ``service`` on ``address`` (port 0: any
-    free port); returns it and the bound port. Its health is SERVING until
-    the service starts draining, NOT_SERVING from then on."""
-    server = grpc.aio.server(interceptors=[AsyncRequestDecodingInterceptor()])
+    free port), closed as ``security`` says (TLS, tokens); returns it and the
+    bound port. Its health is SERVING until the service starts draining,
+    NOT_SERVING from then on."""
+    security = security or ServerSecurity()
+    server = grpc.aio.server(
+        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()]
+    )
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -86,8 +93,6 @@ async def start_server(service: SchedulerService, address: str) -> tuple[grpc.ai
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
-    if not port:
-        raise OSError(f"cannot bind {address}")
+    port = bind(server, address, security)
     await server.start()
     return server, port

@@ -1,0 +1,420 @@
+"""TLS material and bearer tokens for every pagedkv service and the SDK.
+
+One place turns PEM files into gRPC credentials (servers: TLS, or mutual TLS
+with a CA; clients: the CA to verify the server and an optional client
+certificate) and reads token files. ``BearerTokenInterceptor`` closes a
+grpc.aio server to calls without ``authorization: Bearer <token>``;
+``TokenClientInterceptor`` presents a token on every call of a grpc.aio
+channel. Nothing here ever puts a token, a key or a password in a message,
+a log line or a metric label: errors name the flag and the path only.
+
+Torch-free; imported by the executor, the scheduler, the router and the SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import grpc
+import grpc.aio
+
+from pagedkv.common.logging import get_logger
+
+log = get_logger("pagedkv.security")
+
+PemSource = Union[str, "os.PathLike[str]", bytes]
+"""A path to a PEM file (str or PathLike), or the PEM bytes themselves."""
+
+AUTHORIZATION = "authorization"
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+"""Methods a token-protected server answers without a token: Kubernetes'
+gRPC probes send none. Server reflection is *not* open (grpcurl sends the
+token with ``-H 'authorization: Bearer ...'``)."""
+
+_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+_PRIVATE_KEY = b"PRIVATE KEY-----"
+
+
+class SecurityError(ValueError):
+    """TLS material or a token file that cannot be used; the message names
+    the flag or field and the path, never the contents."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """The PEM material of one side of a TLS connection.
+
+    On a server: ``cert`` and ``key`` are served, and a ``ca`` makes it
+    mutual TLS (only clients with a certificate signed by that CA get
+    through). On a client: ``ca`` verifies the server (None: the system's
+    roots), ``cert`` and ``key`` are the client certificate (mutual TLS),
+    and ``server_name`` is the name checked in the server's certificate
+    (default: the target's host). ``cert`` and ``key`` go together.
+    """
+
+    ca: PemSource | None = None
+    cert: PemSource | None = None
+    key: PemSource | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise SecurityError("tls: cert and key go together: give both or neither")
+
+    def read(self, field: str, flag: str = "") -> bytes | None:
+        """The PEM bytes of ``field`` ("ca", "cert" or "key"), checked to
+        hold what the field needs; SecurityError naming ``flag`` (default:
+        ``tls.<field>``)."""
+        source = getattr(self, field)
+        if source is None:
+            return None
+        return read_pem(source, field, flag or f"tls.{field}")
+
+
+def read_pem(source: PemSource, kind: str, flag: str) -> bytes:
+    """``source``'s PEM bytes; ``kind`` "key" must hold a private key, "ca"
+    and "cert" a certificate."""
+    if isinstance(source, bytes):
+        data, where = source, flag
+    else:
+        path = Path(source)
+        where = f"{flag} {path}"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SecurityError(f"{where}: no such file") from None
+        except OSError as exc:
+            raise SecurityError(f"{where}: cannot read it ({exc.strerror})") from None
+    marker = _PRIVATE_KEY if kind == "key" else _CERTIFICATE
+    if marker not in data:
+        what = "a PEM private key" if kind == "key" else "a PEM certificate"
+        raise SecurityError(f"{where}: not {what}")
+    return data
+
+
+def server_credentials(tls: TlsConfig, flag_prefix: str = "--tls") -> grpc.ServerCredentials:
+    """Server credentials serving ``tls.cert``; with ``tls.ca``, clients must
+    present a certificate signed by it (mutual TLS)."""
+    cert = tls.read("cert", f"{flag_prefix}-cert")
+    key = tls.read("key", f"{flag_prefix}-key")
+    if cert is None or key is None:
+        raise SecurityError(f"{flag_prefix}-cert and {flag_prefix}-key: a server needs both")
+    ca = tls.read("ca", f"{flag_prefix}-ca")
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def channel_credentials(tls: TlsConfig, flag_prefix: str = "") -> grpc.ChannelCredentials:
+    """Client credentials: verify the server with ``tls.ca`` (None: the
+    system's roots) and present ``tls.cert`` if given. Errors name
+    ``{flag_prefix}-ca`` etc. (default: ``tls.ca`` etc.)."""
+
+    def flag(field: str) -> str:
+        return f"{flag_prefix}-{field}" if flag_prefix else ""
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.read("ca", flag("ca")),
+        private_key=tls.read("key", flag("key")),
+        certificate_chain=tls.read("cert", flag("cert")),
+    )
+
+
+def _channel_options(
+    tls: TlsConfig | None, options: Sequence[tuple[str, Any]]
+) -> list[tuple[str, Any]]:
+    if tls is not None and tls.server_name:
+        return [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    return list(options)
+
+
+def open_channel(
+    target: str, tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A blocking channel to ``target``: TLS with ``tls``, plaintext without."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=list(options))
+    return grpc.secure_channel(target, channel_credentials(tls), _channel_options(tls, options))
+
+
+def open_aio_channel(
+    target: str,
+    tls: TlsConfig | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``target``: TLS with ``tls``, plaintext without."""
+    if tls is None:
+        return grpc.aio.insecure_channel(
+            target, options=list(options), interceptors=list(interceptors) or None
+        )
+    return grpc.aio.secure_channel(
+        target,
+        channel_credentials(tls),
+        _channel_options(tls, options),
+        interceptors=list(interceptors) or None,
+    )
+
+
+def bind(server: grpc.Server | grpc.aio.Server, address: str, security: ServerSecurity) -> int:
+    """Adds a port for ``address`` to ``server`` (TLS when ``security`` has
+    a certificate); returns the bound port, OSError if it cannot bind."""
+    if security.tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(security.tls))
+    if not port:
+        raise OSError(f"cannot bind {address}")
+    return int(port)
+
+
+class TokenFile:
+    """Bearer tokens read from a file: one per line, blank lines and lines
+    starting with ``#`` ignored.
+
+    The file is checked (size, modification time, inode) on every use and
+    re-read when it changed, so tokens rotate without a restart: put the new
+    token in, let clients switch, take the old one out (a Kubernetes Secret
+    mounted as a volume is replaced the same way). A file that becomes
+    unreadable or empty keeps the last tokens read (logged, path only).
+    Thread-safe. ``flag`` names the file in errors.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], flag: str = "--auth-token-file") -> None:
+        self.path = Path(path)
+        self.flag = flag
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._tokens: tuple[bytes, ...] = ()
+        self._reload(initial=True)
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _reload(self, initial: bool = False) -> None:
+        where = f"{self.flag} {self.path}"
+        try:
+            stamp = self._stat()
+            tokens = parse_tokens(self.path.read_text(encoding="utf-8"), where)
+        except (OSError, UnicodeDecodeError, SecurityError) as exc:
+            reason = exc if isinstance(exc, SecurityError) else f"{where}: cannot read it"
+            if initial:
+                if isinstance(exc, FileNotFoundError):
+                    raise SecurityError(f"{where}: no such file") from None
+                raise SecurityError(str(reason)) from None
+            log.warning("token file unusable; keeping the tokens read before", error=str(reason))
+            return
+        if not initial and tokens != self._tokens:
+            log.info("token file re-read", path=str(self.path), num_tokens=len(tokens))
+        self._stamp, self._tokens = stamp, tokens
+
+    def tokens(self) -> tuple[bytes, ...]:
+        """The tokens now (the file re-read if it changed)."""
+        with self._lock:
+            try:
+                changed = self._stat() != self._stamp
+            except OSError:
+                changed = True
+            if changed:
+                self._reload()
+            return self._tokens
+
+    def accepts(self, token: bytes) -> bool:
+        """Whether ``token`` is one of the tokens; compares with every one in
+        constant time (no early exit on the first match)."""
+        matched = False
+        for known in self.tokens():
+            matched |= hmac.compare_digest(known, token)
+        return matched
+
+    def first(self) -> str:
+        """The token to present (the file's first)."""
+        return self.tokens()[0].decode()
+
+
+def parse_tokens(content: str, where: str) -> tuple[bytes, ...]:
+    """The tokens of a token file's ``content``; SecurityError (with the
+    line number, not the line) for a line that is no token."""
+    tokens: list[bytes] = []
+    for number, line in enumerate(content.splitlines(), start=1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+            raise SecurityError(
+                f"{where}: line {number} is not a token (printable ASCII without spaces)"
+            )
+        tokens.append(token.encode())
+    if not tokens:
+        raise SecurityError(f"{where}: no token in it (one per line; # starts a comment)")
+    return tuple(tokens)
+
+
+def read_token(path: str | os.PathLike[str], flag: str = "--token-file") -> str:
+    """The first token of a token file (what a client presents)."""
+    return TokenFile(path, flag).first()
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata presenting ``token``."""
+    return ((AUTHORIZATION, f"Bearer {token}"),)
+
+
+def presented_token(metadata: Any) -> bytes | None:
+    """The token of a call's ``authorization: Bearer <token>`` metadata, if any."""
+    for key, value in metadata or ():
+        if key != AUTHORIZATION:
+            continue
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        scheme, _, token = text.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip().encode()
+        return None
+    return None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answers UNAUTHENTICATED to every call without a bearer token that
+    ``tokens`` accepts, but the health service's (``OPEN_METHOD_PREFIXES``).
+    The handler is looked up first, so an unknown method stays UNIMPLEMENTED."""
+
+    def __init__(
+        self, tokens: TokenFile, open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES
+    ) -> None:
+        self.token_file = tokens
+        self.open_prefixes = tuple(open_prefixes)
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.open_prefixes):
+            return handler
+        token = presented_token(details.invocation_metadata)
+        if token is not None and self.token_file.accepts(token):
+            return handler
+        why = "no bearer token" if token is None else "the bearer token is not accepted"
+        log.info("call refused", method=details.method, reason=why)
+        return _refusing(handler, f"{why} (send authorization: Bearer <token>)")
+
+
+def _refusing(handler: Any, details: str) -> Any:
+    """``handler`` with its behaviour replaced by an UNAUTHENTICATED abort."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    for name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        if getattr(handler, name) is not None:
+            return handler._replace(**{name: refuse})
+    return handler
+
+
+class TokenClientInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Presents ``token()`` (called per call, so a rotated token file is
+    picked up) as the ``authorization`` of every call, replacing any the
+    call carried."""
+
+    def __init__(self, token: Callable[[], str]) -> None:
+        self.token = token
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(
+            *((k, v) for k, v in (details.metadata or ()) if k != AUTHORIZATION),
+            *bearer_metadata(self.token()),
+        )
+        return grpc.aio.ClientCallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+        )
+
+    async def intercept_unary_unary(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server is closed: TLS (``tls.cert``/``tls.key``; mutual with
+    ``tls.ca``) and bearer tokens (``tokens``; grpc.aio servers only)."""
+
+    tls: TlsConfig | None = None
+    tokens: TokenFile | None = None
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [] if self.tokens is None else [BearerTokenInterceptor(self.tokens)]
+
+    def describe(self) -> str:
+        """For ready lines: "plaintext", "TLS", "mutual TLS", "+ tokens"."""
+        if self.tls is None:
+            what = "plaintext"
+        else:
+            what = "mutual TLS" if self.tls.ca is not None else "TLS"
+        return what + (", bearer tokens" if self.tokens is not None else "")
+
+
+def server_tls_from_args(args: argparse.Namespace, *, require_ca: bool) -> TlsConfig | None:
+    """``--tls-cert``/``--tls-key``/``--tls-ca`` as a checked TlsConfig (the
+    files read once, so a bad one fails at start); None without them.
+    ``require_ca``: a certificate without ``--tls-ca`` is refused (a server
+    that must accept only clients of the cluster CA)."""
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_ca
+    if cert is None and key is None:
+        if ca is not None:
+            raise SecurityError("--tls-ca needs --tls-cert and --tls-key (the server's own)")
+        return None
+    if cert is None or key is None:
+        raise SecurityError("--tls-cert and --tls-key go together: give both or neither")
+    if require_ca and ca is None:
+        raise SecurityError(
+            "--tls-cert needs --tls-ca here: this server accepts only clients with a "
+            "certificate signed by the cluster CA (mutual TLS)"
+        )
+    tls = TlsConfig(ca=ca, cert=cert, key=key)
+    server_credentials(tls)  # reads and checks every file now
+    return tls
+
+
+def client_tls_from_args(args: argparse.Namespace, prefix: str) -> TlsConfig | None:
+    """``--{prefix}tls-ca``/``-cert``/``-key`` as a checked client TlsConfig;
+    None without them. A client certificate needs the CA (it turns TLS on)."""
+    dest = prefix.replace("-", "_")
+    ca, cert, key = (getattr(args, f"{dest}tls_{n}") for n in ("ca", "cert", "key"))
+    flag = f"--{prefix}tls"
+    if ca is None:
+        if cert is not None or key is not None:
+            raise SecurityError(f"{flag}-cert and {flag}-key need {flag}-ca (it turns TLS on)")
+        return None
+    if (cert is None) != (key is None):
+        raise SecurityError(f"{flag}-cert and {flag}-key go together: give both or neither")
+    tls = TlsConfig(ca=ca, cert=cert, key=key)
+    channel_credentials(tls, flag)  # reads and checks every file now
+    return tls
+
+
+def server_security_from_args(args: argparse.Namespace, *, require_ca: bool) -> ServerSecurity:
+    """The server's TLS and, where it has ``--auth-token-file``, its tokens."""
+    tls = server_tls_from_args(args, require_ca=require_ca)
+    token_file = getattr(args, "auth_token_file", None)
+    tokens = None if token_file is None else TokenFile(token_file, "--auth-token-file")
+    return ServerSecurity(tls=tls, tokens=tokens)
