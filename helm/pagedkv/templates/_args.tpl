@@ -1,0 +1,132 @@
+{{/*
+The command lines of the three tiers (after the image's ENTRYPOINT, pagedkv).
+Each flag is one list item and its value the next, all strings; the paths of
+--tls-*, --*-token-file and --redis-password-file lie under the Secret
+mounts of _pod.tpl.
+*/}}
+
+{{/* A command line as a YAML list of strings (numbers too: args are strings). */}}
+{{- define "pagedkv.argList" -}}
+{{- $strings := list -}}
+{{- range . -}}{{- $strings = append $strings (toString .) -}}{{- end -}}
+{{- toYaml $strings -}}
+{{- end -}}
+
+{{/* Flags every pagedkv process takes for Redis. */}}
+{{- define "pagedkv.redisArgs" -}}
+{{- $paths := include "pagedkv.paths" . | fromYaml -}}
+{{- $args := list "--redis-url" (include "pagedkv.redisUrl" .) -}}
+{{- if .Values.redis.auth.enabled -}}
+{{- $args = concat $args (list "--redis-password-file" (printf "%s/password" $paths.redisDir)) -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{/* --tls-cert/--tls-key of a server, with --tls-ca when it requires client certificates. */}}
+{{- define "pagedkv.serverTlsArgs" -}}
+{{- $paths := include "pagedkv.paths" .ctx | fromYaml -}}
+{{- $args := list -}}
+{{- if .ctx.Values.tls.enabled -}}
+{{- $args = list "--tls-cert" (printf "%s/tls.crt" $paths.tlsDir) "--tls-key" (printf "%s/tls.key" $paths.tlsDir) -}}
+{{- if .requireClientCerts -}}
+{{- $args = concat $args (list "--tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{- define "pagedkv.modelArg" -}}
+{{- if .Values.model.hubCache -}}
+{{- .Values.model.name -}}
+{{- else -}}
+{{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (.Values.model.name | trimPrefix "/") -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedkv.executor.args" -}}
+{{- $v := .Values.executor -}}
+{{- $svc := include "pagedkv.componentName" (dict "ctx" . "component" "executor") -}}
+{{- $advertise := printf "$(POD_NAME).%s.%s.svc.%s:%d" $svc .Release.Namespace .Values.clusterDomain (int $v.port) -}}
+{{- $args := list "--log-format" .Values.logFormat "executor"
+    "--model" (include "pagedkv.modelArg" .)
+    "--device" "cuda"
+    "--host" "0.0.0.0"
+    "--port" (toString $v.port)
+    "--advertise-address" $advertise
+    "--gpu-memory-utilization" (toString $v.gpuMemoryUtilization)
+    "--dtype" $v.dtype
+    "--kernel-backend" $v.kernelBackend
+    "--drain-timeout" (toString $v.drainTimeout)
+    "--no-progress" -}}
+{{- if $v.maxModelLen -}}
+{{- $args = concat $args (list "--max-model-len" (toString $v.maxModelLen)) -}}
+{{- end -}}
+{{- if $v.enforceEager -}}
+{{- $args = append $args "--enforce-eager" -}}
+{{- end -}}
+{{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" true) | fromJsonArray) -}}
+{{- $args = concat $args $v.extraArgs -}}
+{{- include "pagedkv.argList" $args -}}
+{{- end -}}
+
+{{- define "pagedkv.scheduler.args" -}}
+{{- $v := .Values.scheduler -}}
+{{- $paths := include "pagedkv.paths" . | fromYaml -}}
+{{- $args := list "--log-format" .Values.logFormat "scheduler"
+    "--host" "0.0.0.0"
+    "--port" (toString $v.port)
+    "--advertise-address" (printf "$(POD_IP):%d" (int $v.port))
+    "--metrics-port" (toString $v.metricsPort)
+    "--drain-timeout" (toString $v.drainTimeout)
+    "--lease-ttl" (toString $v.leaseTtl)
+    "--max-num-seqs" (toString $v.maxNumSeqs)
+    "--max-num-batched-tokens" (toString $v.maxNumBatchedTokens) -}}
+{{- if .Values.model.mountOnSchedulers -}}
+{{- $args = concat $args (list "--model" (include "pagedkv.modelArg" .)) -}}
+{{- end -}}
+{{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
+{{- if .Values.tls.enabled -}}
+{{- $args = concat $args (list
+    "--executor-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)
+    "--executor-tls-cert" (printf "%s/tls.crt" $paths.tlsDir)
+    "--executor-tls-key" (printf "%s/tls.key" $paths.tlsDir)) -}}
+{{- end -}}
+{{- if .Values.auth.enabled -}}
+{{- $args = concat $args (list "--auth-token-file" (printf "%s/tokens" $paths.authDir)) -}}
+{{- end -}}
+{{- $args = concat $args $v.extraArgs -}}
+{{- include "pagedkv.argList" $args -}}
+{{- end -}}
+
+{{- define "pagedkv.router.args" -}}
+{{- $v := .Values.router -}}
+{{- $paths := include "pagedkv.paths" . | fromYaml -}}
+{{- $args := list "--log-format" .Values.logFormat "router"
+    "--host" "0.0.0.0"
+    "--port" (toString $v.port)
+    "--metrics-port" (toString $v.metricsPort)
+    "--policy" $v.policy
+    "--drain-timeout" (toString $v.drainTimeout) -}}
+{{- if .Values.model.mountOnSchedulers -}}
+{{- $args = concat $args (list "--model" (include "pagedkv.modelArg" .)) -}}
+{{- end -}}
+{{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
+{{- if .Values.tls.enabled -}}
+{{- $args = concat $args (list "--scheduler-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
+{{- if .Values.tls.requireClientCertificates -}}
+{{- $args = concat $args (list
+    "--scheduler-tls-cert" (printf "%s/tls.crt" $paths.tlsDir)
+    "--scheduler-tls-key" (printf "%s/tls.key" $paths.tlsDir)) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.auth.enabled -}}
+{{- $args = concat $args (list
+    "--auth-token-file" (printf "%s/tokens" $paths.authDir)
+    "--scheduler-token-file" (printf "%s/internal-token" $paths.authDir)) -}}
+{{- end -}}
+{{- $args = concat $args $v.extraArgs -}}
+{{- include "pagedkv.argList" $args -}}
+{{- end -}}
