@@ -19,7 +19,7 @@ from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster.cluster_stack import SchedulerProcess, wait_until
 from tests.executor.driver import ExecutorProcess
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 from tests.router.router_stack import References, RouterProcess
 from tests.security.certs import CertificateAuthority, Pair
 
@@ -117,6 +117,7 @@ class ClosedCluster:
     executor: ExecutorProcess
     scheduler: SchedulerProcess
     router: RouterProcess
+    health_ports: dict[str, int]  # "executor", "scheduler", "router" -> its --health-port
 
     def processes(self) -> list[ExecutorProcess | SchedulerProcess | RouterProcess]:
         return [self.executor, self.scheduler, self.router]
@@ -150,6 +151,7 @@ def closed_cluster(model_dir: Path, pki: Pki, cluster_secrets: Secrets) -> Itera
     password_file = ("--redis-password-file", str(cluster_secrets.redis_password_file))
     with RedisServer(password=cluster_secrets.redis_password) as redis_server:
         url = redis_server.url
+        health = {name: free_port() for name in ("executor", "scheduler", "router")}
         executor = ExecutorProcess(
             model_dir,
             num_blocks=128,
@@ -160,6 +162,8 @@ def closed_cluster(model_dir: Path, pki: Pki, cluster_secrets: Secrets) -> Itera
                 *server_tls_args(pki),
                 "--tls-ca",
                 str(pki.ca),
+                "--health-port",
+                str(health["executor"]),
             ),
         )
         scheduler = router = None
@@ -171,6 +175,8 @@ def closed_cluster(model_dir: Path, pki: Pki, cluster_secrets: Secrets) -> Itera
                 "--auth-token-file",
                 str(cluster_secrets.scheduler_tokens),
                 *client_tls_args("executor-", pki),
+                "--health-port",
+                str(health["scheduler"]),
             )
             router = RouterProcess(
                 url,
@@ -183,8 +189,10 @@ def closed_cluster(model_dir: Path, pki: Pki, cluster_secrets: Secrets) -> Itera
                 *client_tls_args("scheduler-", pki),
                 "--scheduler-token-file",
                 str(cluster_secrets.router_token_file),
+                "--health-port",
+                str(health["router"]),
             )
-            cluster = ClosedCluster(redis_server, executor, scheduler, router)
+            cluster = ClosedCluster(redis_server, executor, scheduler, router, health)
 
             def sees_the_executor() -> bool:
                 stats = router_stats(cluster, pki, cluster_secrets.client_token)

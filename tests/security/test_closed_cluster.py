@@ -16,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.client import AsyncClient, Client, UnauthenticatedError
 from pagedkv.common.security import bearer_metadata
@@ -94,12 +95,30 @@ def test_a_missing_or_wrong_token_is_unauthenticated_and_the_right_one_works(
     assert "bad" not in str(error.value)
 
 
-def test_health_answers_without_a_token(closed_cluster: ClosedCluster, pki: Pki) -> None:
+def test_health_answers_without_a_token_and_reflection_does_not(
+    closed_cluster: ClosedCluster, pki: Pki
+) -> None:
     for process in (closed_cluster.scheduler, closed_cluster.router):
         with pki.channel(process.target, client=pki.client) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             response = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert response.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            with pytest.raises(grpc.RpcError) as error:
+                list(reflection.ServerReflectionInfo(iter([request]), timeout=10))
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_health_port_serves_plaintext_health_alone(closed_cluster: ClosedCluster) -> None:
+    for name, port in closed_cluster.health_ports.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            response = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING, name
+            with pytest.raises(grpc.RpcError) as error:
+                get_info(channel)  # no other service there
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED, name
 
 
 def test_a_rotated_token_file_is_honoured(

@@ -65,6 +65,13 @@ def add_server_tls_arguments(parser: argparse.ArgumentParser, *, clients: str) -
         metavar="PATH",
         help=f"PEM CA: only {clients} with a certificate it signed get through (mutual TLS)",
     )
+    group.add_argument(
+        "--health-port",
+        type=int,
+        metavar="PORT",
+        help="also serve grpc.health.v1 alone, in plaintext, on this port of --host (for "
+        "Kubernetes' gRPC probes, which speak no TLS)",
+    )
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, prefix: str, peers: str) -> None:

@@ -14,6 +14,7 @@ Torch-free; imported by the executor, the scheduler, the router and the SDK.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import os
 import threading
@@ -173,6 +174,53 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str, security: ServerSe
     if not port:
         raise OSError(f"cannot bind {address}")
     return int(port)
+
+
+def start_health_server(health_servicer: Any, address: str, main: grpc.Server) -> grpc.Server:
+    """A plaintext server of ``health_servicer`` alone on ``address``, for
+    Kubernetes' gRPC probes (they speak neither TLS nor tokens); stopped
+    when ``main`` stops. The health service tells only SERVING or
+    NOT_SERVING, so it may stay plaintext beside a TLS port."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind(server, address, ServerSecurity())
+    server.start()
+
+    def stop_with_main() -> None:
+        main.wait_for_termination()
+        server.stop(None)
+
+    threading.Thread(target=stop_with_main, daemon=True, name="health-port").start()
+    return server
+
+
+_health_tasks: set[asyncio.Task[None]] = set()
+
+
+async def start_aio_health_server(
+    health_servicer: Any, address: str, main: grpc.aio.Server
+) -> grpc.aio.Server:
+    """``start_health_server`` for grpc.aio servers (the same health
+    servicer object serves both ports, so draining shows on both)."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind(server, address, ServerSecurity())
+    await server.start()
+
+    async def stop_with_main() -> None:
+        await main.wait_for_termination()
+        await server.stop(None)
+
+    task = asyncio.create_task(stop_with_main())
+    _health_tasks.add(task)
+    task.add_done_callback(_health_tasks.discard)
+    return server
 
 
 class TokenFile:
@@ -356,10 +404,19 @@ class TokenClientInterceptor(
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a server is closed: TLS (``tls.cert``/``tls.key``; mutual with
-    ``tls.ca``) and bearer tokens (``tokens``; grpc.aio servers only)."""
+    ``tls.ca``) and bearer tokens (``tokens``; grpc.aio servers only);
+    ``health_port``: a plaintext port serving health alone, on the server's
+    host (``start_health_server``)."""
 
     tls: TlsConfig | None = None
     tokens: TokenFile | None = None
+    health_port: int | None = None
+
+    def health_address(self, address: str) -> str | None:
+        """Where the health port listens, for a server on ``address``."""
+        if self.health_port is None:
+            return None
+        return f"{address.rpartition(':')[0]}:{self.health_port}"
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [] if self.tokens is None else [BearerTokenInterceptor(self.tokens)]
@@ -413,8 +470,9 @@ def client_tls_from_args(args: argparse.Namespace, prefix: str) -> TlsConfig | N
 
 
 def server_security_from_args(args: argparse.Namespace, *, require_ca: bool) -> ServerSecurity:
-    """The server's TLS and, where it has ``--auth-token-file``, its tokens."""
+    """The server's TLS, its ``--health-port`` and, where it has
+    ``--auth-token-file``, its tokens."""
     tls = server_tls_from_args(args, require_ca=require_ca)
     token_file = getattr(args, "auth_token_file", None)
     tokens = None if token_file is None else TokenFile(token_file, "--auth-token-file")
-    return ServerSecurity(tls=tls, tokens=tokens)
+    return ServerSecurity(tls=tls, tokens=tokens, health_port=getattr(args, "health_port", None))

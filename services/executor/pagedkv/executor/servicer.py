@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, bind
+from pagedkv.common.security import ServerSecurity, bind, start_health_server
 from pagedkv.executor.engine import Executor
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
@@ -126,6 +126,10 @@ def build_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = bind(server, address, security or ServerSecurity())
+    security = security or ServerSecurity()
+    port = bind(server, address, security)
     server.start()
+    health_address = security.health_address(address)
+    if health_address is not None:
+        start_health_server(health_servicer, health_address, server)
     return server, port

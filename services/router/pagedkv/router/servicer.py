@@ -18,7 +18,7 @@ from pagedkv.client.resume import is_stream_break
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, bind
+from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
 from pagedkv.router.service import RouterService, forwarded_metadata
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -137,4 +137,7 @@ async def start_server(
     )
     port = bind(server, address, security)
     await server.start()
+    health_address = security.health_address(address)
+    if health_address is not None:
+        await start_aio_health_server(health_servicer, health_address, server)
     return RouterServer(server, health_servicer, port)

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, bind
+from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -95,4 +95,7 @@ async def start_server(
     )
     port = bind(server, address, security)
     await server.start()
+    health_address = security.health_address(address)
+    if health_address is not None:
+        await start_aio_health_server(health_servicer, health_address, server)
     return server, port
