@@ -63,21 +63,24 @@ def _expected_secret(flag: str, component: str, values: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_probes_check_the_port_the_server_listens_on(name: str) -> None:
+def test_probes_ask_grpc_health_on_a_port_the_server_listens_on(name: str) -> None:
     tls = bool(values_for(name).get("tls", {}).get("enabled"))
     for workload in workloads(manifests_of(name)):
         container = _container(workload)
-        port = _served_port(container["args"])
-        assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in container["ports"]
+        flags = _flag_values(container["args"])
+        served = {int(flags["--port"])}
+        if tls:
+            # The kubelet's gRPC probe speaks no TLS: it asks the plaintext health port.
+            served = {int(flags["--health-port"])}
+        declared = {p["containerPort"] for p in container["ports"]}
         probes = ["readinessProbe", "livenessProbe"]
         if _component(workload) == "executor":
             probes.append("startupProbe")
         for probe in probes:
-            check = container[probe]
-            # The kubelet's gRPC probe speaks plaintext only: with TLS, a TCP connect.
-            assert check == check | (
-                {"tcpSocket": {"port": port}} if tls else {"grpc": {"port": port}}
-            )
+            port = container[probe]["grpc"]["port"]
+            assert port in served, f"{_component(workload)} {probe}"
+            assert port in declared
+            assert "service" not in container[probe]["grpc"]  # the server's overall health
 
 
 def test_the_executors_startup_probe_covers_a_long_model_load() -> None:

@@ -70,3 +70,16 @@ def test_the_value_sets_meet_the_schema(name: str) -> None:
 def test_the_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=where):
         chart.validate_schema(chart.merge_values(merged(MODEL, values)))
+
+
+def test_the_chart_readme_documents_every_value() -> None:
+    """Each value of values.yaml, or the group it belongs to, has a row in
+    the README's values table."""
+    readme = (CHART / "README.md").read_text()
+    rows = {line.split("`")[1] for line in readme.splitlines() if line.startswith("| `")}
+    undocumented = [
+        ".".join(path)
+        for path in _leaf_paths(load_values_file())
+        if not any(".".join(path[:n]) in rows for n in range(1, len(path) + 1))
+    ]
+    assert undocumented == []

@@ -22,12 +22,14 @@ mounts of _pod.tpl.
 {{- toJson $args -}}
 {{- end -}}
 
-{{/* --tls-cert/--tls-key of a server, with --tls-ca when it requires client certificates. */}}
+{{/* --tls-cert/--tls-key of a server (and its plaintext --health-port for the probes), with
+--tls-ca when it requires client certificates: (dict "ctx" $ "tier" .Values.router "requireClientCerts" false). */}}
 {{- define "pagedkv.serverTlsArgs" -}}
 {{- $paths := include "pagedkv.paths" .ctx | fromYaml -}}
 {{- $args := list -}}
 {{- if .ctx.Values.tls.enabled -}}
-{{- $args = list "--tls-cert" (printf "%s/tls.crt" $paths.tlsDir) "--tls-key" (printf "%s/tls.key" $paths.tlsDir) -}}
+{{- $args = list "--tls-cert" (printf "%s/tls.crt" $paths.tlsDir) "--tls-key" (printf "%s/tls.key" $paths.tlsDir)
+    "--health-port" (toString .tier.healthPort) -}}
 {{- if .requireClientCerts -}}
 {{- $args = concat $args (list "--tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
 {{- end -}}
@@ -65,7 +67,7 @@ mounts of _pod.tpl.
 {{- $args = append $args "--enforce-eager" -}}
 {{- end -}}
 {{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
-{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" true) | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "tier" $v "requireClientCerts" true) | fromJsonArray) -}}
 {{- $args = concat $args $v.extraArgs -}}
 {{- include "pagedkv.argList" $args -}}
 {{- end -}}
@@ -86,7 +88,7 @@ mounts of _pod.tpl.
 {{- $args = concat $args (list "--model" (include "pagedkv.modelArg" .)) -}}
 {{- end -}}
 {{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
-{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "tier" $v "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
 {{- if .Values.tls.enabled -}}
 {{- $args = concat $args (list
     "--executor-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)
@@ -113,7 +115,7 @@ mounts of _pod.tpl.
 {{- $args = concat $args (list "--model" (include "pagedkv.modelArg" .)) -}}
 {{- end -}}
 {{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
-{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
+{{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "tier" $v "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
 {{- if .Values.tls.enabled -}}
 {{- $args = concat $args (list "--scheduler-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
 {{- if .Values.tls.requireClientCertificates -}}

@@ -82,20 +82,16 @@ redisDir: /etc/pagedkv/redis
 {{- end -}}
 
 {{/*
-A readiness or liveness check of a gRPC port: grpc.health.v1 natively; with
-TLS a TCP connect, because the kubelet's gRPC probe speaks plaintext only.
+A check of a server's grpc.health.v1: (dict "ctx" $ "tier" .Values.scheduler).
+The kubelet's gRPC probe speaks plaintext only, so with TLS it asks the
+plaintext health-only port (--health-port) instead of the TLS port.
 */}}
 {{- define "pagedkv.healthCheck" -}}
-{{- if .ctx.Values.tls.enabled -}}
-tcpSocket:
-  port: {{ .port }}
-{{- else -}}
 grpc:
-  port: {{ .port }}
-{{- end -}}
+  port: {{ ternary .tier.healthPort .tier.port .ctx.Values.tls.enabled }}
 {{- end -}}
 
-{{/* Readiness and liveness probes: (dict "ctx" $ "port" 50051). */}}
+{{/* Readiness and liveness probes, same arguments. */}}
 {{- define "pagedkv.probes" -}}
 readinessProbe:
   {{- include "pagedkv.healthCheck" . | nindent 2 }}
@@ -106,6 +102,23 @@ livenessProbe:
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
+{{- end -}}
+
+{{/* The container's ports: (dict "ctx" $ "tier" .Values.scheduler "metrics" true). */}}
+{{- define "pagedkv.ports" -}}
+- name: grpc
+  containerPort: {{ .tier.port }}
+  protocol: TCP
+{{- if .ctx.Values.tls.enabled }}
+- name: health
+  containerPort: {{ .tier.healthPort }}
+  protocol: TCP
+{{- end }}
+{{- if .metrics }}
+- name: metrics
+  containerPort: {{ .tier.metricsPort }}
+  protocol: TCP
+{{- end }}
 {{- end -}}
 
 {{/* Environment of every pagedkv container. */}}
