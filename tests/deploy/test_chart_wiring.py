@@ -296,3 +296,38 @@ def test_every_tier_has_a_disruption_budget() -> None:
         _component(b): b["spec"]["maxUnavailable"] for b in of_kind(objects, "PodDisruptionBudget")
     }
     assert budgets == {"router": 1, "scheduler": 1, "executor": 1}
+
+
+def test_generated_certificates_name_what_clients_dial_and_serve_both_ends() -> None:
+    """An executor's certificate covers its pod name under the headless
+    Service (what schedulers dial); the schedulers' doubles as their client
+    certificate towards executors (mutual TLS), so every tier's carries both
+    key usages and the CA's signature."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import padding
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    objects = manifests_of("tls")
+    ca_secret = next(
+        s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == "demo-pagedkv-ca"
+    )
+    ca = x509.load_pem_x509_certificate(base64.b64decode(ca_secret["data"]["tls.crt"]))
+    names = {}
+    for component in ("router", "scheduler", "executor"):
+        secret = named(objects, "Secret", component)
+        cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+        ca.public_key().verify(
+            cert.signature,
+            cert.tbs_certificate_bytes,
+            padding.PKCS1v15(),
+            cert.signature_hash_algorithm,
+        )
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= usages
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names[component] = set(san.get_values_for_type(x509.DNSName))
+    executor = named(objects, "StatefulSet", "executor")
+    dialed = _flag_values(_container(executor)["args"])["--advertise-address"]
+    host = dialed.rsplit(":", 1)[0].replace("$(POD_NAME)", "*")
+    assert host in names["executor"]
+    assert f"demo-pagedkv-router.{NAMESPACE}.svc" in names["router"]
