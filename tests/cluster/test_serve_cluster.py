@@ -234,8 +234,11 @@ def test_routers_without_redis_are_refused_in_one_line(
 def test_bad_router_weights_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--router-weights", "1,x,2"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "pagedkv serve: --router-weights 1,x,2: three weights >= 0, PREFIX,LOAD,KV"
+        "pagedkv serve: --router-weights 1,x,2: three weights >= 0, then optionally a load "
+        "bound >= 1 and a load slack >= 0, PREFIX,LOAD,KV[,BOUND[,SLACK]]"
     )
+    assert main(["serve", "--router-weights", "1,0.5,0.5,0.8"]) == 2
+    assert "a load bound >= 1" in capsys.readouterr().err
 
 
 def test_redis_and_a_redis_url_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,7 +27,20 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-prefix", type=float, default=1.0, help="kv: weight of the cached share"
     )
     group.add_argument(
-        "--weight-load", type=float, default=2.0, help="kv: weight of queued / (mean + 1)"
+        "--weight-load", type=float, default=0.5, help="kv: weight of queued / (mean + 1)"
+    )
+    group.add_argument(
+        "--load-bound",
+        type=float,
+        default=1.5,
+        help="kv: an executor that would pass this many times the mean queued (and the mean "
+        "plus --load-slack) is ranked last",
+    )
+    group.add_argument(
+        "--load-slack",
+        type=float,
+        default=4.0,
+        help="kv: sequences above the mean any executor may run (the bound for small loads)",
     )
     group.add_argument("--weight-kv", type=float, default=0.5, help="kv: weight of KV usage")
 

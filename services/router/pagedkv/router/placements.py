@@ -47,7 +47,7 @@ class Placements:
         self._keys = itertools.count()
 
     def open(self, address: str) -> Placement:
-        placement = Placement(next(self._keys), address, _now_ms())
+        placement = Placement(next(self._keys), address, now_ms())
         self._open.setdefault(address, {})[placement.key] = placement.placed_ms
         return placement
 
@@ -58,7 +58,7 @@ class Placements:
             return
         if not placed:
             del self._open[placement.address]
-        now = _now_ms()
+        now = now_ms()
         closed = self._closed.setdefault(placement.address, deque())
         closed.append(_Closed(placement.placed_ms, now))
         while now - closed[0].closed_ms > CLOSED_HISTORY_MS:
@@ -81,5 +81,6 @@ class Placements:
         return sum(len(p) for p in self._open.values())
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
+    """Wall-clock milliseconds."""
     return int(time.time() * 1000)

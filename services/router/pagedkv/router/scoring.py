@@ -4,22 +4,35 @@ A policy ranks the candidate executors (those with a live lease holder that
 admits requests) for one request, best first; the router tries them in that
 order. Three policies, swappable by type (``POLICIES``):
 
-- ``KVAwarePolicy`` (``kv``, the default) scores each executor by the share
-  of the prompt's full blocks its prefix cache holds, minus its load relative
-  to the cluster's mean, minus its KV usage::
+- ``KVAwarePolicy`` (``kv``, the default) keeps every executor under a
+  load bound, and among those under it scores each by the share of the
+  prompt's full blocks its prefix cache holds, minus its load relative to
+  the cluster's mean, minus its KV usage::
 
+      mean  = (sum(queued) + 1) / num_executors      # with this request
+      bound = ceil(max(load_bound * mean, mean + load_slack))
       score = w_prefix * cached_blocks / prompt_blocks
             - w_load * queued / (mean_queued + 1)
             - w_kv * kv_usage
 
   ``queued`` is the executor's running plus waiting sequences (the last load
-  report, plus what this router placed there since). The load term is relative
-  to the mean, so the same weights hold for 4 executors or 64, for idle
-  clusters or busy ones: with ``w_prefix = 1`` and ``w_load = 2``, an executor
-  holding the whole prompt is preferred to an idle one without it until it
-  runs about half the mean load above it. One hot prefix therefore spreads:
-  the next copies go where it is not cached, and those executors then cache
-  it too.
+  report, plus what this router placed there since). An executor that would
+  pass the bound with this request (``queued + 1 > bound``) is ranked after
+  every executor under it, however much of the prompt it caches: this is
+  what spreads a hot prefix (bounded loads, as in consistent hashing with
+  bounded loads). The bound is relative to the mean, so it holds for 4
+  executors or 64, idle or busy; with the default 1.5 the hottest executor
+  runs at most about 1.5 times the mean. The slack (default 4 sequences)
+  is for small loads: there, one more sequence in a batch costs an
+  executor next to nothing, while 1.5 times a mean of 2 would already
+  send a prefix's second request elsewhere and compute it again. Under the
+  bound the cache wins:
+  with ``w_prefix = 1`` and ``w_load = 0.5`` an executor holding the whole
+  prompt beats an idle one until it runs about twice the mean above it,
+  which is past the bound, so the load term only orders executors that
+  hold equal shares (usually none). A prefix computed once is worth more
+  than a slightly shorter queue: on a GPU a prompt block's prefill costs
+  far more than the marginal decode work of one more sequence in a batch.
 - ``RoundRobinPolicy`` (``round-robin``) and ``LeastLoadedPolicy``
   (``least-loaded``, fewest queued then lowest KV usage) ignore the cache:
   they are the baselines of the routing benchmarks.
@@ -32,6 +45,7 @@ Pure and synchronous: the cluster simulation drives the same code.
 from __future__ import annotations
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,23 +68,31 @@ class RoutingWeights:
     """The ``kv`` policy's weights (see the module docstring)."""
 
     prefix: float = 1.0
-    load: float = 2.0
+    load: float = 0.5
     kv_usage: float = 0.5
+    load_bound: float = 1.5  # times the mean queued, after this request
+    load_slack: float = 4.0  # sequences above that mean, for small loads
 
     def __post_init__(self) -> None:
         for name in ("prefix", "load", "kv_usage"):
             value = getattr(self, name)
             if not value >= 0.0:
                 raise ValueError(f"weight {name}: {value} must be >= 0")
+        if not self.load_bound >= 1.0:
+            raise ValueError(f"load bound: {self.load_bound} must be >= 1")
+        if not self.load_slack >= 0.0:
+            raise ValueError(f"load slack: {self.load_slack} must be >= 0")
 
 
 class Choice(NamedTuple):
     """One ranked candidate: the prompt blocks it holds and its score (policies
-    without a score rank by their own order; their score is minus the rank)."""
+    without a score rank by their own order; their score is minus the rank).
+    ``over_bound``: the kv policy ranked it last for its load."""
 
     candidate: Candidate
     cached_blocks: int
     score: float
+    over_bound: bool = False
 
 
 class RoutingPolicy(ABC):
@@ -116,15 +138,18 @@ class KVAwarePolicy(RoutingPolicy):
         if not candidates:
             return []
         w = self.weights
-        mean = sum(c.num_queued for c in candidates) / len(candidates)
+        total = sum(c.num_queued for c in candidates)
+        mean = total / len(candidates)
+        after = (total + 1.0) / len(candidates)
+        bound = math.ceil(max(w.load_bound * after, after + w.load_slack) - 1e-9)
         rotation = self._rotation(candidates)
         choices = []
         for c in candidates:
             cached = cached_blocks.get(c.incarnation_id, 0)
             hit = cached / num_prompt_blocks if num_prompt_blocks else 0.0
             score = w.prefix * hit - w.load * c.num_queued / (mean + 1.0) - w.kv_usage * c.kv_usage
-            choices.append(Choice(c, cached, score))
-        choices.sort(key=lambda ch: (-ch.score, rotation[ch.candidate.address]))
+            choices.append(Choice(c, cached, score, c.num_queued + 1.0 > bound))
+        choices.sort(key=lambda ch: (ch.over_bound, -ch.score, rotation[ch.candidate.address]))
         return choices
 
 

@@ -26,7 +26,9 @@ log = get_logger(__name__)
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """ValueError (RedisUrlError, SecurityError) naming the option when one is wrong."""
-    weights = RoutingWeights(args.weight_prefix, args.weight_load, args.weight_kv)
+    weights = RoutingWeights(
+        args.weight_prefix, args.weight_load, args.weight_kv, args.load_bound, args.load_slack
+    )
     if not args.refresh_interval > 0:
         raise ValueError(f"--refresh-interval: {args.refresh_interval} must be > 0")
     return RouterConfig(

@@ -27,12 +27,14 @@ import redis.exceptions
 from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.common.errors import InvalidArgument, Unavailable
+from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
 from pagedkv.common.security import TlsConfig, TokenClientInterceptor, TokenFile, open_aio_channel
 from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.router.metrics import RouterMetrics
-from pagedkv.router.placements import Placements
+from pagedkv.router.pending import PendingPrompts, merged
+from pagedkv.router.placements import Placements, now_ms
 from pagedkv.router.scoring import Choice, RoutingWeights, make_policy
 from pagedkv.router.view import ClusterSnapshot, candidates_of, read_cluster
 from pagedkv.scheduler.text import TextTokenizer
@@ -87,6 +89,7 @@ class RouterService:
             on_reload=metrics.count_reload if metrics else None,
         )
         self.placements = Placements()
+        self.pending = PendingPrompts()
         self.snapshot = ClusterSnapshot()
         self.degraded: str | None = "not read yet"
         self.tokenizer: TextTokenizer | None = None
@@ -217,7 +220,9 @@ class RouterService:
         tokens = self._prompt(request)
         candidates = candidates_of(snapshot, avoided, self.placements.correction)
         cached: dict[str, int] = {}
+        hashes_of: dict[str, list[BlockHash]] = {}  # incarnation -> the prompt's hashes
         num_prompt_blocks = 0
+        now = now_ms()
         if tokens is not None and candidates:
             groups: dict[tuple[str, int], list[str]] = {}
             for candidate in candidates:
@@ -228,9 +233,13 @@ class RouterService:
             for (model_id, block_size), incarnations in groups.items():
                 hashes = prompt_block_hashes(tokens, model_id, block_size, request.cache_salt)
                 num_prompt_blocks = max(num_prompt_blocks, len(hashes))
-                depth = self.index.match(hashes)
+                depth = merged(self.index.match(hashes), self.pending.match(hashes, now))
                 cached.update((i, depth[i]) for i in incarnations if i in depth)
+                hashes_of.update((i, hashes) for i in incarnations)
         choices = self.policy.rank(candidates, cached, num_prompt_blocks)
+        if choices and choices[0].candidate.incarnation_id in hashes_of:
+            chosen = choices[0].candidate.incarnation_id
+            self.pending.add(chosen, hashes_of[chosen], now)
         routes = self._routes(snapshot, choices, avoided)
         if not routes:
             detail = f" ({self.degraded})" if self.degraded else ""

@@ -273,8 +273,16 @@ def router_commands(args: argparse.Namespace, model: str, redis_url: str) -> lis
         command += ["--host", args.host, "--port", str(args.port + i if args.port else 0)]
         command += ["--drain-timeout", str(args.drain_timeout)]
         if args.router_weights:
-            prefix, load, kv = args.router_weights.split(",")
-            command += ["--weight-prefix", prefix, "--weight-load", load, "--weight-kv", kv]
+            values = args.router_weights.split(",")
+            flags = (
+                "--weight-prefix",
+                "--weight-load",
+                "--weight-kv",
+                "--load-bound",
+                "--load-slack",
+            )
+            for flag, value in zip(flags, values, strict=False):
+                command += [flag, value]
         if args.metrics_port is not None:
             port = args.metrics_port + i if args.metrics_port else 0
             command += ["--metrics-port", str(port)]
@@ -510,8 +518,15 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             weights = [float(w) for w in args.router_weights.split(",")]
         except ValueError:
             weights = []
-        if len(weights) != 3 or not all(w >= 0 for w in weights):
-            return f"--router-weights {args.router_weights}: three weights >= 0, PREFIX,LOAD,KV"
+        if (
+            not 3 <= len(weights) <= 5
+            or not all(w >= 0 for w in weights[:3] + weights[4:])
+            or not all(b >= 1 for b in weights[3:4])
+        ):
+            return (
+                f"--router-weights {args.router_weights}: three weights >= 0, then optionally "
+                "a load bound >= 1 and a load slack >= 0, PREFIX,LOAD,KV[,BOUND[,SLACK]]"
+            )
     if args.schedulers > 1 and not (args.redis or args.redis_url):
         return (
             f"--schedulers {args.schedulers} needs a cluster: give --redis-url URL "

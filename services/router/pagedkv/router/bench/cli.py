@@ -31,8 +31,8 @@ def register(subparsers: Any, name: str) -> None:
     cluster.add_argument(
         "--weights",
         default="",
-        metavar="PREFIX,LOAD,KV",
-        help="the kv policy's weights (default: the router's)",
+        metavar="PREFIX,LOAD,KV[,BOUND[,SLACK]]",
+        help="the kv policy's weights, load bound and slack (default: the router's)",
     )
     trace = parser.add_argument_group("trace")
     trace.add_argument("--num-requests", type=int, default=256)

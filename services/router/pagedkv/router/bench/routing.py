@@ -26,6 +26,7 @@ from pagedkv.router.bench.load import RequestRecord, router_stats, run_trace
 from pagedkv.router.bench.local_cluster import ClusterShape, LocalCluster, router_metrics
 from pagedkv.router.bench.report import GOAL_RATIO, goal, plot, summarize, table
 from pagedkv.router.bench.trace import TraceConfig, TraceRequest, generate, prefix_weights
+from pagedkv.router.scoring import RoutingWeights
 from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.serve import _model_dir
 
@@ -138,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
                 "num_blocks": shape.num_blocks,
                 "max_num_seqs": shape.max_num_seqs,
                 "max_num_batched_tokens": shape.max_num_batched_tokens,
-                "router_weights": shape.router_weights or "defaults (1,2,0.5)",
+                "router_weights": shape.router_weights or _default_weights(),
                 "model": "tiny random llama" if args.model is None else args.model,
             },
             "trace": {
@@ -177,7 +178,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{cluster['executors']} CPU executors ({cluster['model']}, {cluster['num_blocks']} "
         f"KV blocks of 16 tokens each, max {cluster['max_num_seqs']} sequences), a private "
         "Redis; started fresh for each policy; kv weights (prefix, load, KV usage): "
-        f"{cluster.get('router_weights', 'defaults (1,2,0.5)')}.",
+        f"{cluster['router_weights']}.",
         f"Trace: {trace['num_requests']} requests, {params['concurrency']} at a time (closed "
         f"loop); {trace['num_prefixes']} shared prefixes of {trace['prefix_len']} tokens, "
         f"{popularity} popularity; a unique suffix of {trace['min_suffix_len']}-"
@@ -211,3 +212,11 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _default_weights() -> str:
+    w = RoutingWeights()
+    return (
+        f"defaults ({w.prefix:g},{w.load:g},{w.kv_usage:g}), load bound {w.load_bound:g} x mean, "
+        f"slack {w.load_slack:g}"
+    )

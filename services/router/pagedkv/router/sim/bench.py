@@ -81,6 +81,8 @@ def weights_of(args: argparse.Namespace) -> RoutingWeights:
         prefix=defaults.prefix if args.weight_prefix is None else args.weight_prefix,
         load=defaults.load if args.weight_load is None else args.weight_load,
         kv_usage=defaults.kv_usage if args.weight_kv is None else args.weight_kv,
+        load_bound=defaults.load_bound if args.load_bound is None else args.load_bound,
+        load_slack=defaults.load_slack if args.load_slack is None else args.load_slack,
     )
 
 

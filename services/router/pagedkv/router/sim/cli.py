@@ -48,6 +48,8 @@ def register(subparsers: Any, name: str) -> None:
     runs.add_argument("--weight-prefix", type=float, default=None)
     runs.add_argument("--weight-load", type=float, default=None)
     runs.add_argument("--weight-kv", type=float, default=None)
+    runs.add_argument("--load-bound", type=float, default=None)
+    runs.add_argument("--load-slack", type=float, default=None)
     runs.add_argument(
         "--fail-at", type=float, default=None, help="seconds (default: half the duration)"
     )

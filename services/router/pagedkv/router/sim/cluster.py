@@ -171,7 +171,7 @@ class _Loop:
 
     def submit(self, job: Job, now: float) -> None:
         self.router.apply_due(now)
-        executor, _ = self.router.place(job.request.token_ids)
+        executor, _ = self.router.place(job.request.token_ids, now)
         job.tracked.executors.append(executor)
         self.executors[executor].submit(job)
         if self.busy[executor] is None:

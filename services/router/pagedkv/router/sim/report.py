@@ -151,7 +151,9 @@ def write_markdown(data: dict[str, Any], path: Path, plot_name: str) -> None:
         f"and {cluster['max_num_batched_tokens']:,} tokens per step, chunked prefill), "
         "the router the real `PrefixIndex` and policies "
         f"(kv weights: prefix {weights['prefix']:g}, load {weights['load']:g}, "
-        f"KV usage {weights['kv_usage']:g}). Cache events reach the router's index at the "
+        f"KV usage {weights['kv_usage']:g}; load bound {weights.get('load_bound', 0):g} x mean, "
+        f"slack {weights.get('load_slack', 0):g}). "
+        "Cache events reach the router's index at the "
         f"next {cluster['flush_interval_s'] * 1000:g} ms flush "
         f"(+{cluster['index_lag_s'] * 1000:g} ms); load reports every "
         f"{cluster['report_interval_s'] * 1000:g} ms, plus the router's own placements since.",

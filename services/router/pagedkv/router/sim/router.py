@@ -12,7 +12,8 @@ What a real router knows, and when:
   router adds what it placed on each executor since the last one.
 
 ``place`` builds a ``Candidate`` for every executor with a live owner, looks
-the prompt's block hashes up in the index and takes the policy's first
+the prompt's block hashes up in the index and in the prompts placed in the
+last ``PENDING_TTL_MS`` (as the router does) and takes the policy's first
 choice; the three policies run this same code.
 """
 
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
+from pagedkv.router.pending import PendingPrompts, merged
 from pagedkv.router.scoring import Candidate, Choice, RoutingPolicy
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 
@@ -46,6 +48,7 @@ class SimRouter:
     ) -> None:
         self.policy = policy
         self.index = PrefixIndex()
+        self.pending = PendingPrompts()
         self.model_id = model_id
         self.block_size = block_size
         self.index_lag_s = index_lag_s
@@ -125,8 +128,9 @@ class SimRouter:
 
     # -- placement ---------------------------------------------------------------------
 
-    def place(self, token_ids: Sequence[int]) -> tuple[int, Choice]:
-        """The executor the policy ranks first for a prompt, and its choice."""
+    def place(self, token_ids: Sequence[int], now: float) -> tuple[int, Choice]:
+        """The executor the policy ranks first for a prompt at ``now``
+        (seconds), and its choice."""
         candidates = [
             self._candidate(executor, owner)
             for executor, owner in enumerate(self._owners)
@@ -135,8 +139,11 @@ class SimRouter:
         if not candidates:
             raise RuntimeError("no executor has an owner")
         hashes = prompt_block_hashes(token_ids, self.model_id, self.block_size)
-        choices = self.policy.rank(candidates, self.index.match(hashes), len(hashes))
+        now_ms = int(now * 1000)
+        cached = merged(self.index.match(hashes), self.pending.match(hashes, now_ms))
+        choices = self.policy.rank(candidates, cached, len(hashes))
         best = choices[0]
+        self.pending.add(best.candidate.incarnation_id, hashes, now_ms)
         executor = int(best.candidate.address.rsplit("-", 1)[1])
         self._placed_since_report[executor] += 1
         self._candidates.pop(executor, None)
