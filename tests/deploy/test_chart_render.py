@@ -100,6 +100,7 @@ def test_notes_say_where_clients_connect() -> None:
     notes = render(values_for("tls"))["pagedkv/templates/NOTES.txt"]
     assert "demo-pagedkv-router.llm.svc:50051" in notes
     assert "client-token" in notes
+    assert "pagedkv stats --target localhost:50051 --tls-ca ca.crt --token-file token" in notes
 
 
 @pytest.mark.parametrize(

@@ -331,3 +331,4 @@ def test_generated_certificates_name_what_clients_dial_and_serve_both_ends() -> 
     host = dialed.rsplit(":", 1)[0].replace("$(POD_NAME)", "*")
     assert host in names["executor"]
     assert f"demo-pagedkv-router.{NAMESPACE}.svc" in names["router"]
+    assert "localhost" in names["router"]  # kubectl port-forward, as NOTES.txt shows
