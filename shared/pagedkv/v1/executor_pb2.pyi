@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks")
+    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks", "draining")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GetInfoResponse(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_TAGGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     max_model_len: int
@@ -45,7 +46,8 @@ class GetInfoResponse(_message.Message):
     max_logprobs: int
     device: str
     num_tagged_blocks: int
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "row", "prompt_token_ids", "sampling")
@@ -102,7 +104,7 @@ class StepRequest(_message.Message):
     def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us")
+    __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us", "draining", "drain_seconds_left")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,8 @@ class StepResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIME_US_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_rows: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -121,7 +125,9 @@ class StepResponse(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     host_time_us: int
     device_time_us: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., host_time_us: _Optional[int] = ..., device_time_us: _Optional[int] = ...) -> None: ...
+    draining: bool
+    drain_seconds_left: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., host_time_us: _Optional[int] = ..., device_time_us: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("owner", "new_requests", "rows", "block_table_starts", "new_block_counts", "new_block_ids")

@@ -77,6 +77,13 @@ def register(subparsers: Any, name: str) -> None:
         help="HOST:PORT schedulers reach this executor at, as registered (default: --host and "
         "the bound port; the machine's host name when --host is a wildcard)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the owner gets to finish this executor's requests (it moves "
+        "the rest elsewhere) before the executor stops",
+    )
     add_redis_secret_arguments(parser)
     add_server_tls_arguments(parser, clients="schedulers")
     parser.set_defaults(handler=_run)
@@ -87,6 +94,11 @@ def _run(args: argparse.Namespace) -> int:
         check_model_argument(args.model)
     except ModelArgumentError as exc:
         print(f"pagedkv executor: --model {args.model}: {exc}", file=sys.stderr)
+        return 2
+    if not args.drain_timeout >= 0:
+        print(
+            f"pagedkv executor: --drain-timeout {args.drain_timeout}: must be >= 0", file=sys.stderr
+        )
         return 2
     from pagedkv.common.security import SecurityError, server_security_from_args
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +64,33 @@ class Executor:
         self.session = 0  # bumped by every reset: open streams of older sessions end
         self.lock = threading.Lock()
         self.tags = BlockTags()  # written only here, under the lock
+        self.drain_deadline: float | None = None  # time.monotonic() when it stops
+        # Called once when draining starts (the server turns its health NOT_SERVING).
+        self.on_draining: list[Callable[[], None]] = []
+
+    # -- draining -------------------------------------------------------------
+
+    def drain(self, timeout: float) -> None:
+        """Starts stopping (SIGTERM): every later step and GetInfo says so,
+        so the owner admits nothing new here and lets the rows finish. The
+        caller waits for ``num_live_rows`` to reach 0 or ``timeout`` to pass.
+        Idempotent (the first deadline holds)."""
+        if self.drain_deadline is not None:
+            return
+        self.drain_deadline = time.monotonic() + timeout
+        for hook in self.on_draining:
+            hook()
+
+    @property
+    def num_live_rows(self) -> int:
+        with self.lock:
+            return int(self.runner.rows.live.sum())
+
+    def _drain_fields(self) -> dict[str, Any]:
+        if self.drain_deadline is None:
+            return {}
+        left = max(0.0, self.drain_deadline - time.monotonic())
+        return {"draining": True, "drain_seconds_left": left}
 
     # -- fencing --------------------------------------------------------------
 
@@ -126,6 +155,7 @@ class Executor:
             max_logprobs=runner.config.max_logprobs,
             device=str(runner.device),
             num_tagged_blocks=len(self.tags),
+            draining=self.drain_deadline is not None,
         )
 
     def list_cached_blocks(
@@ -222,7 +252,7 @@ class Executor:
             self._apply(plan)
             device_start = self._device_clock()
             result = runner.run(plan)
-            response = executor_pb2.StepResponse(step_id=request.step_id)
+            response = executor_pb2.StepResponse(step_id=request.step_id, **self._drain_fields())
             if result is not None:
                 sampled_rows = plan.rows[plan.needs_sample]
                 runner.rows.pending_sample[sampled_rows] = True

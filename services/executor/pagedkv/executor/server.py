@@ -3,7 +3,13 @@
 With ``--redis-url``, the executor registers in the cluster registry once it
 serves, heartbeats from a daemon thread (a Redis outage is logged, never
 fatal: it serves anyway and registers again when Redis is back), and
-unregisters on SIGTERM/SIGINT before the server stops."""
+unregisters on SIGTERM/SIGINT before the server stops.
+
+SIGTERM (or SIGINT) drains first: health turns NOT_SERVING and every step's
+response says the executor drains, so its owner admits nothing new there and
+lets the running requests finish (moving the rest before the time is up); the
+executor stops once no row is live, after ``--drain-timeout`` seconds, or on a
+second signal."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -82,18 +88,39 @@ def serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     log.info("executor serving", port=port, num_blocks=runner.limits.num_blocks)
+    signals: list[int] = []
     stop = threading.Event()
+
+    def on_signal(signum: int, _: object) -> None:
+        signals.append(signum)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     registration = None
     if args.redis_url is not None:
         address = args.advertise_address or f"{_advertised_host(args.host)}:{port}"
         registration = _register(executor, args.redis_url, address)
     stop.wait()
+    _drain(executor, args.drain_timeout, signals, log)
     if registration is not None:
         registration.close()
     server.stop(grace=2).wait()
     return 0
+
+
+def _drain(executor: Executor, timeout: float, signals: list[int], log: Any) -> None:
+    """Lets the owner finish the executor's rows (its steps now say the
+    executor drains; health is NOT_SERVING) until none is live, ``timeout``
+    seconds pass, or a second signal comes."""
+    executor.drain(timeout)
+    live = executor.num_live_rows
+    log.info("executor draining", live_rows=live, timeout_s=timeout)
+    deadline = time.monotonic() + timeout
+    while live and len(signals) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = executor.num_live_rows
+    log.info("executor stopping", live_rows=live)
 
 
 def _advertised_host(host: str) -> str:

@@ -112,7 +112,7 @@ class ClusterMember:
             await asyncio.gather(self._drain, return_exceptions=True)
         why = "the scheduler is stopping"
         await asyncio.gather(
-            *(self._give_up(a, drain_timeout, why) for a in list(self.held)),
+            *(self.give_up(a, drain_timeout, why) for a in list(self.held)),
             return_exceptions=True,
         )
         await self.close()
@@ -387,6 +387,8 @@ class ClusterMember:
                 )
             if service.info.model_id and info.model_id != service.info.model_id:
                 raise ExecutorDown("refused", f"{address}: serves {info.model_id!r}")
+            if info.draining:
+                raise ExecutorDown("refused", f"{address}: it is stopping")
             taken = await service._take_over(client, info)
         except ExecutorDown as exc:
             await client.close()
@@ -422,10 +424,10 @@ class ClusterMember:
         address = min(candidates, key=lambda a: len(schedulers[a].running))
         log.info("rebalancing: giving an executor up", executor=address, held=len(self.held))
         self._drain = asyncio.create_task(
-            self._give_up(address, self.config.drain_timeout, "rebalanced to another scheduler")
+            self.give_up(address, self.config.drain_timeout, "rebalanced to another scheduler")
         )
 
-    async def _give_up(self, address: str, timeout: float, why: str) -> None:
+    async def give_up(self, address: str, timeout: float, why: str) -> None:
         await self.service.drain_executor(address, timeout, why)
         lease = self.held.pop(address, None)
         self.valid_until.pop(address, None)

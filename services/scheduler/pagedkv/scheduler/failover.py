@@ -51,6 +51,7 @@ log = get_logger(__name__)
 
 PROBE_BACKOFF_S = (0.25, 5.0)  # first and longest wait between probes of a down executor
 MAX_UNATTRIBUTED_ERRORS = 3  # in a row on one executor: its generations fail
+EXECUTOR_DRAIN_MARGIN_S = 1.0  # a stopping executor's time kept to move what still runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +426,32 @@ class ExecutorFailover:
         await scheduler.stopped.wait()
         log.info("executor given up", executor=address)
 
+    def executor_draining(self, address: str, seconds_left: float) -> None:
+        """The executor said it is stopping (SIGTERM; a step's response
+        carries ``draining``). It is drained like one given up, within the
+        time it has left less ``EXECUTOR_DRAIN_MARGIN_S`` (to move what is
+        still running before it stops), then given up: in a cluster its
+        lease is released (its next incarnation registers anew); on its own
+        it is marked down and probed until a new incarnation answers."""
+        scheduler = self.schedulers.get(address)
+        if scheduler is None or scheduler.draining:
+            return  # already being given up
+        scheduler.draining = True
+        why = f"executor {address} is stopping"
+        timeout = max(0.0, seconds_left - EXECUTOR_DRAIN_MARGIN_S)
+        log.info("executor stopping", executor=address, seconds_left=round(seconds_left, 1))
+        if self.cluster is not None:
+            self._spawn(self.cluster.give_up(address, timeout, why))
+        else:
+            self._spawn(self._drain_then_probe(address, timeout, why))
+
+    async def _drain_then_probe(self, address: str, timeout: float, why: str) -> None:
+        await self.drain_executor(address, timeout, why)
+        if address in self.schedulers or address in self.down or address not in self.clients:
+            return  # taken back or down meanwhile
+        self.down[address] = why
+        self._spawn(self._recover(address))
+
     async def _recover(self, address: str) -> None:
         """Probes a down executor with backoff (GetInfo on a fresh channel)
         and takes it back when it answers: a new incarnation as a fresh
@@ -467,4 +494,6 @@ class ExecutorFailover:
             return _owner(info)
         if info.owner.epoch >= MAX_EPOCH:
             return f"its epoch {info.owner.epoch} is the maximum; restart it"
+        if info.draining:
+            return "it is stopping"
         return None

@@ -423,6 +423,8 @@ class SchedulerService(ExecutorFailover):
             sent, t0, t1, sent_at = inflight.popleft()
             response = await client.receive(sent_at)
             t2 = clock()
+            if response.draining and not scheduler.draining:
+                self.executor_draining(address, response.drain_seconds_left)
             touched, errors = scheduler.process(sent, response)
             for generation, exc in errors:
                 error = self._internal_error(
