@@ -44,11 +44,16 @@ Round-robin and least-loaded ignore the cache: every executor computes each
 prefix the first time it gets a request for it, so their prefill cost over
 the floor is about (executors - 1) x prefixes x prefix length, paid while
 the caches warm up. The kv policy sends a prefix back to an executor that
-holds it, and copies it elsewhere only when that executor runs well above
-the mean load (its load term), so hot prefixes end up on more than one
-executor ("executors per prefix"). Once every executor has cached every
-prefix, all policies hit equally; the gap is a warm-up cost, so it shrinks
-relative to the total as a trace gets longer.
+holds it (or was just sent it: placements in flight count as cached), and
+copies it elsewhere only when that executor would pass the load bound (1.5
+times the mean queued, or the mean plus 4 at loads as small as these), so a
+hot prefix ends up on a second executor only now and then ("executors per
+prefix"). Once every executor has cached every prefix, all policies hit
+equally; the gap is a warm-up cost, so it shrinks relative to the total as a
+trace gets longer. Keeping a prefix's requests together also means some
+executors run more of them than others ("requests per executor"); TTFT and
+throughput here say little about that, as every executor shares the same
+cores and the times move from run to run with what else the machine does.
 
 KV size: with the default 1024 blocks every executor holds all the prefixes
 at once (a prefix is prefix_len / 16 blocks) plus its running requests.
