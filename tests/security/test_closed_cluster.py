@@ -20,10 +20,16 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.client import AsyncClient, Client, UnauthenticatedError
 from pagedkv.common.security import bearer_metadata
-from pagedkv.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pagedkv.v1 import (
+    common_pb2,
+    executor_pb2,
+    executor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.cluster.cluster_stack import wait_until
-from tests.router.router_stack import References, make_prefix, with_suffix
-from tests.security.conftest import ClosedCluster, Pki, Secrets
+from tests.router.router_stack import References, RouterProcess, make_prefix, with_suffix
+from tests.security.conftest import ClosedCluster, Pki, Secrets, client_tls_args
 
 MAX_TOKENS = 6
 
@@ -137,6 +143,41 @@ def test_a_rotated_token_file_is_honoured(
     finally:
         path.write_text(original)
     assert calls(target, pki, bearer_metadata(old))[0] == grpc.StatusCode.OK
+
+
+def test_a_router_without_a_token_of_its_own_passes_the_callers_on(
+    closed_cluster: ClosedCluster, pki: Pki, cluster_secrets: Secrets
+) -> None:
+    # No token file at all, plaintext towards clients, TLS towards the
+    # scheduler: GetStats, Abort and Generate reach the scheduler with the
+    # caller's token, and a call without one is refused by the scheduler.
+    url = closed_cluster.redis.url
+    password = ("--redis-password-file", str(cluster_secrets.redis_password_file))
+    with RouterProcess(url, *password, *client_tls_args("scheduler-", pki)) as router:
+        metadata = bearer_metadata(cluster_secrets.client_token)
+
+        def answered() -> bool:
+            stats = router.stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=30, metadata=metadata
+            )
+            return bool(stats.executors) and not stats.router.unreachable_scheduler_ids
+
+        wait_until(answered, what="the scheduler answers the router's GetStats")
+        aborted = router.stub.Abort(
+            scheduler_pb2.AbortRequest(request_id="none"), timeout=30, metadata=metadata
+        )
+        assert not aborted.aborted
+        request = scheduler_pb2.GenerateRequest(
+            token_ids=scheduler_pb2.TokenIds(ids=list(range(20))),
+            sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0),
+        )
+        chunks = list(router.stub.Generate(request, timeout=60, metadata=metadata))
+        assert sum(len(o.token_ids) for c in chunks for o in c.outputs) == 2
+        stats = router.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+        assert not stats.executors and stats.router.unreachable_scheduler_ids
+        with pytest.raises(grpc.RpcError) as refused:
+            list(router.stub.Generate(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_greedy_output_through_the_closed_cluster_equals_hugging_face(

@@ -44,6 +44,8 @@ log = get_logger(__name__)
 
 REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
+Metadata = tuple[tuple[str, str | bytes], ...]
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -333,27 +335,35 @@ class RouterService:
             self._channels[address] = channel
         return scheduler_pb2_grpc.SchedulerStub(channel)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, metadata: Metadata = ()) -> bool:
         """Aborts ``request_id`` on the scheduler this router sent it to, or
-        on every live scheduler when it did not send it."""
+        on every live scheduler when it did not send it. ``metadata``: the
+        caller's, passed on (its token, when the router has none of its own)."""
         address = self.live.get(request_id)
         addresses = [address] if address else [m.address for m in self.snapshot.members.values()]
         request = scheduler_pb2.AbortRequest(request_id=request_id)
         replies = await asyncio.gather(
-            *(self.stub(a).Abort(request, timeout=self.config.stats_timeout_s) for a in addresses),
+            *(
+                self.stub(a).Abort(request, timeout=self.config.stats_timeout_s, metadata=metadata)
+                for a in addresses
+            ),
             return_exceptions=True,
         )
         return any(isinstance(r, scheduler_pb2.AbortResponse) and r.aborted for r in replies)
 
-    async def stats(self) -> scheduler_pb2.GetStatsResponse:
-        """The live schedulers' stats summed, the cluster view and the router's state."""
+    async def stats(self, metadata: Metadata = ()) -> scheduler_pb2.GetStatsResponse:
+        """The live schedulers' stats summed, the cluster view and the
+        router's state; ``metadata`` as for ``abort``."""
         members = sorted(self.snapshot.members.values(), key=lambda m: m.member_id)
         request = scheduler_pb2.GetStatsRequest()
+        timeout = self.config.stats_timeout_s
         replies = await asyncio.gather(
-            *(self.stub(m.address).GetStats(request, timeout=self.config.stats_timeout_s)
-              for m in members),
+            *(
+                self.stub(m.address).GetStats(request, timeout=timeout, metadata=metadata)
+                for m in members
+            ),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         response = scheduler_pb2.GetStatsResponse(scheduler_id=self.router_id)
         problems, unreachable = [], []
         for member, reply in zip(members, replies, strict=True):
@@ -394,7 +404,7 @@ class RouterService:
         return len(self.follower.cursors)
 
 
-def forwarded_metadata(metadata: object) -> tuple[tuple[str, str | bytes], ...]:
+def forwarded_metadata(metadata: object) -> Metadata:
     """The caller's metadata to pass on (gRPC's own and pseudo headers dropped)."""
     items: list[tuple[str, str | bytes]] = []
     with contextlib.suppress(TypeError):

@@ -97,12 +97,14 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: Any
     ) -> scheduler_pb2.AbortResponse:
-        return scheduler_pb2.AbortResponse(aborted=await self.service.abort(request.request_id))
+        metadata = forwarded_metadata(context.invocation_metadata())
+        aborted = await self.service.abort(request.request_id, metadata)
+        return scheduler_pb2.AbortResponse(aborted=aborted)
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: Any
     ) -> scheduler_pb2.GetStatsResponse:
-        return await self.service.stats()
+        return await self.service.stats(forwarded_metadata(context.invocation_metadata()))
 
 
 class RouterServer:
