@@ -1,0 +1,195 @@
+"""The live scheduler's CPU cost per decode step, without an executor.
+
+Drives the service's own step code, ``ExecutorScheduler.schedule()`` then
+``process()`` and the generations' ``flush()`` (what ``SchedulerService``'s
+step loop runs per step), with a synthetic ``StepResponse`` built from each
+step message (one token sampled per entry that asks for one), two steps in
+flight as in the service. Reports microseconds of scheduler CPU per running
+request per step (the median step once every request decodes; the best
+step too, the one least disturbed by a loaded machine).
+
+    python -m pagedkv.scheduler.bench.steps --requests 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
+from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
+from pagedkv.v1 import common_pb2, executor_pb2
+
+BLOCK_SIZE = 16
+VOCAB_SIZE = 32_000
+
+
+def executor_info(num_blocks: int, max_num_rows: int) -> executor_pb2.GetInfoResponse:
+    """A GetInfo answer for a 22-layer llama-like model (no executor behind it)."""
+    return executor_pb2.GetInfoResponse(
+        model_id="bench",
+        dtype="bfloat16",
+        max_model_len=8192,
+        vocab_size=VOCAB_SIZE,
+        eos_token_ids=[2],
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        kv_cache_groups=[
+            common_pb2.KVCacheSpec(
+                block_size=BLOCK_SIZE,
+                layer_indices=list(range(22)),
+                num_kv_heads=4,
+                head_size=64,
+                dtype="bfloat16",
+            )
+        ],
+        max_num_rows=max_num_rows,
+        max_num_batched_tokens=8192,
+        max_logprobs=20,
+    )
+
+
+def response_for(message: executor_pb2.StepRequest, token_id: int) -> executor_pb2.StepResponse:
+    """What an executor answers: a token for every entry that asks for a sample."""
+    rows = [r.row for r in message.new_requests] + list(message.rows)
+    sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
+    return executor_pb2.StepResponse(
+        step_id=message.step_id,
+        sampled_rows=sampled,
+        sampled_token_ids=[(token_id + row) % VOCAB_SIZE for row in sampled],
+        sampled_logprobs=[-1.0] * len(sampled),
+        num_top_logprobs=[0] * len(sampled),
+    )
+
+
+def generation(
+    scheduler: ExecutorScheduler,
+    key: int,
+    prompt: list[int],
+    max_tokens: int,
+    tokenizer: TextTokenizer | None,
+) -> Generation:
+    gen = Generation(
+        request_id=f"r{key}",
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        n=1,
+        priority=0,
+        cache_salt="",
+        eos_token_ids=frozenset(),
+        stop_token_ids=frozenset(),
+        key=key,
+    )
+    request = scheduler.kv.make_request(gen.new_seq_id(), prompt, max_tokens=max_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    gen.sequences.append(Sequence(gen, 0, request, detokenizer=detokenizer))
+    return gen
+
+
+def measure(
+    num_requests: int,
+    *,
+    prompt_len: int,
+    num_steps: int,
+    tokenizer: TextTokenizer | None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Scheduler CPU per running request per decode step, ``num_requests`` running."""
+    rng = random.Random(seed)
+    max_tokens = num_steps + 16
+    blocks_each = -(-(prompt_len + max_tokens + 2) // BLOCK_SIZE) + 1
+    scheduler = ExecutorScheduler(
+        "bench",
+        executor_info(num_requests * blocks_each + 1, max(num_requests, 16)),
+        common_pb2.Owner(owner_id="bench", epoch=1),
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=8192,
+    )
+    generations = []
+    for key in range(num_requests):
+        prompt = [rng.randrange(3, VOCAB_SIZE) for _ in range(prompt_len)]
+        gen = generation(scheduler, key + 1, prompt, max_tokens, tokenizer)
+        generations.append(gen)
+        scheduler.add(gen.sequences[0])
+    inflight: deque[tuple[ScheduledStep, executor_pb2.StepResponse]] = deque()
+    clock = time.perf_counter
+    step_s: list[float] = []
+    gc.collect()
+    for i in range(num_steps):
+        t0 = clock()
+        step = scheduler.schedule()
+        t1 = clock()
+        if step is None:
+            raise RuntimeError("nothing scheduled: the requests finished early")
+        responses = [response_for(early, i) for early in step.before]
+        response = response_for(step.request, i)
+        for early, answer in zip(step.before, responses, strict=True):
+            inflight.append((ScheduledStep(early, []), answer))
+        inflight.append((step, response))
+        busy = t1 - t0
+        while len(inflight) >= 2:
+            sent, answer = inflight.popleft()
+            t2 = clock()
+            touched, errors = scheduler.process(sent, answer)
+            if errors:
+                raise errors[0][1]
+            for gen in touched:
+                gen.flush()
+            busy += clock() - t2
+        for gen in generations:  # the Generate streams read their chunks (not timed)
+            while not gen.chunks.empty():
+                gen.chunks.get_nowait()
+        decoding = all(e.num_scheduled == 1 for e in step.entries)
+        if decoding and len(step.entries) == num_requests:
+            step_s.append(busy)
+    if not step_s:
+        raise RuntimeError("no step had every request decoding")
+    report = scheduler.kv.check_integrity()
+    assert report.ok, report.errors
+    median = statistics.median(step_s)
+    return {
+        "num_requests": num_requests,
+        "num_steps_measured": len(step_s),
+        "us_per_step_median": median * 1e6,
+        "us_per_request_per_step": median / num_requests * 1e6,
+        "best_us_per_request_per_step": min(step_s) / num_requests * 1e6,
+        "text": tokenizer is not None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--tokenizer", type=Path, help="a model dir with tokenizer.json")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args(argv)
+    tokenizer = TextTokenizer.from_model_dir(args.tokenizer) if args.tokenizer else None
+    for num_requests in args.requests:
+        result = measure(
+            num_requests, prompt_len=args.prompt_len, num_steps=args.steps, tokenizer=tokenizer
+        )
+        text = "on" if result["text"] else "off"
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(
+                f"{num_requests} running: {result['us_per_request_per_step']:.2f} us per request "
+                f"per step, median ({result['us_per_step_median']:.0f} us per step; best "
+                f"{result['best_us_per_request_per_step']:.2f} us per request; text {text})"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
