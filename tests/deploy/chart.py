@@ -64,6 +64,7 @@ VALUE_SETS: dict[str, Values] = {
     },
     "hub-cache-no-router": {
         "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "hubCache": True},
+        "executor": {"numBlocks": 4096},
         "router": {"enabled": False},
         "redis": {"auth": {"enabled": False}},
         "networkPolicy": {"enabled": False},

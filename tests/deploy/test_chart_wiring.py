@@ -23,6 +23,8 @@ from tests.deploy.chart import (
     workloads,
 )
 
+SIZING_FLAGS = ("--num-blocks", "--gpu-memory-utilization")
+"""The executor's KV sizing: one or the other."""
 SECRET_FLAGS = ("-file", "--tls-", "-tls-")
 """Flags whose value is a path to secret material."""
 
@@ -97,7 +99,10 @@ def test_every_executor_asks_for_exactly_one_gpu(name: str) -> None:
     assert resources["requests"]["nvidia.com/gpu"] == 1
     args = _container(executor)["args"]
     assert _flag_values(args)["--device"] == "cuda"
-    assert _flag_values(args)["--gpu-memory-utilization"] == "0.9"
+    sizing = {k: v for k, v in _flag_values(args).items() if k in SIZING_FLAGS}
+    num_blocks = values_for(name).get("executor", {}).get("numBlocks")
+    expected = {"--num-blocks": str(num_blocks)} if num_blocks else {SIZING_FLAGS[1]: "0.9"}
+    assert sizing == expected
 
 
 def test_schedulers_and_routers_ask_for_no_gpu() -> None:

@@ -55,11 +55,15 @@ mounts of _pod.tpl.
     "--host" "0.0.0.0"
     "--port" (toString $v.port)
     "--advertise-address" $advertise
-    "--gpu-memory-utilization" (toString $v.gpuMemoryUtilization)
     "--dtype" $v.dtype
     "--kernel-backend" $v.kernelBackend
     "--drain-timeout" (toString $v.drainTimeout)
     "--no-progress" -}}
+{{- if $v.numBlocks -}}
+{{- $args = concat $args (list "--num-blocks" (toString $v.numBlocks)) -}}
+{{- else -}}
+{{- $args = concat $args (list "--gpu-memory-utilization" (toString $v.gpuMemoryUtilization)) -}}
+{{- end -}}
 {{- if $v.maxModelLen -}}
 {{- $args = concat $args (list "--max-model-len" (toString $v.maxModelLen)) -}}
 {{- end -}}
