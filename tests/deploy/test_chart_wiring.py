@@ -150,7 +150,7 @@ def test_secret_files_lie_under_a_mount_of_the_right_secret(name: str) -> None:
         container = _container(workload)
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
         for flag, path in _flag_values(container["args"]).items():
-            if not any(marker in flag for marker in SECRET_FLAGS):
+            if not any(marker in flag for marker in SECRET_FLAGS) or flag.endswith("server-name"):
                 continue
             mounts = [
                 m for m in container["volumeMounts"] if posixpath.dirname(path) == m["mountPath"]
@@ -167,6 +167,17 @@ def test_secret_files_lie_under_a_mount_of_the_right_secret(name: str) -> None:
             checked += 1
     if name != "hub-cache-no-router":  # that set mounts no Secret
         assert checked > 0
+
+
+def test_routers_check_scheduler_certificates_against_the_scheduler_service() -> None:
+    # Schedulers register pod IPs, which the generated certificate cannot
+    # name; it names the scheduler Service, and routers check that name.
+    objects = manifests_of("tls")
+    router = _flag_values(_container(named(objects, "Deployment", "router"))["args"])
+    service = named(objects, "Service", "scheduler")["metadata"]["name"]
+    name, namespace, svc = router["--scheduler-tls-server-name"].split(".")
+    assert (name, svc) == (service, "svc")
+    assert namespace  # the release's
 
 
 def test_tls_on_gives_every_tier_its_certificate_and_executors_mutual_tls() -> None:

@@ -67,9 +67,12 @@ class CertificateAuthority:
         self.pem = directory / "ca.pem"
         self.pem.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, *, server: bool) -> Pair:
-        """A certificate for ``name`` (a server's also names 127.0.0.1 and
-        localhost), written as ``{name}.pem`` and ``{name}-key.pem``."""
+    def issue(
+        self, name: str, *, server: bool, dns_names: tuple[str, ...] = ("localhost",)
+    ) -> Pair:
+        """A certificate for ``name`` (a server's also names ``dns_names``,
+        and 127.0.0.1 when they include localhost), written as ``{name}.pem``
+        and ``{name}-key.pem``."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
@@ -85,10 +88,9 @@ class CertificateAuthority:
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if server:
-            names: list[x509.GeneralName] = [
-                x509.DNSName("localhost"),
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            ]
+            names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+            if "localhost" in dns_names:
+                names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         pair = Pair(self.directory / f"{name}.pem", self.directory / f"{name}-key.pem")

@@ -109,6 +109,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
         ),
         (["router", "--redis-url", "redis://h:1/0", "--scheduler-tls-key", "{key}"], "need"),
         (
+            ["router", "--redis-url", "redis://h:1/0", "--scheduler-tls-server-name", "s.ns.svc"],
+            "--scheduler-tls-server-name needs --scheduler-tls-ca",
+        ),
+        (
             ["router", "--redis-url", "redis://h:1/0", "--scheduler-token-file", "{ca}.absent"],
             "--scheduler-token-file .*: no such file",
         ),

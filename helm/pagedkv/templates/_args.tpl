@@ -121,7 +121,12 @@ mounts of _pod.tpl.
 {{- $args = concat $args (include "pagedkv.redisArgs" . | fromJsonArray) -}}
 {{- $args = concat $args (include "pagedkv.serverTlsArgs" (dict "ctx" . "tier" $v "requireClientCerts" .Values.tls.requireClientCertificates) | fromJsonArray) -}}
 {{- if .Values.tls.enabled -}}
-{{- $args = concat $args (list "--scheduler-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
+{{- /* Schedulers register their pod IPs, which no install-time certificate can
+name: their certificates are checked against their Service's name instead. */}}
+{{- $schedulers := include "pagedkv.componentName" (dict "ctx" . "component" "scheduler") -}}
+{{- $args = concat $args (list
+    "--scheduler-tls-ca" (printf "%s/ca.crt" $paths.tlsDir)
+    "--scheduler-tls-server-name" (printf "%s.%s.svc" $schedulers .Release.Namespace)) -}}
 {{- if .Values.tls.requireClientCertificates -}}
 {{- $args = concat $args (list
     "--scheduler-tls-cert" (printf "%s/tls.crt" $paths.tlsDir)

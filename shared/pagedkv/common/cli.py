@@ -75,8 +75,8 @@ def add_server_tls_arguments(parser: argparse.ArgumentParser, *, clients: str) -
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, prefix: str, peers: str) -> None:
-    """``--{prefix}tls-ca``, ``-cert`` and ``-key`` of a client of ``peers``
-    (read by ``pagedkv.common.security.client_tls_from_args``)."""
+    """``--{prefix}tls-ca``, ``-cert``, ``-key`` and ``-server-name`` of a
+    client of ``peers`` (read by ``pagedkv.common.security.client_tls_from_args``)."""
     group = parser.add_argument_group(f"TLS towards {peers} (see docs/security.md)")
     group.add_argument(
         f"--{prefix}tls-ca",
@@ -89,6 +89,12 @@ def add_client_tls_arguments(parser: argparse.ArgumentParser, prefix: str, peers
         help=f"PEM client certificate presented to the {peers} (mutual TLS)",
     )
     group.add_argument(f"--{prefix}tls-key", metavar="PATH", help=f"PEM key of --{prefix}tls-cert")
+    group.add_argument(
+        f"--{prefix}tls-server-name",
+        metavar="NAME",
+        help=f"the name the {peers}' certificates are checked against, instead of the host "
+        "dialled (for addresses no certificate can name, such as pod IPs)",
+    )
 
 
 def add_auth_token_argument(parser: argparse.ArgumentParser) -> None:

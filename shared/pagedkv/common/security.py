@@ -453,18 +453,22 @@ def server_tls_from_args(args: argparse.Namespace, *, require_ca: bool) -> TlsCo
 
 
 def client_tls_from_args(args: argparse.Namespace, prefix: str) -> TlsConfig | None:
-    """``--{prefix}tls-ca``/``-cert``/``-key`` as a checked client TlsConfig;
-    None without them. A client certificate needs the CA (it turns TLS on)."""
+    """``--{prefix}tls-ca``/``-cert``/``-key``/``-server-name`` as a checked
+    client TlsConfig; None without them. A client certificate or a server
+    name needs the CA (it turns TLS on)."""
     dest = prefix.replace("-", "_")
     ca, cert, key = (getattr(args, f"{dest}tls_{n}") for n in ("ca", "cert", "key"))
+    server_name = getattr(args, f"{dest}tls_server_name", None)
     flag = f"--{prefix}tls"
     if ca is None:
         if cert is not None or key is not None:
             raise SecurityError(f"{flag}-cert and {flag}-key need {flag}-ca (it turns TLS on)")
+        if server_name is not None:
+            raise SecurityError(f"{flag}-server-name needs {flag}-ca (it turns TLS on)")
         return None
     if (cert is None) != (key is None):
         raise SecurityError(f"{flag}-cert and {flag}-key go together: give both or neither")
-    tls = TlsConfig(ca=ca, cert=cert, key=key)
+    tls = TlsConfig(ca=ca, cert=cert, key=key, server_name=server_name)
     channel_credentials(tls, flag)  # reads and checks every file now
     return tls
 
