@@ -41,6 +41,12 @@ from pagedkv.v1 import common_pb2, executor_pb2
 log = get_logger(__name__)
 
 
+DRAIN_IDLE_S = 2.0
+"""A draining executor whose live rows nobody has stepped for this long
+stops: a running row is stepped every few milliseconds while its owner
+lives."""
+
+
 def _check_owner_fields(owner: common_pb2.Owner) -> None:
     """InvalidArgument for an owner no lease can have (see Owner in common.proto):
     checked before fencing, so that an epoch past ``MAX_EPOCH`` never becomes
@@ -65,6 +71,7 @@ class Executor:
         self.lock = threading.Lock()
         self.tags = BlockTags()  # written only here, under the lock
         self.drain_deadline: float | None = None  # time.monotonic() when it stops
+        self.last_step_at = time.monotonic()
         # Called once when draining starts (the server turns its health NOT_SERVING).
         self.on_draining: list[Callable[[], None]] = []
 
@@ -80,6 +87,14 @@ class Executor:
         self.drain_deadline = time.monotonic() + timeout
         for hook in self.on_draining:
             hook()
+
+    def drained(self) -> bool:
+        """True once the owner has nothing left here: no row is live, or
+        rows are live but nobody has stepped them for ``DRAIN_IDLE_S`` (their
+        owner is gone or gave them up, so nothing will finish them)."""
+        with self.lock:
+            live = bool(self.runner.rows.live.any())
+            return not live or time.monotonic() - self.last_step_at > DRAIN_IDLE_S
 
     @property
     def num_live_rows(self) -> int:
@@ -241,6 +256,7 @@ class Executor:
             if session is not None and session != self.session:
                 raise FailedPrecondition("the executor was reset: this step stream is over")
             self.check_owner(request.owner)
+            self.last_step_at = time.monotonic()
             runner = self.runner
             plan = plan_message(request, runner.rows, runner.limits)
             tags = self.tags

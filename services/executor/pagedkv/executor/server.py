@@ -111,16 +111,14 @@ def serve(args: argparse.Namespace) -> int:
 
 def _drain(executor: Executor, timeout: float, signals: list[int], log: Any) -> None:
     """Lets the owner finish the executor's rows (its steps now say the
-    executor drains; health is NOT_SERVING) until none is live, ``timeout``
-    seconds pass, or a second signal comes."""
+    executor drains; health is NOT_SERVING) until it has nothing left here
+    (``Executor.drained``), ``timeout`` seconds pass, or a second signal comes."""
     executor.drain(timeout)
-    live = executor.num_live_rows
-    log.info("executor draining", live_rows=live, timeout_s=timeout)
+    log.info("executor draining", live_rows=executor.num_live_rows, timeout_s=timeout)
     deadline = time.monotonic() + timeout
-    while live and len(signals) < 2 and time.monotonic() < deadline:
+    while not executor.drained() and len(signals) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-        live = executor.num_live_rows
-    log.info("executor stopping", live_rows=live)
+    log.info("executor stopping", live_rows=executor.num_live_rows)
 
 
 def _advertised_host(host: str) -> str:
