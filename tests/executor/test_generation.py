@@ -56,6 +56,7 @@ def test_greedy_generation_matches_hugging_face(
     model_dirs: dict[str, Path], arch: str, backend: str
 ) -> None:
     with ExecutorProcess(model_dirs[arch], backend=backend) as executor:
+        assert "fused ops" in executor.ready_line
         driver = Driver(executor.stub)
         seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
         outputs = driver.run(seqs, chunk_size=16)
@@ -64,6 +65,20 @@ def test_greedy_generation_matches_hugging_face(
         assert 0 < len(mixed.sampled_rows) < len(seqs)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output == hf_greedy(model_dirs[arch], prompt, NEW_TOKENS)
+
+
+def test_transformers_modules_match_hugging_face_with_fused_ops_off(
+    model_dirs: dict[str, Path],
+) -> None:
+    """--fused-ops off runs transformers' own layers around our attention."""
+    extra = ("--fused-ops", "off")
+    with ExecutorProcess(model_dirs["llama"], extra_args=extra) as executor:
+        assert "fused ops" not in executor.ready_line
+        driver = Driver(executor.stub)
+        seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+        outputs = driver.run(seqs, chunk_size=16)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output == hf_greedy(model_dirs["llama"], prompt, NEW_TOKENS)
 
 
 def test_explicit_tokens_match_continuing_from_samples(model_dirs: dict[str, Path]) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.executor.driver import Driver, ExecutorProcess
+from tests.executor.test_fused_model import make_runner, step_logits
 from tests.executor.test_generation import NEW_TOKENS, PROMPTS, model_dirs
 
 __all__ = ["model_dirs"]  # the session fixture, shared with the CPU tests
@@ -32,15 +33,23 @@ def hf_greedy_cuda(model_dir: Path, prompt: list[int], num_tokens: int) -> list[
 
 
 @pytest.mark.parametrize(
-    ("backend", "eager"), [("triton", False), ("triton", True), ("torch", False)]
+    ("backend", "eager", "fused"),
+    [
+        ("triton", False, True),
+        ("triton", True, True),
+        ("torch", False, True),
+        ("triton", False, False),
+    ],
 )
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_executor_process_on_cuda_matches_hugging_face(
-    model_dirs: dict[str, Path], arch: str, backend: str, eager: bool
+    model_dirs: dict[str, Path], arch: str, backend: str, eager: bool, fused: bool
 ) -> None:
     # With the Triton kernels decode steps replay CUDA graphs unless
-    # --enforce-eager; the torch kernels always run eagerly.
+    # --enforce-eager; the torch kernels always run eagerly. Fused ops are on
+    # by default (llama, qwen2, mistral).
     extra = ("--enforce-eager",) if eager else ()
+    extra += () if fused else ("--fused-ops", "off")
     with ExecutorProcess(
         model_dirs[arch], backend=backend, device="cuda", extra_args=extra
     ) as executor:
@@ -49,6 +58,19 @@ def test_executor_process_on_cuda_matches_hugging_face(
         seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
         outputs = driver.run(seqs, chunk_size=16)
         graphs = "decode graphs captured" in executor.stderr()
+        assert ("fused ops" in executor.ready_line) == fused
     assert graphs == (backend == "triton" and not eager)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_bf16_fused_logits_match_transformers_modules_on_cuda(
+    model_dirs: dict[str, Path], arch: str
+) -> None:
+    """In bf16 the fused stack rounds differently from transformers' modules
+    (fewer intermediate roundings): its logits stay as close as bf16 allows."""
+    fused = make_runner(model_dirs[arch], "triton", True, device="cuda", dtype="bfloat16")
+    unfused = make_runner(model_dirs[arch], "triton", False, device="cuda", dtype="bfloat16")
+    for got, want in zip(step_logits(fused), step_logits(unfused), strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

@@ -67,3 +67,56 @@ def test_bf16_cache_ops_and_slot_mapping_match_the_oracles() -> None:
         slot_mapping.compute_slot_mapping(starts, positions, block_table, 16),
         reference.compute_slot_mapping(starts, positions, block_table, 16),
     )
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 700])
+def test_bf16_fused_layer_ops_match_the_oracles_and_transformers(num_tokens: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from pagedkv.kernels import norm_act, rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    hidden, intermediate, num_q_heads, num_kv_heads, head_size = 4096, 14336, 32, 8, 128
+    x, residual = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).cuda().to(torch.bfloat16)
+    norm.weight.data = randn(hidden).abs() + 0.5
+    # Against transformers' own module and the residual add it follows.
+    total = residual + x
+    out, new_residual = norm_act.add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(new_residual, total)
+    torch.testing.assert_close(out, norm(total), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        norm_act.rms_norm(x, norm.weight, 1e-5), reference.rms_norm(x, norm.weight, 1e-5)
+    )
+
+    gate_up = randn(num_tokens, 2 * intermediate)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(norm_act.silu_mul(gate_up), expected, atol=1e-2, rtol=1e-2)
+
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_size, 2, device="cuda") / head_size)
+    angles = torch.arange(8192, device="cuda")[:, None].float() * inv_freq[None]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.bfloat16)
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda", generator=gen)
+    qkv = randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_size)
+    query, key, value = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    key_cache = torch.zeros(64, 16, num_kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:num_tokens]
+    half = head_size // 2
+    cos = torch.cat([cos_sin[positions, :half]] * 2, dim=-1)[None]  # [1, T, D] as HF has it
+    sin = torch.cat([cos_sin[positions, half:]] * 2, dim=-1)[None]
+    q_hf, k_hf = apply_rotary_pos_emb(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos, sin
+    )
+    value_before = value.clone()
+    rotary.rotary_and_cache(query, key, value, cos_sin, positions, key_cache, value_cache, slots)
+    tol = {"atol": 3e-2, "rtol": 2e-2}  # transformers rounds each product to bf16
+    torch.testing.assert_close(query, q_hf[0].transpose(0, 1), **tol)
+    blocks, offsets = slots // 16, slots % 16
+    torch.testing.assert_close(key_cache[blocks, offsets], k_hf[0].transpose(0, 1), **tol)
+    assert torch.equal(value_cache[blocks, offsets], value_before)

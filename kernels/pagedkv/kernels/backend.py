@@ -72,15 +72,59 @@ class CopyBlocks(Protocol):
     ) -> None: ...
 
 
+class RmsNorm(Protocol):
+    """``weight * rmsnorm(x)`` per row of ``x`` ``[num_tokens, hidden_size]``."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+
+class AddRmsNorm(Protocol):
+    """``(weight * rmsnorm(x + residual), x + residual)``."""
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SiluMul(Protocol):
+    """``silu(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * size]`` (gate first)."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class RotaryAndCache(Protocol):
+    """Rotates the query in place; writes the rotated key and the value at their slots."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class KernelBackend:
-    """The four kernels of one implementation; contracts in ``pagedkv.kernels.reference``."""
+    """The kernels of one implementation; contracts in ``pagedkv.kernels.reference``.
+
+    The first four serve any model's attention; the last four are the fused
+    decoder-layer ops (``pagedkv.executor.fused_model``).
+    """
 
     name: str
     reshape_and_cache: ReshapeAndCache
     compute_slot_mapping: ComputeSlotMapping
     paged_attention: PagedAttention
     copy_blocks: CopyBlocks
+    rms_norm: RmsNorm
+    add_rms_norm: AddRmsNorm
+    silu_mul: SiluMul
+    rotary_and_cache: RotaryAndCache
 
 
 def get_backend(name: str) -> KernelBackend:
@@ -90,7 +134,7 @@ def get_backend(name: str) -> KernelBackend:
     any device.
     """
     if name == "triton":
-        from pagedkv.kernels import cache_ops, slot_mapping
+        from pagedkv.kernels import cache_ops, norm_act, rotary, slot_mapping
         from pagedkv.kernels import paged_attention as attention
 
         return KernelBackend(
@@ -99,6 +143,10 @@ def get_backend(name: str) -> KernelBackend:
             compute_slot_mapping=slot_mapping.compute_slot_mapping,
             paged_attention=attention.paged_attention,
             copy_blocks=cache_ops.copy_blocks,
+            rms_norm=norm_act.rms_norm,
+            add_rms_norm=norm_act.add_rms_norm,
+            silu_mul=norm_act.silu_mul,
+            rotary_and_cache=rotary.rotary_and_cache,
         )
     if name == "torch":
         from pagedkv.kernels import torch_backend
@@ -109,5 +157,9 @@ def get_backend(name: str) -> KernelBackend:
             compute_slot_mapping=torch_backend.compute_slot_mapping,
             paged_attention=torch_backend.paged_attention,
             copy_blocks=torch_backend.copy_blocks,
+            rms_norm=torch_backend.rms_norm,
+            add_rms_norm=torch_backend.add_rms_norm,
+            silu_mul=torch_backend.silu_mul,
+            rotary_and_cache=torch_backend.rotary_and_cache,
         )
     raise ValueError(f"kernel backend: {name!r} is not one of {BACKEND_NAMES}")

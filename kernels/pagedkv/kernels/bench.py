@@ -199,7 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedkv bench kernels")
     parser.add_argument("--output", default="kernels-h200.json")
     parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument(
+        "--fused-only", action="store_true", help="only the fused layer ops (bench_fused)"
+    )
     args = parser.parse_args(argv)
+    from pagedkv.kernels import bench_fused
+
+    fused_rows = bench_fused.run(args.quick)
+    if args.fused_only:
+        results = _environment() | {"fused_ops": fused_rows}
+        return _write(args.output, results, bench_fused.summary(fused_rows), "Fused layer ops")
     ceiling = copy_ceiling_gbps()
     rows = []
     batches, contexts = ((1, 32), (1024,)) if args.quick else ((1, 32, 128), (1024, 8192, 32768))
@@ -212,11 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(Case(batch, context, new_tokens), "prefill", ceiling))
         torch.cuda.empty_cache()
     graphs = [{"batch": b, "context": 1024, "us": graph_latency_us(b, 1024)} for b in (1, 8)]
-    results = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+    results = _environment() | {
         "copy_ceiling_gbps": ceiling,
         "l2_flush": "read (a 256 MB buffer); *_write_flush: a zero-fill of it",
         "shape": {
@@ -228,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "cuda_graph_decode": graphs,
+        "fused_ops": fused_rows,
     }
-    Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         f"copy ceiling: {ceiling:.0f} GB/s on {results['gpu']}",
         "L2 flushed by a read before each call; [after a write flush] in brackets",
@@ -250,10 +255,26 @@ def main(argv: list[str] | None = None) -> int:
             f"  err {row['max_abs_error_vs_sdpa']:.3g}"
         )
     lines += [f"graph decode b={g['batch']} ctx={g['context']}: {g['us']:.1f} us" for g in graphs]
+    lines += bench_fused.summary(fused_rows)
+    return _write(args.output, results, lines, "Paged-attention and fused layer kernels")
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _write(output: str, results: dict[str, Any], lines: list[str], title: str) -> int:
+    """``output`` (JSON) and the same name with ``.md`` (the summary lines)."""
+    Path(output).write_text(json.dumps(results, indent=2) + "\n")
     text = "\n".join(lines)
     print(text)
-    Path(args.output).with_suffix(".md").write_text(
-        "# Paged-attention kernels (`pagedkv bench kernels`)\n\n```\n" + text + "\n```\n"
+    Path(output).with_suffix(".md").write_text(
+        f"# {title} (`pagedkv bench kernels`)\n\n```\n{text}\n```\n"
     )
     return 0
 

@@ -10,10 +10,12 @@ def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help="paged-attention kernels on a CUDA GPU against torch SDPA",
-        description="Copy ceiling, decode and prefill attention, CUDA-graph decode latency.",
+        description="Copy ceiling, decode and prefill attention, CUDA-graph decode latency, "
+        "and the fused layer ops against transformers' modules.",
     )
     parser.add_argument("--output", default="kernels-h200.json")
     parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument("--fused-only", action="store_true", help="only the fused layer ops")
     parser.set_defaults(handler=_run)
 
 
@@ -21,4 +23,5 @@ def _run(args: argparse.Namespace) -> int:
     from pagedkv.kernels.bench import main
 
     argv = ["--output", args.output] + (["--quick"] if args.quick else [])
+    argv += ["--fused-only"] if args.fused_only else []
     return main(argv)

@@ -65,3 +65,41 @@ def check_attention_args(
         raise ValueError("sliding_window: must be positive")
     if softcap is not None and softcap <= 0:
         raise ValueError("softcap: must be positive")
+
+
+def check_rotary_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The arguments of ``rotary_and_cache``, as every backend needs them."""
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache, like=key_cache)
+    if query.ndim != 3 or query.dtype != key_cache.dtype or query.stride(-1) != 1:
+        raise ValueError(
+            "query: expected [num_tokens, num_q_heads, head_size] in the cache dtype, "
+            "last dim contiguous"
+        )
+    num_tokens, _, head_size = query.shape
+    kv_shape = (num_tokens, *key_cache.shape[2:])
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape) != kv_shape or tensor.dtype != query.dtype:
+            raise ValueError(f"{name}: {tuple(tensor.shape)}, expected {kv_shape} like query")
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous")
+    if head_size % 2:
+        raise ValueError(f"query: head size {head_size} is odd (rotation pairs dims)")
+    if (
+        cos_sin.ndim != 2
+        or cos_sin.shape[1] != head_size
+        or cos_sin.dtype not in FLOAT_DTYPES
+        or not cos_sin.is_contiguous()
+    ):
+        raise ValueError(f"cos_sin: expected a contiguous float [max_position, {head_size}]")
+    check_int_vector("positions", positions, num_tokens)
+    check_int_vector("slot_mapping", slot_mapping, num_tokens)

@@ -116,3 +116,64 @@ def copy_blocks(
     for src, dst in src_dst.tolist():
         for cache in (*key_caches, *value_caches):
             cache[dst] = cache[src]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden_size], x's dtype
+    """``weight * rmsnorm(x)`` as Llama's RMSNorm rounds it: the mean of
+    squares in float32, the normalised row rounded to ``x``'s dtype, then the
+    product with the weight rounded again."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    residual: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum rounded to x's dtype."""
+    total = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(total, weight, eps), total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * size] -> [.., size]
+    """``silu(gate) * up`` (gate first), the SiLU rounded to the input dtype first."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate).to(gate_up.dtype)
+    return (act.float() * up).to(gate_up.dtype)
+
+
+def rotary_embedding(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    cos_sin: torch.Tensor,  # [max_position, head_size]: cos of each pair's angle, then sin
+    positions: torch.Tensor,  # [num_tokens], int
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size], x's dtype
+    """Llama's rotation (dims ``d`` and ``d + head_size / 2`` pair up), in float32."""
+    half = x.shape[-1] // 2
+    angles = cos_sin[positions.long()].float()[:, None, :]  # [T, 1, D]
+    cos, sin = angles[..., :half], angles[..., half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary_and_cache(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin: torch.Tensor,  # [max_position, head_size]
+    positions: torch.Tensor,  # [num_tokens], int
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens], int
+) -> None:
+    """Rotates ``query`` in place; writes the rotated key and the value at
+    each token's slot (negative slots are skipped)."""
+    query.copy_(rotary_embedding(query, cos_sin, positions))
+    rotated = rotary_embedding(key, cos_sin, positions)
+    reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)

@@ -17,7 +17,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels.checks import check_attention_args, check_cache, check_int_vector
+from pagedkv.kernels import reference
+from pagedkv.kernels.checks import (
+    check_attention_args,
+    check_cache,
+    check_int_vector,
+    check_rotary_args,
+)
 
 
 def _check_block_table(block_table: torch.Tensor, num_seqs: int) -> None:
@@ -235,3 +241,38 @@ def copy_blocks(
     for cache in caches:
         pairs = src_dst.to(device=cache.device, dtype=torch.int64)
         cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` per row (the oracle's ops: they are batched)."""
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * rmsnorm(x + residual), x + residual)``."""
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * size]`` (gate first)."""
+    return reference.silu_mul(gate_up)
+
+
+def rotary_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotates ``query`` in place; writes the rotated key and the value at
+    each token's slot (negative slots are skipped)."""
+    check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    query.copy_(reference.rotary_embedding(query, cos_sin, positions))
+    rotated = reference.rotary_embedding(key, cos_sin, positions)
+    reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)

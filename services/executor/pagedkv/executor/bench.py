@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.executor.bench")
     parser.add_argument("--output", default="executor-h200.json")
     parser.add_argument("--kernel-backend", default="triton")
+    parser.add_argument("--fused-ops", default="on", choices=("on", "off"))
     parser.add_argument("--profile", action="store_true", help="print a profile of one step")
     args = parser.parse_args(argv)
 
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel_backend=args.kernel_backend,
             max_num_rows=BATCH,
             max_num_batched_tokens=PREFILL_CHUNK,
+            fused_ops=args.fused_ops == "on",
         )
         start = time.perf_counter()
         runner = ModelRunner(config)
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "dummy (random)"},
+        "fused_ops": runner.fused is not None,
         "kernel_backend": args.kernel_backend,
         "num_blocks": runner.limits.num_blocks,
         "load_and_warm_up_s": load_s,

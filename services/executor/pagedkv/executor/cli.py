@@ -47,6 +47,13 @@ def register(subparsers: Any, name: str) -> None:
         "--kernel-backend", default="triton", choices=("triton", "torch"), help="attention kernels"
     )
     parser.add_argument(
+        "--fused-ops",
+        default="on",
+        choices=("on", "off"),
+        help="on: llama, qwen2 and mistral run on fused RMSNorm, rotary and SiLU kernels "
+        "(other models, and off: transformers' modules)",
+    )
+    parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
     )
     parser.add_argument("--max-num-rows", type=int, default=256, help="live requests at once")

@@ -110,13 +110,4 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=runner.spec.max_model_len,
         )
-        with torch.inference_mode():
-            output = runner.model(
-                input_ids=runner.rows.token_ids[rows, positions][None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=0,
-                pagedkv_metadata=meta,
-            )
-        logits: torch.Tensor = output.logits[0]
-        return logits
+        return runner.run_model(runner.rows.token_ids[rows, positions], positions, meta, None)

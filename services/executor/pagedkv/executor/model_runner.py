@@ -18,6 +18,7 @@ import torch
 from pagedkv.common.logging import get_logger
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.fused_model import FusedDecoder, unsupported_reason
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
 from pagedkv.executor.rows import Rows, to_device
@@ -48,6 +49,7 @@ class RunnerConfig:
     max_logprobs: int = 20
     seed: int = 0
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
+    fused_ops: bool = True  # the fused decoder stack, for the model types it supports
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -101,6 +103,7 @@ class ModelRunner:
         else:
             model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
         self.model = model.to(self.device).eval()
+        self.fused = self._fuse() if config.fused_ops else None
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.groups: tuple[KVCacheGroup, ...] = self.spec.kv_cache_groups(
             config.block_size, dtype_name
@@ -127,6 +130,18 @@ class ModelRunner:
             max_logprobs=config.max_logprobs,
             group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
         )
+
+    def _fuse(self) -> FusedDecoder | None:
+        """The fused decoder stack, or None (with the reason logged) for a
+        model it does not support: transformers' modules then run."""
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            try:
+                return FusedDecoder(self.model, self.backend, self.spec.max_model_len)
+            except ValueError as exc:
+                reason = str(exc)
+        log.info("fused ops off: transformers' modules run", reason=reason)
+        return None
 
     def _resolve_dtype(self, hf_config: object) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -354,17 +369,35 @@ class ModelRunner:
     def logits(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """Runs the model; float32 logits ``[num_samples, vocab_size]`` at the
         sampled positions, or None when no entry needs a sample."""
-        with torch.inference_mode():
-            output = self.model(
-                input_ids=inputs.input_ids[None],
-                position_ids=inputs.positions[None],
-                use_cache=False,
-                logits_to_keep=inputs.sample_index,
-                pagedkv_metadata=inputs.metadata,
-            )
+        logits = self.run_model(
+            inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_index
+        )
         if not len(inputs.sample_positions):
             return None
-        logits: torch.Tensor = output.logits[0].float()
+        return logits.float()
+
+    def run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: attention.AttentionMetadata,
+        sample_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The packed forward of ``input_ids`` at ``positions`` (K/V written
+        into the caches); logits ``[num_samples, vocab_size]`` in the model's
+        dtype at ``sample_index`` (None: every token). The fused decoder
+        stack when the model has one, else transformers' modules."""
+        if self.fused is not None:
+            return self.fused(input_ids, positions, meta, sample_index)
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=0 if sample_index is None else sample_index,
+                pagedkv_metadata=meta,
+            )
+        logits: torch.Tensor = output.logits[0]
         return logits
 
     def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:

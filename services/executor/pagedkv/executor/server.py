@@ -61,6 +61,7 @@ def serve(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             seed=args.seed,
             cuda_graphs=not args.enforce_eager,
+            fused_ops=args.fused_ops == "on",
         )
     except ValueError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
@@ -84,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "
         f"{config.block_size} tokens, {kv_mib:.1f} MiB KV; {args.model} on {runner.device}, "
-        f"{config.kernel_backend} kernels)",
+        f"{config.kernel_backend} kernels{', fused ops' if runner.fused else ''})",
         flush=True,
     )
     log.info("executor serving", port=port, num_blocks=runner.limits.num_blocks)

@@ -1,0 +1,143 @@
+"""Rotary position embedding fused with the KV cache write.
+
+``rotary_and_cache`` rotates each token's query heads in place and writes its
+rotated key and its value at its slot of the paged cache: one launch where
+the unfused path takes transformers' rotary (about ten elementwise kernels
+and two concatenations) and then ``reshape_and_cache``. The paged-attention
+kernels read keys from the cache only, so the rotated key never needs to
+exist outside it. Rotation as in Llama (``rotate_half``: dims ``d`` and
+``d + head_size / 2`` form a pair), in float32, rounded once.
+
+``cos_sin`` is ``[max_position, head_size]``: per position the cosines of the
+first half's angles, then their sines (any scaling already applied), as the
+model's rotary module computes them. Oracle: ``pagedkv.kernels.reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.checks import check_rotary_args
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_size], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_size]
+    value_ptr,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_ptr,  # [max_position, head_size]: cos of each pair's angle, then sin
+    positions_ptr,  # [num_tokens]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping_ptr,  # [num_tokens]
+    query_stride_t,
+    query_stride_h,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_size,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dtype = query_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dims_mask = dims < half
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    angles = cos_sin_ptr + position * 2 * half + dims
+    cos = tl.load(angles, mask=dims_mask, other=0.0).to(tl.float32)
+    sin = tl.load(angles + half, mask=dims_mask, other=0.0).to(tl.float32)
+
+    q_heads = tl.arange(0, BLOCK_HQ)[:, None]
+    q_mask = (q_heads < num_q_heads) & dims_mask
+    q_ptrs = query_ptr + token * query_stride_t + q_heads * query_stride_h + dims
+    q1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
+    q1, q2 = _rotate(q1, q2, cos, sin)
+    tl.store(q_ptrs, q1.to(dtype), mask=q_mask)
+    tl.store(q_ptrs + half, q2.to(dtype), mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    kv_heads = tl.arange(0, BLOCK_HKV)[:, None]
+    kv_mask = valid & (kv_heads < num_kv_heads) & dims_mask
+    dst = (
+        (slot // block_size) * cache_stride_b
+        + (slot % block_size) * cache_stride_s
+        + kv_heads * cache_stride_h
+        + dims
+    )
+    k_ptrs = key_ptr + token * key_stride_t + kv_heads * key_stride_h + dims
+    k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptrs + half, mask=kv_mask, other=0.0).to(tl.float32)
+    k1, k2 = _rotate(k1, k2, cos, sin)
+    tl.store(key_cache_ptr + dst, k1.to(dtype), mask=kv_mask)
+    tl.store(key_cache_ptr + dst + half, k2.to(dtype), mask=kv_mask)
+    v_ptrs = value_ptr + token * value_stride_t + kv_heads * value_stride_h + dims
+    v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_ptrs + half, mask=kv_mask, other=0.0)
+    tl.store(value_cache_ptr + dst, v1, mask=kv_mask)
+    tl.store(value_cache_ptr + dst + half, v2, mask=kv_mask)
+
+
+def rotary_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotates ``query`` in place; writes the rotated key and the value of
+    each token at its slot (negative slots are skipped). ``positions`` must
+    be below ``len(cos_sin)`` (not checked: that would wait for the device)."""
+    check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    num_tokens, num_q_heads, head_size = query.shape
+    if not num_tokens:
+        return
+    num_kv_heads = key.shape[1]
+    _rotary_and_cache_kernel[(num_tokens,)](
+        query,
+        key,
+        value,
+        cos_sin,
+        positions,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.shape[1],
+        num_q_heads,
+        num_kv_heads,
+        head_size // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_size // 2),
+        num_warps=4,
+    )

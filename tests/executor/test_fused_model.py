@@ -1,0 +1,103 @@
+"""The fused decoder stack against transformers' modules on the same weights,
+in one process: a prefill, then a step mixing a prefill chunk and a decode
+over cached context, logits compared at every sampled token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from pagedkv.executor.fused_model import unsupported_reason
+from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.tiny_model import make_tiny_model, tiny_config
+
+BLOCKS_PER_ROW = 4
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fused-models")
+    dirs = {}
+    for arch in ("llama", "qwen2", "mistral"):
+        dirs[arch] = root / arch
+        make_tiny_model(dirs[arch], arch, seed=3)
+    return dirs
+
+
+def make_runner(
+    model_dir: Path, backend: str, fused: bool, device: str = "cpu", dtype: str = "auto"
+) -> ModelRunner:
+    config = RunnerConfig(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        kernel_backend=backend,
+        num_blocks=1 + 2 * BLOCKS_PER_ROW,
+        max_num_rows=2,
+        max_num_batched_tokens=64,
+        fused_ops=fused,
+    )
+    runner = ModelRunner(config)
+    for g in range(len(runner.groups)):  # row r holds blocks 1 + 4r .. 4 + 4r
+        ids = 1 + torch.arange(2 * BLOCKS_PER_ROW, dtype=torch.int32).view(2, BLOCKS_PER_ROW)
+        runner.rows.block_tables[g, :2, :BLOCKS_PER_ROW] = ids.to(runner.device)
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 30))
+    rows = np.repeat([0, 1], 30)
+    runner.rows.write_tokens(rows, np.tile(np.arange(30), 2), tokens.reshape(-1))
+    return runner
+
+
+def step_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """Row 1 prefills 27 tokens (a window of 24 in mistral); then row 0
+    prefills 9 while row 1 decodes its 28th."""
+    rows = np.array([0, 1])
+    steps = [
+        (np.array([1]), np.array([0]), np.array([27])),
+        (rows, np.array([0, 27]), np.array([9, 1])),
+    ]
+    logits = []
+    for step_rows, computed, scheduled in steps:
+        inputs = runner.prepare(step_rows, computed, scheduled, np.ones(len(step_rows), bool))
+        out = runner.logits(inputs)
+        assert out is not None
+        logits.append(out)
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"), [("llama", "torch"), ("qwen2", "torch"), ("mistral", "triton")]
+)
+def test_fused_logits_match_transformers_modules(
+    model_dirs: dict[str, Path], arch: str, backend: str
+) -> None:
+    fused = make_runner(model_dirs[arch], backend, fused=True)
+    unfused = make_runner(model_dirs[arch], backend, fused=False)
+    assert fused.fused is not None and unfused.fused is None
+    expected = step_logits(unfused)
+    for got, want in zip(step_logits(fused), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The modules' weights became views of the merged ones: unfused, the
+    # same model still gives transformers' logits.
+    fused.fused = None
+    for got, want in zip(step_logits(fused), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_models_of_other_shapes_keep_transformers_modules() -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.hidden_act = "gelu"
+    model = AutoModelForCausalLM.from_config(config)
+    assert unsupported_reason(model) == "hidden_act 'gelu' is not silu"
+    model.config.hidden_act = "silu"
+    assert unsupported_reason(model) is None
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert "depends on the sequence length" in (unsupported_reason(model) or "")
