@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim redis fuzz gpu-wheels clean
+.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -94,6 +94,19 @@ bench-cluster-sim: setup
 	$(BIN)/pagedkv bench cluster-sim --jobs 2 --output tests/benchmarks/results/cluster-sim-cpu.json
 	$(BIN)/pagedkv bench cluster-sim --jobs 2 --num-prefixes 512 \
 		--output tests/benchmarks/results/cluster-sim-512-prefixes-cpu.json
+
+# The serving benchmark: a small run on the CPU (a tiny random llama, two
+# rates, a 16 x (64 -> 32) batch against HF generate; about a minute), and
+# the GPU recipe (on the GPU machine, after `make gpu-wheels` here: the ~1.1B
+# llama, then the 8B shape; docs/benchmarks.md).
+bench-serve-cpu: setup
+	$(BIN)/pagedkv bench serve --rates 4,inf --num-requests 24 --mean-prompt-len 48 \
+		--mean-output-len 24 --system-prompt-len 32 --fixed-batch 16x64x32 --num-blocks 512 \
+		--output tests/benchmarks/results/serve-bench-cpu.json
+
+bench-serve-gpu:
+	bash tests/gpu/run-serve-bench.sh 1b
+	bash tests/gpu/run-serve-bench.sh 8b
 
 # The stateful fuzz suite's long profile against the live stack (CI runs a
 # short, derandomized one): PAGEDKV_FUZZ_EXAMPLES random bursts (default 300),

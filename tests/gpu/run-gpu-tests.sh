@@ -105,6 +105,9 @@ main() {
   return "$status"
 }
 
-mkdir -p "$(dirname "$LOG")"
-echo "run-gpu-tests: log in $LOG"
-main 2>&1 | tee "$LOG"
+# Sourced (tests/gpu/run-serve-bench.sh), it only defines setup and report.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  mkdir -p "$(dirname "$LOG")"
+  echo "run-gpu-tests: log in $LOG"
+  main 2>&1 | tee "$LOG"
+fi

@@ -1,0 +1,115 @@
+"""GPU idle time between decode steps, from a torch profiler Chrome trace.
+
+The trace holds, per profiled step, a CPU range (``user_annotation`` named
+``STEP_ANNOTATION``, from ``torch.profiler.record_function``), the CUDA API
+calls made inside it (``cuda_runtime``/``cuda_driver``, each with a
+``correlation`` id) and the GPU work they started (``kernel``,
+``gpu_memcpy``, ``gpu_memset``, carrying the same ``correlation``; the
+kernels of a CUDA graph replay carry their ``cudaGraphLaunch``'s). Each GPU
+event is given to the step whose CPU range holds its launch.
+
+Over the window from the first GPU event of the first step to the end of
+the last step's GPU work:
+- ``idle_fraction``: the share of the window with no GPU event running;
+- ``between_steps_idle_fraction``: the part of that idle time that lies
+  between one step's last GPU work and the next step's first (the host's
+  time between steps: the step's reply, the scheduler, the next request),
+  the rest being gaps inside steps (launch gaps).
+Pure Python: no torch, so it is tested on synthetic traces.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+STEP_ANNOTATION = "pagedkv.decode_step"
+GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+
+
+class GpuIdle(NamedTuple):
+    """Times in microseconds of the profiler's clock."""
+
+    num_steps: int  # steps with GPU work
+    num_gpu_events: int
+    window_us: float
+    busy_us: float
+    idle_us: float
+    idle_fraction: float
+    between_steps_idle_us: float
+    between_steps_idle_fraction: float
+    median_step_gpu_span_us: float  # first GPU start to last GPU end of a step
+    median_gap_between_steps_us: float
+
+
+def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATION) -> GpuIdle:
+    """The idle measures of the module docstring over ``events`` (a Chrome
+    trace's ``traceEvents``). AssertionError when no step has GPU work."""
+    steps: list[tuple[float, float]] = []
+    launches: dict[int, float] = {}
+    gpu: list[tuple[int, float, float]] = []  # correlation, start, end
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        cat = event.get("cat", "")
+        ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
+        if cat == "user_annotation" and event.get("name") == step_name:
+            steps.append((ts, ts + dur))
+        elif cat in LAUNCH_CATEGORIES and "correlation" in event.get("args", {}):
+            launches[int(event["args"]["correlation"])] = ts
+        elif cat in GPU_CATEGORIES and "correlation" in event.get("args", {}):
+            gpu.append((int(event["args"]["correlation"]), ts, ts + dur))
+    steps.sort()
+    starts = [start for start, _ in steps]
+    per_step: dict[int, list[tuple[float, float]]] = {}
+    for correlation, start, end in gpu:
+        launch = launches.get(correlation)
+        if launch is None:
+            continue
+        i = bisect.bisect_right(starts, launch) - 1
+        if i >= 0 and launch <= steps[i][1]:
+            per_step.setdefault(i, []).append((start, end))
+    assert per_step, "no GPU work launched inside a profiled step"
+    order = sorted(per_step)
+    spans = [(min(s for s, _ in per_step[i]), max(e for _, e in per_step[i])) for i in order]
+    window_start, window_end = spans[0][0], max(end for _, end in spans)
+    intervals = [interval for i in order for interval in per_step[i]]
+    busy = _union_length(intervals)
+    window = window_end - window_start
+    gaps, reached = [], spans[0][1]
+    for start, end in spans[1:]:
+        gaps.append(max(0.0, start - reached))
+        reached = max(reached, end)
+    between = sum(gaps)
+    return GpuIdle(
+        num_steps=len(order),
+        num_gpu_events=len(intervals),
+        window_us=window,
+        busy_us=busy,
+        idle_us=window - busy,
+        idle_fraction=(window - busy) / window if window else 0.0,
+        between_steps_idle_us=between,
+        between_steps_idle_fraction=between / window if window else 0.0,
+        median_step_gpu_span_us=_median([end - start for start, end in spans]),
+        median_gap_between_steps_us=_median(gaps),
+    )

@@ -1,0 +1,126 @@
+"""``python -m pagedkv.executor.timeline --timeline-dir D [--skip-steps K]
+[--steps N] EXECUTOR-ARGS``: an executor (the same as ``python -m
+pagedkv.executor EXECUTOR-ARGS``) that records a torch profiler trace of N
+decode steps, after skipping the first K, and measures the GPU's idle time
+between them (``pagedkv.executor.gpu_idle``).
+
+A decode step is a step with no new request and one token for every row.
+Each profiled step runs inside ``record_function(STEP_ANNOTATION)``; once N
+have run, the profiler stops, the trace goes to ``D/trace.json.gz`` and the
+measures to ``D/timeline.json`` (written last: its presence says the
+measurement is complete); the executor goes on serving. The profiler records
+CPU ops too (the step ranges need them), which adds host time per op, so the
+idle fractions are upper bounds of the unprofiled ones. Used by ``pagedkv
+bench serve --timeline-steps N``.
+
+This process is a measuring tool: ``Executor`` is replaced, in this process
+only, by a subclass whose ``step`` does the counting and profiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from pagedkv.executor import engine
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
+from pagedkv.v1 import executor_pb2
+
+
+def _all_threads_profiler() -> Any:
+    """A CPU + CUDA profiler that records the ops of every thread (the
+    server runs steps on a pool of threads, the profiler is started on one)."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    return profile(
+        activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)
+    )
+
+
+class StepProfiler:
+    """Counts decode steps and profiles steps ``skip`` .. ``skip + steps - 1``."""
+
+    def __init__(self, directory: Path, skip: int, steps: int) -> None:
+        self.directory, self.skip, self.steps = directory, skip, steps
+        self.num_decode_steps = 0
+        self.profiler: Any = None
+        self.done = False
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def is_decode(request: executor_pb2.StepRequest) -> bool:
+        scheduled = request.num_scheduled_tokens
+        return not request.new_requests and len(scheduled) > 0 and max(scheduled) == 1
+
+    def around(self, request: executor_pb2.StepRequest) -> bool:
+        """Before a step: whether to profile it (starts the profiler at the first)."""
+        with self.lock:
+            if self.done or not self.is_decode(request):
+                return False
+            self.num_decode_steps += 1
+            if self.num_decode_steps <= self.skip:
+                return False
+            if self.profiler is None:
+                self.profiler = _all_threads_profiler()
+                self.profiler.start()
+            return True
+
+    def after(self) -> None:
+        """After a profiled step: stops and writes once ``steps`` have run."""
+        with self.lock:
+            if self.done or self.num_decode_steps < self.skip + self.steps:
+                return
+            self.done = True
+            torch.cuda.synchronize()
+            self.profiler.stop()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            trace = self.directory / "trace.json"
+            self.profiler.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+            with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
+                json.dump({"traceEvents": events}, packed)
+            trace.unlink()
+            measures = {"skipped_decode_steps": self.skip, "profiled_decode_steps": self.steps}
+            measures |= gpu_idle(events)._asdict()
+            (self.directory / "timeline.json").write_text(json.dumps(measures, indent=2) + "\n")
+
+
+def profiled_executor(profiler: StepProfiler) -> type[engine.Executor]:
+    class ProfiledExecutor(engine.Executor):
+        def step(
+            self, request: executor_pb2.StepRequest, session: int | None = None
+        ) -> executor_pb2.StepResponse:
+            if not profiler.around(request):
+                return super().step(request, session)
+            with record_function(STEP_ANNOTATION):
+                response = super().step(request, session)
+            profiler.after()
+            return response
+
+    return ProfiledExecutor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.executor.timeline", add_help=False)
+    parser.add_argument("--timeline-dir", required=True, type=Path)
+    parser.add_argument("--skip-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    profiler = StepProfiler(args.timeline_dir, args.skip_steps, args.steps)
+    engine.Executor = profiled_executor(profiler)  # type: ignore[misc]
+    from pagedkv.executor.__main__ import main as executor_main
+
+    return executor_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""``pagedkv bench serve``: request rates, latencies and a fixed batch against ``pagedkv serve``."""

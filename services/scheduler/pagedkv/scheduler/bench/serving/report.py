@@ -1,0 +1,163 @@
+"""The serving benchmark's markdown and plot, from its JSON report.
+
+``markdown`` has a table per kind of run (one row per rate, one per fixed
+batch and engine), the timeline when measured, and the settings and machine;
+``plot`` draws latency against request rate (TTFT, TPOT and ITL p50/p99) and
+output throughput against concurrency (the rates at their measured mean
+concurrency, each fixed batch and Hugging Face at its batch size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _ms(values: Mapping[str, float | None]) -> str:
+    return " / ".join(
+        "-" if values[q] is None else f"{values[q]:.1f}" for q in ("p50", "p90", "p99")
+    )
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    settings = report["settings"]
+    lines = [
+        "# Serving benchmark (`pagedkv bench serve`)",
+        "",
+        f"Model: {settings['model']}; device {settings['device']}; {report['model_shape']}.",
+        "",
+        f"## Poisson arrivals ({settings['num_requests']} requests per rate, "
+        f"ShareGPT-like mix; SLO: TTFT <= {settings['slo_ttft_ms']:g} ms and TPOT <= "
+        f"{settings['slo_tpot_ms']:g} ms)",
+        "",
+        "| rate (req/s) | finished | req/s | output tok/s | concurrency | "
+        "TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) | "
+        "goodput (req/s) | within SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in report["rates"]:
+        s = run["summary"]
+        lines.append(
+            f"| {run['rate']} | {s['num_ok']}/{s['num_requests']} | "
+            f"{s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.0f} | "
+            f"{s['mean_concurrency']:.1f} | {_ms(s['ttft_ms'])} | {_ms(s['tpot_ms'])} | "
+            f"{_ms(s['itl_ms'])} | {s['goodput_requests_per_s']:.2f} | "
+            f"{100 * s['num_meeting_slo'] / s['num_requests']:.0f}% |"
+        )
+    if report["fixed_batches"]:
+        lines += [
+            "",
+            "## Fixed batch (all requests at once), same device",
+            "",
+            "| engine | requests x (prompt -> output) | output tok/s | seconds | "
+            "TTFT p50/p99 (ms) | TPOT p50/p99 (ms) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for run in report["fixed_batches"]:
+            shape = f"{run['batch']} x ({run['prompt_len']} -> {run['max_tokens']})"
+            s = run["pagedkv"]
+            lines.append(
+                f"| pagedkv serve | {shape} | {s['output_tokens_per_s']:.0f} | "
+                f"{s['seconds']:.2f} | {s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
+                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} |"
+            )
+            hf = run.get("hf")
+            if hf:
+                lines.append(
+                    f"| HF generate ({hf['mode']}) | {shape} | "
+                    f"{hf['output_tokens_per_s']:.0f} | {hf['seconds']:.2f} | - | - |"
+                )
+    timeline = report.get("timeline")
+    if timeline:
+        lines += [
+            "",
+            "## GPU timeline of decode steps (torch profiler)",
+            "",
+            f"{timeline['profiled_decode_steps']} decode steps of the first fixed batch "
+            f"(after {timeline['skipped_decode_steps']}): GPU idle "
+            f"{100 * timeline['idle_fraction']:.1f}% of the window, of which between steps "
+            f"{100 * timeline['between_steps_idle_fraction']:.1f}% (median gap "
+            f"{timeline['median_gap_between_steps_us']:.0f} us; a step's GPU span "
+            f"{timeline['median_step_gpu_span_us']:.0f} us). The profiler's host overhead "
+            "makes these upper bounds.",
+        ]
+    lines += [
+        "",
+        "Settings: " + json.dumps(settings),
+        "",
+        "Machine: " + json.dumps(report["machine"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: Path) -> None:
+    """Three panels: TTFT vs rate, TPOT and ITL vs rate, output tok/s vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["rates"]
+    labels = [run["rate"] for run in runs]
+    x = list(range(len(runs)))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for q, style in (("p50", "-o"), ("p99", "--o")):
+        axes[0].plot(
+            x, [r["summary"]["ttft_ms"][q] for r in runs], style, color="C0", label=f"TTFT {q}"
+        )
+        axes[1].plot(
+            x, [r["summary"]["tpot_ms"][q] for r in runs], style, color="C1", label=f"TPOT {q}"
+        )
+        axes[1].plot(
+            x, [r["summary"]["itl_ms"][q] for r in runs], style, color="C2", label=f"ITL {q}"
+        )
+    for ax, title in ((axes[0], "time to first token"), (axes[1], "time per output token")):
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend()
+    concurrency = [r["summary"]["mean_concurrency"] for r in runs]
+    throughput = [r["summary"]["output_tokens_per_s"] for r in runs]
+    axes[2].plot(concurrency, throughput, "-o", label="pagedkv, Poisson rates")
+    for c, t, label in zip(concurrency, throughput, labels, strict=True):
+        axes[2].annotate(f"{label}/s", (c, t), textcoords="offset points", xytext=(4, -10))
+    batches = report["fixed_batches"]
+    if batches:
+        axes[2].plot(
+            [b["batch"] for b in batches],
+            [b["pagedkv"]["output_tokens_per_s"] for b in batches],
+            "s",
+            markersize=9,
+            label="pagedkv, fixed batch",
+        )
+        hf = [b for b in batches if b.get("hf")]
+        if hf:
+            axes[2].plot(
+                [b["batch"] for b in hf],
+                [b["hf"]["output_tokens_per_s"] for b in hf],
+                "^",
+                markersize=9,
+                label="HF generate, fixed batch",
+            )
+    axes[2].set_xlabel("requests in flight (mean)")
+    axes[2].set_ylabel("output tokens/s")
+    axes[2].set_title("throughput vs concurrency")
+    axes[2].legend()
+    fig.suptitle(f"pagedkv bench serve: {report['settings']['model']} on {_device(report)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _device(report: Mapping[str, Any]) -> str:
+    return str(report["machine"].get("gpu") or report["settings"]["device"])

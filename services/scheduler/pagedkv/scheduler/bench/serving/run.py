@@ -1,0 +1,235 @@
+"""``pagedkv bench serve``: the runs, in order, and the report.
+
+1. ``pagedkv serve`` (one executor; or ``--target``); warm-up requests.
+2. For each rate: ``--num-requests`` requests of the mix at Poisson times
+   (each rate gets its own slice of one mix, so no rate finds another's
+   whole prompts cached; the system prompts are shared by all).
+3. Each fixed batch, all requests at once.
+4. The server stops; Hugging Face ``generate`` on each fixed batch, in a
+   child process (``python -m pagedkv.executor.bench_hf``: the scheduler side
+   imports no torch) on the same device.
+5. With ``--timeline-steps``: a fresh stack with a profiled executor runs the
+   first fixed batch; its idle measures join the report.
+Every request must finish with exactly its ``max_tokens`` tokens; the report
+counts those that did not. Numbers come only from the run itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata as metadata
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.bench.service import _machine
+from pagedkv.scheduler.bench.serving import report as reporting
+from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
+from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows, summarize
+from pagedkv.scheduler.bench.serving.stack import ServeStack, TimelineStack, model_dir, model_shape
+from pagedkv.scheduler.bench.serving.workload import (
+    MixConfig,
+    fixed_batch,
+    parse_rates,
+    poisson_arrivals,
+    sharegpt_like,
+)
+
+PACKAGES = ("pagedkv-scheduler", "pagedkv-executor", "pagedkv-common")
+TIMELINE_WAIT_S = 60.0
+log = get_logger(__name__)
+
+
+class FixedBatch(NamedTuple):
+    batch: int
+    prompt_len: int
+    max_tokens: int
+
+
+def parse_fixed_batches(text: str) -> list[FixedBatch]:
+    """``"64x512x256,8x16x8"`` -> two batches; ``""`` -> none."""
+    batches = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        numbers = [int(n) for n in part.split("x")]
+        if len(numbers) != 3 or min(numbers) < 1:
+            raise ValueError(f"a fixed batch is NxPxO with positive numbers: {part!r}")
+        batches.append(FixedBatch(*numbers))
+    return batches
+
+
+def _serve_runs(
+    args: argparse.Namespace, target: str, model: str, batches: list[FixedBatch]
+) -> dict[str, Any]:
+    shape = model_shape(model)
+    vocab = int(shape["vocab_size"])
+    max_len = args.max_model_len or int(shape.get("max_position_embeddings", 2048))
+    rates = parse_rates(args.rates)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    mix = MixConfig(
+        num_requests=args.num_requests * len(rates),
+        max_model_len=max_len,
+        vocab_size=vocab,
+        mean_prompt_len=args.mean_prompt_len,
+        mean_output_len=args.mean_output_len,
+        sigma=args.sigma,
+        system_prompt_fraction=args.system_prompt_fraction,
+        num_system_prompts=args.num_system_prompts,
+        system_prompt_len=args.system_prompt_len,
+        seed=args.seed,
+    )
+    requests = sharegpt_like(mix)
+    asyncio.run(wait_ready(target))
+    if args.warmup_requests:
+        warm = MixConfig(**{**_fields(mix), "num_requests": args.warmup_requests, "seed": -1})
+        asyncio.run(run_load(target, sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests))
+    out: dict[str, Any] = {"rates": [], "fixed_batches": []}
+    for i, rate in enumerate(rates):
+        part = requests[i * args.num_requests : (i + 1) * args.num_requests]
+        arrivals = poisson_arrivals(len(part), rate, seed=args.seed + i)
+        results, seconds = asyncio.run(run_load(target, part, arrivals))
+        summary = summarize(results, seconds, slo)
+        log.info("rate done", rate=rate, output_tokens_per_s=round(summary["output_tokens_per_s"]))
+        label = reporting.rate_label(rate)
+        out["rates"].append({"rate": label, "summary": summary, "requests": request_rows(results)})
+    for i, b in enumerate(batches):
+        part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=args.seed + 1000 + i)
+        results, seconds = asyncio.run(run_load(target, part, [0.0] * len(part)))
+        summary = summarize(results, seconds, slo)
+        log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
+        out["fixed_batches"].append({**b._asdict(), "pagedkv": summary})
+    stats = asyncio.run(server_stats(target))
+    out["server"] = {
+        "num_preemptions": stats.num_preemptions,
+        "integrity_ok": stats.integrity.ok,
+        "prefix_cache_hits": sum(e.prefix_cache_hits for e in stats.executors),
+        "prefix_cache_queries": sum(e.prefix_cache_queries for e in stats.executors),
+    }
+    return out
+
+
+def _fields(config: MixConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in MixConfig.__dataclass_fields__}
+
+
+def hf_baseline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[str, Any]:
+    """Hugging Face ``generate`` on ``batch`` in a child process."""
+    command = [sys.executable, "-m", "pagedkv.executor.bench_hf", "--model", model]
+    command += ["--device", args.device, "--dtype", args.dtype, "--load-format", args.load_format]
+    command += ["--batch", str(batch.batch), "--prompt-len", str(batch.prompt_len)]
+    command += ["--max-tokens", str(batch.max_tokens), "--repeat", str(args.hf_repeat)]
+    command += ["--seed", str(args.seed)]
+    done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[str, Any]:
+    """The profiled stack on ``batch``; the executor's idle measures."""
+    with tempfile.TemporaryDirectory(prefix="pagedkv-timeline-") as root:
+        stack = TimelineStack(args, model, Path(root), args.timeline_skip, args.timeline_steps)
+        try:
+            vocab = int(model_shape(model)["vocab_size"])
+            part = fixed_batch(batch.batch, batch.prompt_len, batch.max_tokens, vocab, args.seed)
+            asyncio.run(wait_ready(stack.target))
+            asyncio.run(run_load(stack.target, part, [0.0] * len(part)))
+            found = Path(root) / "timeline.json"
+            deadline = time.monotonic() + TIMELINE_WAIT_S
+            while not found.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not found.exists():
+                raise RuntimeError(
+                    f"no timeline: the batch ran fewer than {args.timeline_skip} + "
+                    f"{args.timeline_steps} decode steps"
+                )
+            measures: dict[str, Any] = json.loads(found.read_text())
+        finally:
+            stack.stop()
+    return {**measures, "batch": batch._asdict()}
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    keys = [
+        "device",
+        "dtype",
+        "load_format",
+        "kernel_backend",
+        "num_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enforce_eager",
+        "rates",
+        "num_requests",
+        "mean_prompt_len",
+        "mean_output_len",
+        "sigma",
+        "system_prompt_fraction",
+        "num_system_prompts",
+        "system_prompt_len",
+        "warmup_requests",
+        "slo_ttft_ms",
+        "slo_tpot_ms",
+        "fixed_batch",
+        "hf_repeat",
+        "timeline_steps",
+        "timeline_skip",
+        "seed",
+        "target",
+    ]
+    name = args.model if args.model is not None else f"preset {args.preset}"
+    return {"model": name, **{k: getattr(args, k) for k in keys}}
+
+
+def main(args: argparse.Namespace) -> int:
+    batches = parse_fixed_batches(args.fixed_batch)
+    parse_rates(args.rates)  # refuse bad rates before anything starts
+    with model_dir(args) as model:
+        stack = None if args.target else ServeStack(args, model)
+        try:
+            target = args.target or stack.target  # type: ignore[union-attr]
+            report: dict[str, Any] = _serve_runs(args, target, model, batches)
+        finally:
+            if stack is not None:
+                stack.stop()
+        if not args.no_hf:
+            for run, batch in zip(report["fixed_batches"], batches, strict=True):
+                run["hf"] = hf_baseline(args, model, batch)
+        if args.timeline_steps and batches:
+            report["timeline"] = timeline(args, model, batches[0])
+        shape = model_shape(model)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    described = ", ".join(f"{k} {shape[k]}" for k in (*keys, "vocab_size") if k in shape)
+    report = {
+        "machine": {**_machine(args.device), **_versions()},
+        "settings": _settings(args, model),
+        "model_shape": described,
+        **report,
+    }
+    text = reporting.markdown(report)
+    print(text)
+    if args.output:
+        path = Path(args.output)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        path.with_suffix(".md").write_text(text)
+        reporting.plot(report, path.with_suffix(".png"))
+    return 0 if _all_ok(report) else 1
+
+
+def _all_ok(report: dict[str, Any]) -> bool:
+    runs = [r["summary"] for r in report["rates"]] + [b["pagedkv"] for b in report["fixed_batches"]]
+    return all(s["num_ok"] == s["num_requests"] for s in runs)

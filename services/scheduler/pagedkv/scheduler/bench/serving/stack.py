@@ -1,0 +1,143 @@
+"""The model and the server the serving benchmark runs against.
+
+``model_dir`` yields the model directory: ``--model``, or a preset made in a
+temporary directory (a tiny random llama with ``make-tiny-model``; the llama
+shapes as a bare ``config.json``, for ``--load-format dummy``).
+``ServeStack`` is ``pagedkv serve`` as a child process (one executor);
+``TimelineStack`` a profiled executor (``python -m pagedkv.executor.timeline``)
+and a ``pagedkv scheduler`` over it. Both stop their children on ``stop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pagedkv.scheduler.serve import (
+    SCHEDULER_READY,
+    ChildProcesses,
+    ExecutorProcesses,
+    _model_dir,
+    executor_commands,
+)
+
+SERVE_READY = re.compile(r"pagedkv serve ready on ([\w.\-]+:\d+)")
+
+# The executor bench's ~1.1B llama, and Llama-3-8B's shape.
+LLAMA_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1.1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[str]:
+    """``args.model``, or the preset's directory (removed on exit); a llama
+    preset sets ``args.load_format`` to dummy (it has no weights)."""
+    if args.model is not None or args.preset == "tiny":
+        with _model_dir(args.model) as model:
+            yield model
+        return
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as root:
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rms_norm_eps": 1e-5,
+            **LLAMA_SHAPES[args.preset],
+        }
+        (Path(root) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        args.load_format = "dummy"
+        yield root
+
+
+def model_shape(model: str) -> dict[str, Any]:
+    """The model's ``config.json`` as a dict."""
+    config: dict[str, Any] = json.loads((Path(model) / "config.json").read_text())
+    return config
+
+
+def _server_args(args: argparse.Namespace) -> list[str]:
+    options = ["--device", args.device, "--dtype", args.dtype, "--load-format", args.load_format]
+    options += ["--max-num-seqs", str(args.max_num_seqs)]
+    options += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.kernel_backend:
+        options += ["--kernel-backend", args.kernel_backend]
+    if args.num_blocks is not None:
+        options += ["--num-blocks", str(args.num_blocks)]
+    if args.enforce_eager:
+        options.append("--enforce-eager")
+    return options
+
+
+class ServeStack:
+    """``pagedkv serve --executors 1`` on a free port; ``target`` once ready."""
+
+    def __init__(self, args: argparse.Namespace, model: str) -> None:
+        command = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning", "serve"]
+        command += ["--model", model, "--port", "0", "--executors", "1", *_server_args(args)]
+        self.children = ChildProcesses([command], "server", SERVE_READY, ["pagedkv serve"])
+        try:
+            self.target = self.children.wait_ready()[0]
+        except BaseException:
+            self.children.stop()
+            raise
+
+    def stop(self) -> None:
+        self.children.stop()
+
+
+class TimelineStack:
+    """A profiled executor writing to ``directory`` (see
+    ``pagedkv.executor.timeline``) and a scheduler over it; ``target``."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: str, directory: Path, skip: int, steps: int
+    ) -> None:
+        options = argparse.Namespace(**vars(args))
+        options.executors, options.log_format, options.log_level = 1, "console", "warning"
+        command = executor_commands(options, model)[0]
+        at = command.index("pagedkv.executor")
+        command[at : at + 1] = ["pagedkv.executor.timeline", "--timeline-dir", str(directory)]
+        command[at + 3 : at + 3] = ["--skip-steps", str(skip), "--steps", str(steps)]
+        self.executor = ExecutorProcesses([command])
+        scheduler = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning"]
+        scheduler += ["scheduler", "--executor", self.executor.addresses[0], "--port", "0"]
+        scheduler += ["--model", model, "--max-num-seqs", str(args.max_num_seqs)]
+        scheduler += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        try:
+            self.scheduler = ChildProcesses([scheduler], "scheduler", SCHEDULER_READY, ["1/1"])
+            self.target = self.scheduler.wait_ready()[0]
+        except BaseException:
+            self.executor.stop()
+            raise
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.executor.stop()

@@ -1,0 +1,143 @@
+"""``pagedkv bench serve``: the workload, the metrics, the GPU idle measure on
+a synthetic trace, and a reduced run against a real ``pagedkv serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
+from pagedkv.scheduler.bench.serving.cli import register
+from pagedkv.scheduler.bench.serving.load import RequestResult
+from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
+from pagedkv.scheduler.bench.serving.run import main, parse_fixed_batches
+from pagedkv.scheduler.bench.serving.workload import (
+    MixConfig,
+    fixed_batch,
+    parse_rates,
+    poisson_arrivals,
+    sharegpt_like,
+)
+
+
+def test_the_mix_is_seeded_fits_the_context_and_shares_system_prompts() -> None:
+    config = MixConfig(num_requests=200, max_model_len=128, vocab_size=100, seed=3)
+    mix = sharegpt_like(config)
+    assert mix == sharegpt_like(config)
+    assert mix != sharegpt_like(MixConfig(num_requests=200, max_model_len=128, vocab_size=100))
+    assert all(len(r.prompt_token_ids) + r.max_tokens <= 128 for r in mix)
+    assert all(r.max_tokens >= 1 and r.prompt_token_ids for r in mix)
+    heads = [r.prompt_token_ids[:64] for r in mix if len(r.prompt_token_ids) >= 64]
+    assert len(heads) - len(set(heads)) > 10  # system prompts repeat
+
+
+def test_poisson_arrivals_have_the_rate_and_inf_sends_all_at_once() -> None:
+    times = poisson_arrivals(4000, 8.0, seed=1)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert 7.5 < len(times) / times[-1] < 8.5
+    assert poisson_arrivals(5, math.inf) == [0.0] * 5
+    assert parse_rates("2, 4,inf") == [2.0, 4.0, math.inf]
+    with pytest.raises(ValueError):
+        parse_rates("0,2")
+
+
+def test_fixed_batches_parse_and_have_their_shape() -> None:
+    assert [tuple(b) for b in parse_fixed_batches("64x512x256, 2x3x4")] == [
+        (64, 512, 256),
+        (2, 3, 4),
+    ]
+    assert parse_fixed_batches("") == []
+    with pytest.raises(ValueError):
+        parse_fixed_batches("64x512")
+    batch = fixed_batch(3, 7, 5, vocab_size=50)
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in batch] == [(7, 5)] * 3
+
+
+def _result(times: tuple[float, ...], counts: tuple[int, ...], max_tokens: int) -> RequestResult:
+    return RequestResult("r", 10, 0, max_tokens, sum(counts), 0.0, 1.0, times, counts, 2.0, "")
+
+
+def test_ttft_tpot_itl_and_goodput_of_known_requests() -> None:
+    # Sent at 1.0: first token at 1.1, then chunks of 1 and 2 tokens.
+    fast = _result((1.1, 1.2, 1.4), (1, 1, 2), 4)
+    slow = _result((1.9, 2.0), (1, 1), 2)
+    short = _result((1.2,), (1,), 2)  # one token of the two asked for
+    assert tpot_s(fast) == pytest.approx(0.3 / 3)
+    assert itl_s(fast) == pytest.approx([0.1, 0.1, 0.1])
+    summary = summarize([fast, slow, short], 2.0, Slo(ttft_ms=500, tpot_ms=150))
+    assert summary["num_ok"] == 2 and summary["num_wrong_token_counts"] == 1
+    assert summary["ttft_ms"]["p50"] == pytest.approx(500.0)  # of 100 and 900
+    assert summary["num_meeting_slo"] == 1  # slow misses TTFT, short is wrong
+    assert summary["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert summary["output_tokens"] == 7
+
+
+def _span(cat: str, ts: float, dur: float, **args: object) -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": "x", "ts": ts, "dur": dur, "args": args}
+
+
+def test_gpu_idle_splits_idle_time_between_and_inside_steps() -> None:
+    events = []
+    # Two steps: CPU ranges [0, 100] and [150, 250]; each launches two kernels.
+    for step, base in enumerate((0.0, 150.0)):
+        events.append(
+            {"ph": "X", "cat": "user_annotation", "name": STEP_ANNOTATION, "ts": base, "dur": 100}
+        )
+        for k in range(2):
+            correlation = 10 * step + k
+            events.append(_span("cuda_runtime", base + 5 + k, 1, correlation=correlation))
+            # kernels: [base+10, base+40] and [base+50, base+80] (a 10 us gap inside)
+            events.append(_span("kernel", base + 10 + 40 * k, 30, correlation=correlation))
+    events.append(_span("kernel", 500, 10, correlation=99))  # launched outside any step
+    idle = gpu_idle(events)
+    assert idle.num_steps == 2 and idle.num_gpu_events == 4
+    assert idle.window_us == pytest.approx(220.0)  # 10 .. 230
+    assert idle.busy_us == pytest.approx(120.0)
+    assert idle.between_steps_idle_us == pytest.approx(80.0)  # 80 .. 160
+    assert idle.idle_fraction == pytest.approx(100 / 220)
+    assert idle.between_steps_idle_fraction == pytest.approx(80 / 220)
+    assert idle.median_step_gpu_span_us == pytest.approx(70.0)
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(), "serve")
+    return parser.parse_args(["serve", *argv])
+
+
+def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagedkv.executor.tiny_model import make_tiny_model
+
+    model = tmp_path / "model"
+    make_tiny_model(model, "llama", seed=7)
+    output = tmp_path / "serve-bench-cpu.json"
+    argv = ["--model", str(model), "--rates", "8,inf", "--num-requests", "4"]
+    argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
+    argv += ["--warmup-requests", "1", "--fixed-batch", "3x12x5", "--num-blocks", "128"]
+    argv += ["--hf-repeat", "1", "--output", str(output)]
+    assert main(_args(argv)) == 0
+    report = json.loads(output.read_text())
+    assert output.with_suffix(".md").read_text().startswith("# Serving benchmark")
+    assert output.with_suffix(".png").stat().st_size > 0
+    assert {"machine", "settings", "rates", "fixed_batches", "server"} <= set(report)
+    assert [run["rate"] for run in report["rates"]] == ["8", "inf"]
+    for run in report["rates"]:
+        summary = run["summary"]
+        assert summary["num_ok"] == summary["num_requests"] == 4
+        assert summary["errors"] == [] and summary["num_wrong_token_counts"] == 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert set(summary[key]) == {"p50", "p90", "p99", "mean"}
+        assert summary["output_tokens"] == sum(r["max_tokens"] for r in run["requests"])
+        assert all(r["output"] == r["max_tokens"] for r in run["requests"])
+    (batch,) = report["fixed_batches"]
+    assert (batch["batch"], batch["prompt_len"], batch["max_tokens"]) == (3, 12, 5)
+    assert batch["pagedkv"]["output_tokens"] == 15 and batch["pagedkv"]["num_ok"] == 3
+    assert batch["hf"]["output_tokens"] == 15 and batch["hf"]["mode"] == "eager, dynamic cache"
+    assert report["server"]["integrity_ok"]
+    assert "Fixed batch" in capsys.readouterr().out

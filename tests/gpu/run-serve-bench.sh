@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs `pagedkv bench serve` on a GPU machine set up as for the GPU tests
+# (tests/gpu/run-gpu-tests.sh: the wheels of tests/gpu/device-wheels.sh in
+# .whl/, installed into SITE; nothing of pagedkv is pip-installed):
+#
+#   bash tests/gpu/run-serve-bench.sh 1b     # ~1.1B llama: rates, 64 x (512 -> 256)
+#                                            # against HF generate, GPU timeline
+#   bash tests/gpu/run-serve-bench.sh 8b     # Llama-3-8B's shape: rates, the same batch
+#
+# Both use dummy (random) bf16 weights. Results go to OUT when set (the
+# device's output folder), else tests/benchmarks/results, as
+# serve-bench-NAME.{json,md,png}, NAME being h200 (1b) or 8b-h200 (8b); set
+# DEVICE_NAME for another GPU.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=tests/gpu/run-gpu-tests.sh
+source tests/gpu/run-gpu-tests.sh
+RESULTS=${OUT:-tests/benchmarks/results}
+NAME=${DEVICE_NAME:-h200}
+
+bench() {
+  "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
+}
+
+setup
+report
+mkdir -p "$RESULTS"
+case "${1:-1b}" in
+  1b)
+    bench --preset llama-1.1b --rates 4,16,64,inf --num-requests 160 \
+      --fixed-batch 64x512x256 --timeline-steps 50 --output "$RESULTS/serve-bench-$NAME.json"
+    ;;
+  8b)
+    bench --preset llama-8b --rates 2,8,32,inf --num-requests 96 \
+      --fixed-batch 64x512x256 --output "$RESULTS/serve-bench-8b-$NAME.json"
+    ;;
+  *)
+    echo "run-serve-bench: 1b or 8b, not $1" >&2
+    exit 2
+    ;;
+esac
