@@ -16,6 +16,7 @@ import pytest
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import configure_logging
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.sequence import Sequence
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 from tests.executor.driver import ExecutorProcess
@@ -110,33 +111,42 @@ async def _drain(generation) -> tuple[list[scheduler_pb2.GenerateResponse], Serv
             return chunks, error
 
 
-def _inject(monkeypatch, method: str, request_id: str, after_tokens: int) -> None:
-    """Makes ``ExecutorScheduler.<method>`` raise for the generation
-    ``request_id`` once it has ``after_tokens`` output tokens."""
-    original = getattr(ExecutorScheduler, method)
+# Per-sequence calls of a step: applying a sample (the stop check) and
+# building the step (an entry's state changes).
+FAULTS = {
+    "apply": (Sequence, "stop_reason"),
+    "build": (ExecutorScheduler, "_commit"),
+}
 
-    def broken(self, seq, *args, **kwargs):
+
+def _inject(monkeypatch, where: str, request_id: str, after_tokens: int) -> None:
+    """Makes the per-sequence call ``where`` (see FAULTS) raise for the
+    generation ``request_id`` once it has ``after_tokens`` output tokens."""
+    owner, method = FAULTS[where]
+    original = getattr(owner, method)
+
+    def broken(self, *args, **kwargs):
+        seq = self if isinstance(self, Sequence) else args[0]
         if (
             seq.generation.request_id == request_id
             and seq.request.num_output_tokens >= after_tokens
         ):
             raise RuntimeError(f"injected fault in {method}")
-        return original(self, seq, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ExecutorScheduler, method, broken)
+    monkeypatch.setattr(owner, method, broken)
 
 
-@pytest.mark.parametrize("method", ["_append", "_entry"])
+@pytest.mark.parametrize("where", sorted(FAULTS))
 def test_a_scheduler_bug_fails_only_the_requests_it_concerns(
-    model_dirs, monkeypatch, method: str
+    model_dirs, monkeypatch, where: str
 ) -> None:
-    """A fault while applying samples (``_append``) or while building a step
-    (``_entry``) ends that request with FINISH_REASON_ERROR and INTERNAL; the
-    other request finishes with Hugging Face's output and the executor stays
-    in service."""
+    """A fault while applying samples or while building a step ends that
+    request with FINISH_REASON_ERROR and INTERNAL; the other request finishes
+    with Hugging Face's output and the executor stays in service."""
     model = model_dirs["llama"]
     expected = hf_greedy(model, PROMPT, 24)
-    _inject(monkeypatch, method, "boom", 3)
+    _inject(monkeypatch, where, "boom", 3)
     configure_logging("console", "INFO")  # onto this test's stderr, not an earlier one's
 
     async def main(target: str) -> None:

@@ -9,12 +9,12 @@ response chunks its Generate stream reads.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
 
 from pagedkv.scheduler.beam import BeamSearch
+from pagedkv.scheduler.chunks import ChunkQueue, PendingChunk, PendingOutput
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
@@ -28,6 +28,25 @@ class SequenceState(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class ExecutorRow:
+    """A sequence's state on its executor, from admission to release.
+
+    ``table_lengths``: its block tables' lengths (per group) as the executor
+    has them; None until the executor knows it (the next step sends it as a
+    new request). ``inflight_samples``: samples asked for in steps sent but
+    not yet applied (async stepping). ``pending_on_executor``: the executor
+    holds a sample for a later step to continue from. ``token_unsent``: a
+    beam's token, chosen here, that the executor does not have yet.
+    """
+
+    row: int
+    table_lengths: list[int] | None = None
+    inflight_samples: int = 0
+    pending_on_executor: bool = False
+    token_unsent: bool = False
+
+
 @dataclass(eq=False)
 class Sequence:
     """One output sequence; ``request`` holds its tokens and computed count."""
@@ -37,7 +56,6 @@ class Sequence:
     request: Request
     state: SequenceState = SequenceState.WAITING
     executor: str | None = None  # address of the executor it lives on
-    row: int | None = None  # its executor row while the executor knows it
     finish_reason: int = FinishReason.FINISH_REASON_UNSPECIFIED
     stop_token_id: int | None = None
     error_message: str = ""  # with FINISH_REASON_ERROR: what failed, for humans
@@ -45,23 +63,31 @@ class Sequence:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
-    pending_text: str = ""
     admitted: bool = False  # admitted once (cached prompt tokens are counted then)
     finish_reported: bool = False  # its finishing chunk was queued
-    # Its block tables' lengths (per group) as the executor has them; None:
-    # the executor does not know it (the next step sends it as a new request).
-    table_lengths: list[int] | None = None
-    # Beam search: the cumulative logprob, this round's candidates (logprob,
-    # token id), and whether its last token is not on the executor yet.
-    # Async stepping: samples asked for in steps sent but not yet applied; a
-    # sample the executor holds for a later step to continue from; and the
-    # epoch, bumped on every release, that tells stale responses apart.
-    inflight_samples: int = 0
-    pending_on_executor: bool = False
-    epoch: int = 0
+    # Its state on its executor while it holds a row there (see ExecutorRow);
+    # None: it holds none. Replaced, never reset, so that responses to steps
+    # sent before a release are told apart (``Entry.placed``).
+    placed: ExecutorRow | None = None
+    # Beam search: the cumulative logprob and this round's candidates
+    # (logprob, token id).
     cum_logprob: float = 0.0
     candidates: list[tuple[float, int]] | None = None
-    token_unsent: bool = False
+    # Tokens (prompt and outputs) at which it stops (LENGTH): its prompt plus
+    # max_tokens, at most max_model_len; set by the scheduler it joins.
+    max_num_tokens: int = 0
+
+    @property
+    def row(self) -> int | None:
+        """Its executor row while it holds one."""
+        placed = self.placed
+        return None if placed is None else placed.row
+
+    def detach(self) -> ExecutorRow | None:
+        """Forgets its executor state (one place for every release and
+        evacuation); returns the record it had."""
+        placed, self.placed = self.placed, None
+        return placed
 
     @property
     def seq_id(self) -> str:
@@ -70,6 +96,14 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.state is SequenceState.FINISHED
+
+    def stop_reason(self, token: int) -> int | None:
+        """The one stop check of a sampled token just appended: its finish
+        reason, or None when the sequence goes on."""
+        reason = self.generation.stop_token_reason(token)
+        if reason is None and self.request.num_tokens >= self.max_num_tokens:
+            return FinishReason.FINISH_REASON_LENGTH
+        return reason
 
     def finish(
         self, reason: int, stop_token_id: int | None = None, error_message: str = ""
@@ -101,9 +135,7 @@ class Generation:
     stop_token_ids: frozenset[int]
     arrival: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
-    chunks: asyncio.Queue[scheduler_pb2.GenerateResponse | BaseException] = field(
-        default_factory=asyncio.Queue
-    )
+    chunks: ChunkQueue = field(default_factory=ChunkQueue)
     num_cached_prompt_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -130,6 +162,14 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    def stop_token_reason(self, token: int) -> int | None:
+        """STOP for a stop token, EOS for an EOS token, else None."""
+        if token in self.stop_token_ids:
+            return FinishReason.FINISH_REASON_STOP
+        if token in self.eos_token_ids:
+            return FinishReason.FINISH_REASON_EOS
+        return None
+
     def sampling_for(self, index: int) -> common_pb2.SamplingParams:
         """Sequence ``index``'s executor sampling: a distinct seed per sequence."""
         params = common_pb2.SamplingParams()
@@ -144,54 +184,68 @@ class Generation:
 
     def flush(self) -> None:
         """Queues one chunk with every sequence's news; the final one (with
-        usage) once every sequence has finished."""
+        usage) once every sequence has finished. The chunk's message and text
+        are made when its stream reads it (see chunks.py)."""
         if self.done:
             return
-        response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
         if self.beam is not None:
             if all(s.finished for s in self.sequences):
+                response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
                 self._finish_beams(response)
             return
-        all_finished = all(s.finished for s in self.sequences)
+        all_finished = True
+        outputs: list[PendingOutput] = []
         for seq in self.sequences:
-            if seq.detokenizer is not None and seq.finished:
-                seq.pending_text += seq.detokenizer.flush()
-            news = seq.pending_token_ids or seq.pending_text
-            if not news and (not seq.finished or seq.finish_reported):
+            finished = seq.state is SequenceState.FINISHED
+            all_finished &= finished
+            if not seq.pending_token_ids and (not finished or seq.finish_reported):
                 continue
-            output = response.outputs.add(
-                index=seq.index,
-                token_ids=seq.pending_token_ids,
-                text_delta=seq.pending_text,
-                logprobs=seq.pending_logprobs,
-            )
-            if seq.finished:
-                output.finish_reason = seq.finish_reason  # type: ignore[assignment]
-                if seq.stop_token_id is not None:
-                    output.stop_token_id = seq.stop_token_id
-                output.error_message = seq.error_message
+            if finished and not seq.finish_reported:
+                outputs.append(
+                    PendingOutput(
+                        seq.index,
+                        seq.pending_token_ids,
+                        seq.pending_logprobs,
+                        seq.detokenizer,
+                        seq.finish_reason,
+                        seq.stop_token_id,
+                        seq.error_message,
+                    )
+                )
                 seq.finish_reported = True
+            else:
+                outputs.append(
+                    PendingOutput(
+                        seq.index, seq.pending_token_ids, seq.pending_logprobs, seq.detokenizer
+                    )
+                )
             seq.pending_token_ids = []
-            seq.pending_logprobs = []
-            seq.pending_text = ""
+            if seq.pending_logprobs:
+                seq.pending_logprobs = []
+        usage = None
         if all_finished:
-            response.usage.prompt_tokens = self.num_prompt_tokens
-            # A resumed sequence's cache hit can reach into its resumed tokens.
-            response.usage.cached_prompt_tokens = min(
-                self.num_cached_prompt_tokens, self.num_prompt_tokens
-            )
-            response.usage.completion_tokens = sum(
-                s.request.num_output_tokens for s in self.sequences
+            usage = scheduler_pb2.Usage(
+                prompt_tokens=self.num_prompt_tokens,
+                # A resumed sequence's cache hit can reach into its resumed tokens.
+                cached_prompt_tokens=min(self.num_cached_prompt_tokens, self.num_prompt_tokens),
+                completion_tokens=sum(s.request.num_output_tokens for s in self.sequences),
             )
             self.done = True
-        if response.outputs or all_finished:
-            self._send(response)
+        if outputs or all_finished:
+            self.chunks.put_nowait(
+                PendingChunk(self.request_id, outputs, usage, self._take_placement())
+            )
+
+    def _take_placement(self) -> scheduler_pb2.Placement | None:
+        """The placement, for the first chunk only."""
+        placement, self.placement = self.placement, None
+        return placement
 
     def _send(self, response: scheduler_pb2.GenerateResponse) -> None:
         """Queues a chunk; the first one carries the placement."""
-        if self.placement is not None:
-            response.placement.CopyFrom(self.placement)
-            self.placement = None
+        placement = self._take_placement()
+        if placement is not None:
+            response.placement.CopyFrom(placement)
         self.chunks.put_nowait(response)
 
     def _finish_beams(self, response: scheduler_pb2.GenerateResponse) -> None:

@@ -1,0 +1,115 @@
+"""Sequences that share blocks within one generation: the ``n - 1`` forks of
+parallel sampling, and the beams of a beam search (see beam.py for which
+beams survive a round).
+
+Both work on one executor's ``ExecutorScheduler``: they take rows from the
+generation's reserve, share blocks through ``KVCacheManager.fork`` and
+release through the scheduler, so its rows and running list keep one writer
+each (the scheduler's methods these functions call).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
+
+if TYPE_CHECKING:
+    from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+
+
+def fork_samples(scheduler: ExecutorScheduler, parent: Sequence) -> None:
+    """The other n - 1 sequences share the parent's prompt blocks; each
+    recomputes the last prompt token (copy-on-write of its block) to draw
+    its own first token."""
+    generation = parent.generation
+    generation.forked = True
+    prompt = generation.prompt_token_ids
+    parent_request = parent.request
+    computed = parent_request.num_computed_tokens  # may count a decode in flight
+    parent_request.num_computed_tokens = len(prompt)
+    for seq in generation.sequences[1:]:
+        child = seq.request
+        scheduler.kv.fork(parent_request, child)
+        child.num_computed_tokens = len(prompt) - 1
+        seq.admitted = True
+        scheduler.start_running(seq)
+    parent_request.num_computed_tokens = computed
+
+
+def beam_round(scheduler: ExecutorScheduler, generation: Generation) -> bool:
+    """Once every live beam has its candidates: prunes, forks and extends
+    the beams. Returns whether the generation finished."""
+    search = generation.beam
+    assert search is not None
+    live = [s for s in generation.sequences if not s.finished]
+    if any(s.candidates is None for s in live):
+        return False  # a beam was preempted: the round waits for it
+    prompt_len = generation.num_prompt_tokens
+
+    survivors = search.select(
+        live,
+        lambda s: s.cum_logprob,
+        lambda s: s.candidates or [],
+        generation.stop_token_reason,
+        lambda s: s.request.token_ids[prompt_len:],
+    )
+    chosen: dict[Sequence, list[tuple[int, float]]] = {}
+    for candidate in survivors:
+        chosen.setdefault(candidate.beam, []).append((candidate.token, candidate.score))
+    for seq in live:  # pruned beams give their blocks and rows back first
+        seq.candidates = None
+        if seq not in chosen:
+            seq.finish(FinishReason.FINISH_REASON_UNSPECIFIED)
+            scheduler.release(seq)
+            generation.sequences.remove(seq)
+    for seq, picks in chosen.items():
+        for token, score in picks[1:]:
+            _extend_beam(scheduler, _fork_beam(scheduler, seq), token, score)
+        _extend_beam(scheduler, seq, *picks[0])
+    if search.done or all(s.finished for s in generation.sequences):
+        for seq in generation.sequences:
+            if not seq.finished:
+                seq.finish(FinishReason.FINISH_REASON_LENGTH)
+                scheduler.release(seq)
+        return True
+    return False
+
+
+def _fork_beam(scheduler: ExecutorScheduler, parent: Sequence) -> Sequence:
+    generation = parent.generation
+    assert generation.beam is not None
+    generation.beam.num_forks += 1
+    kv = scheduler.kv
+    request = kv.make_request(
+        generation.new_seq_id(),
+        parent.request.token_ids,
+        cache_salt=generation.cache_salt or None,
+        priority=generation.priority,
+    )
+    request.num_prompt_tokens = generation.num_prompt_tokens
+    kv.fork(parent.request, request)
+    child = Sequence(generation, len(generation.sequences), request)
+    child.admitted = True
+    child.cum_logprob = parent.cum_logprob
+    generation.sequences.append(child)
+    scheduler.start_running(child)
+    return child
+
+
+def _extend_beam(scheduler: ExecutorScheduler, seq: Sequence, token: int, score: float) -> None:
+    """Appends the beam's chosen token; a beam at its length limit finishes."""
+    generation = seq.generation
+    assert generation.beam is not None and seq.placed is not None
+    request = seq.request
+    request.append_output_token_ids(token)
+    seq.cum_logprob = score
+    seq.placed.token_unsent = True
+    if request.num_tokens >= seq.max_num_tokens:
+        generation.beam.add_finished(
+            score,
+            request.token_ids[generation.num_prompt_tokens :],
+            FinishReason.FINISH_REASON_LENGTH,
+        )
+        seq.finish(FinishReason.FINISH_REASON_LENGTH)
+        scheduler.release(seq)

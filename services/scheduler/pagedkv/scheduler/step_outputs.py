@@ -1,0 +1,100 @@
+"""Applying a step's samples: the output processor of ``ExecutorScheduler``.
+
+A step's response holds one sample per entry that asked for one, in entry
+order. Each sample of a live sequence is appended to its request and to its
+pending output, then checked once (``Sequence.stop_reason``); a finished
+sequence is released at once. Beams keep their candidates until every live
+beam of the generation has them (see groups.py). Text is not made here: a
+chunk's text deltas are decoded when its stream reads it (chunks.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from pagedkv.scheduler.groups import beam_round, fork_samples
+from pagedkv.scheduler.sequence import Generation, SequenceState
+from pagedkv.scheduler.step_message import ScheduledStep
+from pagedkv.v1 import executor_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+
+
+class Processed(NamedTuple):
+    """What applying a step's samples did: the generations with news, and
+    the generations whose handling raised (the scheduler's own bugs; the
+    caller fails them, the others went on)."""
+
+    touched: set[Generation]
+    errors: list[tuple[Generation, Exception]]
+
+
+def apply_outputs(
+    scheduler: ExecutorScheduler, step: ScheduledStep, response: executor_pb2.StepResponse
+) -> Processed:
+    """Applies a step's samples. A generation whose handling raises is
+    left as it is and reported in ``errors``; the others go on."""
+    touched: set[Generation] = set()
+    beams: set[Generation] = set()
+    errors: list[tuple[Generation, Exception]] = []
+    tokens = list(response.sampled_token_ids)  # one conversion for the whole step
+    num_top = list(response.num_top_logprobs)
+    running = SequenceState.RUNNING
+    i = 0
+    top_offset = 0
+    for entry in step.entries:
+        if not entry.needs_sample:
+            continue
+        k = i
+        i += 1
+        top = slice(top_offset, top_offset + num_top[k])
+        top_offset = top.stop
+        seq = entry.seq
+        placed = seq.placed
+        if placed is not entry.placed or seq.state is not running:
+            continue  # aborted, preempted or moved while the step ran
+        generation = seq.generation
+        scheduler.current = seq
+        try:
+            placed.inflight_samples -= 1
+            if generation.beam is not None:
+                seq.candidates = list(
+                    zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
+                )
+                beams.add(generation)
+                continue
+            if generation.sampling.HasField("logprobs"):
+                seq.pending_logprobs.append(
+                    scheduler_pb2.TokenLogprobs(
+                        logprob=response.sampled_logprobs[k],
+                        top_token_ids=response.top_token_ids[top],
+                        top_logprobs=response.top_logprobs[top],
+                    )
+                )
+            token = tokens[k]
+            seq.request.append_output_token_ids(token)
+            seq.pending_token_ids.append(token)
+            reason = seq.stop_reason(token)
+            if reason is not None:
+                seq.finish(reason, token if reason == _STOP else None)
+            if generation.n > 1 and not generation.forked and seq.index == 0:
+                fork_samples(scheduler, seq)  # before a release: they share its prompt blocks
+            if reason is not None:
+                scheduler.release(seq)
+            touched.add(generation)
+        except Exception as exc:
+            errors.append((generation, exc))
+    for generation in beams - {generation for generation, _ in errors}:
+        scheduler.current = generation.sequences[0] if generation.sequences else None
+        try:
+            if beam_round(scheduler, generation):
+                touched.add(generation)
+        except Exception as exc:
+            errors.append((generation, exc))
+    scheduler.current = None
+    failed = {generation for generation, _ in errors}
+    return Processed(touched - failed if failed else touched, errors)
+
+
+_STOP = scheduler_pb2.FinishReason.FINISH_REASON_STOP
