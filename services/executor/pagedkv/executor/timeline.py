@@ -35,15 +35,19 @@ from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
 from pagedkv.v1 import executor_pb2
 
 
-def _all_threads_profiler() -> Any:
+def _all_threads_profiler() -> tuple[Any, bool]:
     """A CPU + CUDA profiler that records the ops of every thread (the
-    server runs steps on a pool of threads, the profiler is started on one)."""
+    server runs steps on a pool of threads, the profiler is started on one),
+    and whether it does: a torch without that option records the starting
+    thread's ops only, so steps run on other threads go unmeasured."""
     from torch._C._profiler import _ExperimentalConfig
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    return profile(
-        activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)
-    )
+    try:
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return profile(activities=activities), False
+    return profile(activities=activities, experimental_config=config), True
 
 
 class StepProfiler:
@@ -53,6 +57,7 @@ class StepProfiler:
         self.directory, self.skip, self.steps = directory, skip, steps
         self.num_decode_steps = 0
         self.profiler: Any = None
+        self.all_threads = False
         self.done = False
         self.lock = threading.Lock()
 
@@ -70,7 +75,7 @@ class StepProfiler:
             if self.num_decode_steps <= self.skip:
                 return False
             if self.profiler is None:
-                self.profiler = _all_threads_profiler()
+                self.profiler, self.all_threads = _all_threads_profiler()
                 self.profiler.start()
             return True
 
@@ -80,18 +85,29 @@ class StepProfiler:
             if self.done or self.num_decode_steps < self.skip + self.steps:
                 return
             self.done = True
-            torch.cuda.synchronize()
-            self.profiler.stop()
-            self.directory.mkdir(parents=True, exist_ok=True)
-            trace = self.directory / "trace.json"
-            self.profiler.export_chrome_trace(str(trace))
-            events = json.loads(trace.read_text())["traceEvents"]
-            with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
-                json.dump({"traceEvents": events}, packed)
-            trace.unlink()
-            measures = {"skipped_decode_steps": self.skip, "profiled_decode_steps": self.steps}
-            measures |= gpu_idle(events)._asdict()
+            measures: dict[str, Any] = {
+                "skipped_decode_steps": self.skip,
+                "profiled_decode_steps": self.steps,
+                "profiled_all_threads": self.all_threads,
+            }
+            try:
+                measures |= self._stop_and_measure()
+            except Exception as exc:  # the measure fails, never the step
+                measures["error"] = f"{type(exc).__name__}: {exc}"
             (self.directory / "timeline.json").write_text(json.dumps(measures, indent=2) + "\n")
+
+    def _stop_and_measure(self) -> dict[str, Any]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        trace = self.directory / "trace.json"
+        self.profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
+            json.dump({"traceEvents": events}, packed)
+        trace.unlink()
+        return gpu_idle(events)._asdict()
 
 
 def profiled_executor(profiler: StepProfiler) -> type[engine.Executor]:

@@ -75,7 +75,9 @@ def markdown(report: Mapping[str, Any]) -> str:
                     f"{hf['output_tokens_per_s']:.0f} | {hf['seconds']:.2f} | - | - |"
                 )
     timeline = report.get("timeline")
-    if timeline:
+    if timeline and "error" in timeline:
+        lines += ["", f"GPU timeline: not measured ({timeline['error']})."]
+    elif timeline:
         lines += [
             "",
             "## GPU timeline of decode steps (torch profiler)",
