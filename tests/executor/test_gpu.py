@@ -65,12 +65,19 @@ def test_executor_process_on_cuda_matches_hugging_face(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_bf16_fused_logits_match_transformers_modules_on_cuda(
+def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cuda(
     model_dirs: dict[str, Path], arch: str
 ) -> None:
     """In bf16 the fused stack rounds differently from transformers' modules
-    (fewer intermediate roundings): its logits stay as close as bf16 allows."""
+    (fewer intermediate roundings), so the two differ by bf16 noise (a
+    logit here and there by 0.1). What matters is that the fused stack is
+    no further from the float32 result than transformers' modules are."""
+    exact = make_runner(model_dirs[arch], "triton", False, device="cuda", dtype="float32")
     fused = make_runner(model_dirs[arch], "triton", True, device="cuda", dtype="bfloat16")
     unfused = make_runner(model_dirs[arch], "triton", False, device="cuda", dtype="bfloat16")
-    for got, want in zip(step_logits(fused), step_logits(unfused), strict=True):
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    for want, got, theirs in zip(
+        step_logits(exact), step_logits(fused), step_logits(unfused), strict=True
+    ):
+        ours_error = (got.float() - want).abs().max().item()
+        their_error = (theirs.float() - want).abs().max().item()
+        assert ours_error <= 1.5 * their_error + 1e-2, (ours_error, their_error)
