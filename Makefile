@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu redis fuzz gpu-wheels clean
+.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-memory redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,11 @@ bench-serve-cpu: setup
 	$(BIN)/pagedkv bench serve --rates 4,inf --num-requests 24 --mean-prompt-len 48 \
 		--mean-output-len 24 --system-prompt-len 32 --fixed-batch 16x64x32 --num-blocks 512 \
 		--output tests/benchmarks/results/serve-bench-cpu.json
+
+# KV memory, paged against contiguous, on the live CPU stack: the three
+# scenarios of docs/memory.md (about ten minutes on 2 cores).
+bench-memory: setup
+	$(BIN)/pagedkv bench memory --output tests/benchmarks/results/memory-cpu.json
 
 bench-serve-gpu:
 	bash tests/gpu/run-serve-bench.sh 1b

@@ -1,0 +1,1 @@
+"""``pagedkv bench memory``: paged KV against contiguous reservation, live."""
