@@ -72,9 +72,12 @@ def test_a_reduced_run_against_pagedkv_serve_saves_what_the_report_says(tmp_path
     copies = beams["contiguous_copies_blocks"]  # 4 x (512 + 16) / 16
     assert copies == 4 * 33 and beams["stated_formula_blocks"] == 32 + 4
     assert beams["independent"]["peak_blocks_held"] == pytest.approx(copies, abs=4)
-    for key in ("beam_search", "parallel_sampling"):
-        peak = beams[key]["peak_blocks_held"]
-        # The prompt's full blocks once, plus per sequence its copied partial
-        # block and its new tokens (beam search: forks of a step held together).
-        assert 32 <= peak <= 32 + 4 * 4, key
-        assert beams[f"saving_{key}_vs_copies"] > 0.6
+    formula = beams["stated_formula_blocks"]
+    # Parallel sampling: the formula plus, for each of the 3 forked samples,
+    # its copy of the prompt's last block (copy-on-write).
+    assert formula <= beams["parallel_sampling"]["peak_blocks_held"] <= formula + 3
+    # Beam search: beams share what they agree on, so at most the prompt and
+    # every beam's own blocks plus one copied block each.
+    assert 32 < beams["beam_search"]["peak_blocks_held"] <= formula + 4
+    assert beams["saving_beam_search_vs_copies"] > 0.6
+    assert beams["saving_parallel_sampling_vs_copies"] > 0.6

@@ -49,8 +49,8 @@ def _chat(c: Mapping[str, Any]) -> list[str]:
         "KV is held (prompt plus output but the newest token) over the blocks held, "
         "time-weighted over the samples where every running request has its prompt computed. "
         "Paged wastes only the unfilled tail of each request's last block (8 slots on "
-        "average, well under 1% at these lengths); the stated 97% and 58 requests allow a "
-        "margin the pool does not need here. The paged concurrency is the budget over the "
+        "average, under 1% at these lengths); the stated 97% and about 58 requests are a "
+        "rounder estimate of the same effect. The paged concurrency is the budget over the "
         "measured slots per request at its final length.",
     ]
 
@@ -73,6 +73,9 @@ def _shared(s: Mapping[str, Any]) -> list[str]:
         f"{_pct(1 - s['stated_formula_blocks'] / s['contiguous_blocks'])} |",
         f"| contiguous (max_model_len each) | {s['contiguous_blocks']:,} | - | - |",
         "",
+        "The stated figure is for 100 requests; the formula row applies it to the "
+        f"{s['num_requests']} run here (the saving depends on n only through the system "
+        "prompt's share). "
         f"Prefix caching saves {_pct(s['saving_vs_no_prefix_caching'])} of the blocks held "
         "without it. The first request runs alone until its prompt is computed, so the others "
         "find the system prompt cached; without prefix caching each request has its own "
@@ -84,6 +87,9 @@ def _shared(s: Mapping[str, Any]) -> list[str]:
 
 def _beams(b: Mapping[str, Any]) -> list[str]:
     copies = b["contiguous_copies_blocks"]
+    formula = b["stated_formula_blocks"]
+    beam = b["beam_search"]["peak_blocks_held"]
+    sampled = b["parallel_sampling"]["peak_blocks_held"]
     rows = [
         f"## 3. Beam search and parallel sampling (width {b['width']})",
         "",
@@ -109,12 +115,20 @@ def _beams(b: Mapping[str, Any]) -> list[str]:
         f"| contiguous: {b['width']} x max_model_len | {b['contiguous_reservation_blocks']:,} "
         "| - | - |",
         "",
-        "The real figure differs from the formula: a fork shares the prompt's full blocks "
-        "but copies the last partial block (copy-on-write), one per sequence; beam search "
-        "forks and prunes at every step, so a pruned beam's blocks are freed while the "
-        "surviving ones' are shared, and beams that share their early tokens share those "
-        "blocks too (below the formula when they agree, above it while a step's new forks "
-        "hold their copies). Independent requests share nothing: each holds a full copy.",
+        f"Beam search: {beam - formula:+,} blocks against the formula, which counts "
+        "width x generated blocks apart. The beams kept descend from common ancestors and "
+        "share the blocks of the tokens they agree on; a pruned beam's blocks are freed "
+        "when it is dropped, and a forked beam copies only its partial last block "
+        "(copy-on-write). Below the formula when the beams agree on their early tokens; "
+        "above it while one step's forks hold their copies.",
+        "",
+        f"Parallel sampling: {sampled - formula:+,} blocks against the formula. The "
+        f"{b['width'] - 1} forked samples each recompute the last prompt token to draw their "
+        "own first token, which copies the prompt's last block (copy-on-write): one block "
+        "each beyond the formula, which counts the prompt once.",
+        "",
+        "Independent requests share nothing (each has its own cache salt): each holds a "
+        "full copy, as a contiguous system would.",
     ]
     return rows
 

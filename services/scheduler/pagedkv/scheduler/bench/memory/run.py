@@ -23,6 +23,22 @@ from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving.run import _versions
 
 SCENARIOS = {"chat": scenarios.chat, "shared": scenarios.shared_prompt, "beams": scenarios.beams}
+SETTINGS = (
+    "max_model_len",
+    "chat_requests",
+    "chat_mean_len",
+    "chat_output_fraction",
+    "chat_budget_requests",
+    "shared_requests",
+    "system_len",
+    "user_len",
+    "response_len",
+    "width",
+    "beam_prompt_len",
+    "beam_tokens",
+    "scenarios",
+    "seed",
+)
 log = get_logger(__name__)
 
 
@@ -56,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     unknown = set(names) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios: {', '.join(sorted(unknown))}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("handler", "output")}
+    settings = {k: getattr(args, k) for k in SETTINGS}
     settings["num_blocks"] = pool_blocks(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-memory-") as root:
         model = tiny_model(Path(root), args.max_model_len)
