@@ -105,7 +105,7 @@ bench-serve-cpu: setup
 		--output tests/benchmarks/results/serve-bench-cpu.json
 
 # KV memory, paged against contiguous, on the live CPU stack: the three
-# scenarios of docs/memory.md (about ten minutes on 2 cores).
+# scenarios of docs/memory.md (about five minutes on 2 cores).
 bench-memory: setup
 	$(BIN)/pagedkv bench memory --output tests/benchmarks/results/memory-cpu.json
 

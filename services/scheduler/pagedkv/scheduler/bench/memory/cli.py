@@ -18,7 +18,7 @@ def register(subparsers: Any, name: str) -> None:
         ),
     )
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--chat-requests", type=int, default=60)
+    parser.add_argument("--chat-requests", type=int, default=30)
     parser.add_argument("--chat-mean-len", type=int, default=1331)
     parser.add_argument(
         "--chat-output-fraction", type=float, default=0.125, help="of each length, generated"
