@@ -2,8 +2,9 @@
 
 ``tiny_model`` writes a random tiny llama whose ``max_model_len`` is
 ``max_model_len`` (``make-tiny-model``, then more rotary positions: the
-weights do not depend on them). ``MemoryStack`` is ``pagedkv serve`` (one CPU
-executor, 16-token blocks) as a child process. ``BlockSampler`` polls the
+weights do not depend on them). ``memory_stack`` starts ``pagedkv serve`` (one
+CPU executor, 16-token blocks) as a child process, through the serving
+benchmark's ``ServeStack``. ``BlockSampler`` polls the
 scheduler's ``GetStats`` while a workload runs: blocks held are the usable
 blocks minus the free ones (cached blocks with no holder count as free).
 """
@@ -22,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.client import AsyncClient
-from pagedkv.scheduler.bench.serving.stack import SERVE_READY
-from pagedkv.scheduler.serve import ChildProcesses
+from pagedkv.scheduler.bench.serving.stack import ServeStack
 
 BLOCK_SIZE = 16  # the executor's default, and the scenarios'
 
@@ -39,24 +39,11 @@ def tiny_model(path: Path, max_model_len: int) -> str:
     return str(path)
 
 
-class MemoryStack:
-    """``pagedkv serve`` on one CPU executor of ``num_blocks`` blocks;
-    ``target`` once ready; ``stop`` ends it."""
-
-    def __init__(self, model: str, num_blocks: int, max_num_seqs: int) -> None:
-        command = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning", "serve"]
-        command += ["--model", model, "--port", "0", "--executors", "1", "--device", "cpu"]
-        command += ["--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs)]
-        command += ["--max-num-batched-tokens", "8192", "--executor-timeout", "600"]
-        self.children = ChildProcesses([command], "server", SERVE_READY, ["pagedkv serve"])
-        try:
-            self.target = self.children.wait_ready()[0]
-        except BaseException:
-            self.children.stop()
-            raise
-
-    def stop(self) -> None:
-        self.children.stop()
+def memory_stack(model: str, num_blocks: int, max_num_seqs: int) -> ServeStack:
+    """``pagedkv serve`` on one CPU executor of ``num_blocks`` blocks."""
+    options = ["--device", "cpu", "--num-blocks", str(num_blocks)]
+    options += ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "8192"]
+    return ServeStack(model, [*options, "--executor-timeout", "600"])
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pagedkv.client import AsyncClient
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.bench.memory import report as reporting
 from pagedkv.scheduler.bench.memory import scenarios
-from pagedkv.scheduler.bench.memory.live import MemoryStack, tiny_model
+from pagedkv.scheduler.bench.memory.live import memory_stack, tiny_model
 from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving.run import _versions
 
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     settings["num_blocks"] = pool_blocks(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-memory-") as root:
         model = tiny_model(Path(root), args.max_model_len)
-        stack = MemoryStack(model, settings["num_blocks"], max_num_seqs=512)
+        stack = memory_stack(model, settings["num_blocks"], max_num_seqs=512)
         try:
             results = asyncio.run(_scenarios(args, stack.target, names))
         finally:

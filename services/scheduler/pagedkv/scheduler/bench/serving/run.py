@@ -33,7 +33,13 @@ from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving import report as reporting
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
 from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows, summarize
-from pagedkv.scheduler.bench.serving.stack import ServeStack, TimelineStack, model_dir, model_shape
+from pagedkv.scheduler.bench.serving.stack import (
+    ServeStack,
+    TimelineStack,
+    model_dir,
+    model_shape,
+    server_args,
+)
 from pagedkv.scheduler.bench.serving.workload import (
     MixConfig,
     fixed_batch,
@@ -199,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     batches = parse_fixed_batches(args.fixed_batch)
     parse_rates(args.rates)  # refuse bad rates before anything starts
     with model_dir(args) as model:
-        stack = None if args.target else ServeStack(args, model)
+        stack = None if args.target else ServeStack(model, server_args(args))
         try:
             target = args.target or stack.target  # type: ignore[union-attr]
             report: dict[str, Any] = _serve_runs(args, target, model, batches)

@@ -83,7 +83,7 @@ def model_shape(model: str) -> dict[str, Any]:
     return config
 
 
-def _server_args(args: argparse.Namespace) -> list[str]:
+def server_args(args: argparse.Namespace) -> list[str]:
     options = ["--device", args.device, "--dtype", args.dtype, "--load-format", args.load_format]
     options += ["--max-num-seqs", str(args.max_num_seqs)]
     options += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -97,11 +97,13 @@ def _server_args(args: argparse.Namespace) -> list[str]:
 
 
 class ServeStack:
-    """``pagedkv serve --executors 1`` on a free port; ``target`` once ready."""
+    """``pagedkv serve --executors 1`` on a free port with ``options`` (more
+    ``serve`` flags); ``target`` once ready. The serving and memory
+    benchmarks both run on it."""
 
-    def __init__(self, args: argparse.Namespace, model: str) -> None:
+    def __init__(self, model: str, options: list[str]) -> None:
         command = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning", "serve"]
-        command += ["--model", model, "--port", "0", "--executors", "1", *_server_args(args)]
+        command += ["--model", model, "--port", "0", "--executors", "1", *options]
         self.children = ChildProcesses([command], "server", SERVE_READY, ["pagedkv serve"])
         try:
             self.target = self.children.wait_ready()[0]
