@@ -6,10 +6,14 @@
 #   bash tests/gpu/run-serve-bench.sh 1b     # ~1.1B llama: rates, 64 x (512 -> 256)
 #                                            # against HF generate, GPU timeline
 #   bash tests/gpu/run-serve-bench.sh 8b     # Llama-3-8B's shape: rates, the same batch
+#   bash tests/gpu/run-serve-bench.sh 256    # ~1.1B: 256 x (512 -> 256), no HF
+#   bash tests/gpu/run-serve-bench.sh executor   # python -m pagedkv.executor.bench,
+#                                            # decode batch 64 and 256
 #
 # Both use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
-# serve-bench-NAME.{json,md,png}, NAME being h200 (1b) or 8b-h200 (8b); set
+# serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
+# 256-h200 (256), and executor-fused-h200 / executor-256-h200 (executor); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
 
@@ -35,8 +39,16 @@ case "${1:-1b}" in
     bench --preset llama-8b --rates 2,8,32,inf --num-requests 96 \
       --fixed-batch 64x512x256 --output "$RESULTS/serve-bench-8b-$NAME.json"
     ;;
+  256)
+    bench --preset llama-1.1b --rates inf --num-requests 64 \
+      --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-$NAME.json"
+    ;;
+  executor)
+    "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
+    "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
+    ;;
   *)
-    echo "run-serve-bench: 1b or 8b, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256 or executor, not $1" >&2
     exit 2
     ;;
 esac

@@ -5,12 +5,14 @@ vocab 32000) in bf16 with random (dummy) weights.
 1. Correctness: logits of our paged forward (prefill, then decode steps)
    against Hugging Face's sdpa forward of the same weights over the whole
    sequences.
-2. One decode step at batch 64 x context 768 through ``Executor.step``
-   (in-process, with CUDA graphs and without) and through a gRPC ``Step`` on
-   127.0.0.1: wall time per step, the host's phases without graphs
-   (validation and row updates, metadata, the model's launches, sampling,
-   the wait for the tokens), and the GPU time of the same work with the host
-   out of the way (the GPU spins while the host enqueues).
+2. One decode step at batch 64 (``--batch``) x context 768 through
+   ``Executor.step`` (in-process, with CUDA graphs and without), through a
+   gRPC ``Step`` on 127.0.0.1, and through a gRPC ``StepStream`` with two
+   steps in flight (as a scheduler drives it): wall time per step, the
+   host's phases without graphs (validation and row updates, metadata, the
+   model's launches, sampling, the wait for the tokens), and the GPU time of
+   the same work with the host out of the way (the GPU spins while the host
+   enqueues).
 
 Writes a JSON file and a markdown summary.
 """
@@ -56,7 +58,7 @@ def _owner() -> Any:
 
 
 def _prefill(executor: Any, prompts: np.ndarray, step_id: int) -> int:
-    """Registers BATCH rows with their prompts and blocks, and prefills them
+    """Registers a row per prompt with their prompts and blocks, and prefills them
     in chunks of at most PREFILL_CHUNK tokens; returns the next step id."""
     from pagedkv.v1 import common_pb2, executor_pb2
 
@@ -160,7 +162,7 @@ def check_logits(executor: Any, prompts: np.ndarray, num_decodes: int = 4) -> di
 
 
 def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str, Any], int]:
-    """Phases of one decode step at BATCH x CONTEXT, host and GPU."""
+    """Phases of one decode step over every live row at CONTEXT, host and GPU."""
     from pagedkv.executor.sampler import sample
     from pagedkv.executor.step_plan import plan_message
 
@@ -224,7 +226,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         gpu.append(begin.elapsed_time(end) * 1000)
     median = statistics.median
     return {
-        "batch": BATCH,
+        "batch": int(runner.rows.live.sum()),
         "context": CONTEXT,
         "cuda_graphs": graphs is not None,
         "step_wall_us": median(walls),
@@ -283,12 +285,61 @@ def time_grpc(executor: Any, step_id: int, iters: int = 30) -> dict[str, Any]:
     return {"grpc_step_wall_us": statistics.median(walls)}
 
 
+def time_stream(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str, Any], int]:
+    """Decode steps through a gRPC StepStream on 127.0.0.1 with two steps in
+    flight, as a scheduler sends them: the next request goes out when a
+    response comes back. The contexts grow from CONTEXT by one a step."""
+    import queue
+
+    import grpc
+
+    from pagedkv.executor.servicer import build_server
+    from pagedkv.v1 import executor_pb2_grpc
+
+    server, port = build_server(executor, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    requests = []
+    first = _decode_request(executor, step_id)  # rewinds the rows to CONTEXT
+    for i in range(iters):
+        request = type(first)()
+        request.CopyFrom(first)
+        request.step_id = step_id + i
+        request.num_computed_tokens[:] = [CONTEXT + i] * len(first.rows)
+        requests.append(request)
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def feed() -> Any:
+        while (request := outbox.get()) is not None:
+            yield request
+
+    outbox.put(requests[0])
+    outbox.put(requests[1])
+    device_us = []
+    start = time.perf_counter()
+    for received, response in enumerate(stub.StepStream(feed()), start=1):
+        device_us.append(response.device_time_us)
+        if received + 1 < iters:
+            outbox.put(requests[received + 1])
+        if received == iters:
+            break
+    wall = (time.perf_counter() - start) / iters * 1e6
+    outbox.put(None)
+    channel.close()
+    server.stop(0).wait()
+    return {
+        "grpc_stream_step_us": wall,
+        "grpc_stream_device_time_us": statistics.median(device_us),
+    }, step_id + iters
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.executor.bench")
     parser.add_argument("--output", default="executor-h200.json")
     parser.add_argument("--kernel-backend", default="triton")
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"))
     parser.add_argument("--profile", action="store_true", help="print a profile of one step")
+    parser.add_argument("--batch", type=int, default=BATCH, help="decoding rows (default 64)")
     args = parser.parse_args(argv)
 
     import transformers
@@ -305,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype="bfloat16",
             load_format="dummy",
             kernel_backend=args.kernel_backend,
-            max_num_rows=BATCH,
+            max_num_rows=args.batch,
             max_num_batched_tokens=PREFILL_CHUNK,
             fused_ops=args.fused_ops == "on",
         )
@@ -318,11 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = np.random.default_rng(0)
     logits = check_logits(executor, gen.integers(0, 32000, size=(8, 512)))
     runner.rows.free_all()
-    step_id = _prefill(executor, gen.integers(0, 32000, size=(BATCH, CONTEXT)), 1)
+    step_id = _prefill(executor, gen.integers(0, 32000, size=(args.batch, CONTEXT)), 1)
     if args.profile:
         step_id = profile_decode(executor, step_id)
     decode, step_id = time_decode(executor, step_id)
     decode.update(time_grpc(executor, step_id))
+    stream, step_id = time_stream(executor, step_id + 30)
+    decode.update(stream)
     results = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -350,13 +403,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * logits['ours_top1_agreement_vs_fp32']:.1f}%; HF sdpa in bf16 max |diff| "
         f"{logits['hf_bf16_max_abs_diff_vs_fp32']:.4f}, top-1 agreement "
         f"{100 * logits['hf_bf16_top1_agreement_vs_fp32']:.1f}%",
-        f"decode step, batch {BATCH} x context {CONTEXT}:",
+        f"decode step, batch {args.batch} x context {CONTEXT}:",
         f"  Executor.step wall {decode['step_wall_us']:.0f} us "
         f"(host {decode['step_host_time_us']:.0f}, "
         f"device events {decode['step_device_time_us']:.0f}; "
         f"CUDA graphs {'on' if decode['cuda_graphs'] else 'off'}); "
         f"without graphs {decode['eager_step_wall_us']:.0f} us",
         f"  gRPC Step on 127.0.0.1 wall {decode['grpc_step_wall_us']:.0f} us",
+        f"  gRPC StepStream on 127.0.0.1, two steps in flight: "
+        f"{decode['grpc_stream_step_us']:.0f} us a step "
+        f"(device events {decode['grpc_stream_device_time_us']:.0f})",
         f"  GPU time with the host out of the way: {decode['gpu_only_us']:.0f} us",
         "  host phases without graphs (us): "
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),

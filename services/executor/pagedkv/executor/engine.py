@@ -12,10 +12,17 @@ its session). Both free every row and end open step streams (their session
 number changes); KV contents are kept, and so are the block tags unless the
 reset asks to drop them.
 
+Steps are launched and completed (launched.py): ``launch`` applies a step and
+enqueues its device work, ``complete`` waits for it and makes the response,
+so a stream can launch step N + 1 while the device runs step N
+(step_pipeline.py). Launch and completion keep the steps' order.
+
 Block tags (see block_tags.py): a step's untags, and the destinations of its
 copies, lose their tags before the step changes anything else; its tags are
-set after its forward and sampling have finished on the device.
-``list_cached_blocks`` snapshots them under the lock, so no step interleaves.
+set when it completes, or earlier when a later call touches tags (in launch
+order either way). ``list_cached_blocks`` waits for the device and snapshots
+them under the lock, so every listed tag's KV has been written and no step
+interleaves.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +41,7 @@ from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
+from pagedkv.executor.launched import HostSamples, LaunchedStep, device_clock
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
@@ -72,6 +81,11 @@ class Executor:
         self.tags = BlockTags()  # written only here, under the lock
         self.drain_deadline: float | None = None  # time.monotonic() when it stops
         self.last_step_at = time.monotonic()
+        self._num_launched = 0
+        # Launched steps whose tags are not set yet, in launch order: a step's
+        # tags go in once it has completed on the device, or before anything
+        # later touches tags (see ``_settle_tags``).
+        self._untagged: deque[LaunchedStep] = deque()
         # Called once when draining starts (the server turns its health NOT_SERVING).
         self.on_draining: list[Callable[[], None]] = []
 
@@ -132,6 +146,7 @@ class Executor:
             previous.CopyFrom(self.owner)
             self.owner.CopyFrom(owner)
             self.session += 1
+            self._settle_tags()  # steps of the old session launched before the reset
             freed = self.runner.rows.free_all()
             dropped_tags = self.tags.clear() if request.drop_cached_blocks else 0
             num_tags = len(self.tags)
@@ -153,6 +168,9 @@ class Executor:
     def get_info(self) -> executor_pb2.GetInfoResponse:
         runner = self.runner
         spec = runner.spec
+        with self.lock:
+            self._settle_tags()
+            num_tagged_blocks = len(self.tags)
         return executor_pb2.GetInfoResponse(
             model_id=self.model_id,
             dtype=str(runner.dtype).removeprefix("torch."),
@@ -169,7 +187,7 @@ class Executor:
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
             max_logprobs=runner.config.max_logprobs,
             device=str(runner.device),
-            num_tagged_blocks=len(self.tags),
+            num_tagged_blocks=num_tagged_blocks,
             draining=self.drain_deadline is not None,
         )
 
@@ -181,6 +199,8 @@ class Executor:
         step interleaves); the messages are built after it."""
         with self.lock:
             self.check_owner(request.owner)
+            self._wait_for_device()  # a listed tag's KV has been written
+            self._settle_tags()
             chunks = self.tags.chunks(LIST_CHUNK_SIZE)
         return [
             executor_pb2.ListCachedBlocksResponse(
@@ -241,6 +261,7 @@ class Executor:
                 self.runner.limits,
                 ("src_block_ids", "dst_block_ids"),
             )
+            self._settle_tags()
             if len(self.tags):
                 self.tags.untag([BlockId(b) for b in copies[:, 1].tolist()])
             self.runner.copy_blocks(copies)
@@ -249,8 +270,16 @@ class Executor:
     def step(
         self, request: executor_pb2.StepRequest, session: int | None = None
     ) -> executor_pb2.StepResponse:
-        """Validates, applies and runs one step; ``session`` (for streams)
-        must still be current."""
+        """Validates, applies and runs one step and waits for its response;
+        ``session`` (for streams) must still be current."""
+        return self.complete(self.launch(request, session))
+
+    def launch(self, request: executor_pb2.StepRequest, session: int | None = None) -> LaunchedStep:
+        """Validates and applies a step and enqueues its device work, without
+        waiting for the device: ``complete`` makes its response. Steps launch
+        and complete in one order; a later step may launch before an earlier
+        one completes (it continues from the earlier one's samples on the
+        device)."""
         received = time.perf_counter()
         with self.lock:
             if session is not None and session != self.session:
@@ -259,6 +288,7 @@ class Executor:
             self.last_step_at = time.monotonic()
             runner = self.runner
             plan = plan_message(request, runner.rows, runner.limits)
+            self._settle_tags()  # earlier steps' tags come before this step's untags
             tags = self.tags
             if len(tags):
                 if plan.untag_block_ids:
@@ -266,51 +296,56 @@ class Executor:
                 if len(plan.copies):
                     tags.untag([BlockId(b) for b in plan.copies[:, 1].tolist()])
             self._apply(plan)
-            device_start = self._device_clock()
+            start = device_clock(runner.device)
             result = runner.run(plan)
-            response = executor_pb2.StepResponse(step_id=request.step_id, **self._drain_fields())
+            samples = None
+            sampled_rows = plan.rows[plan.needs_sample]
             if result is not None:
-                sampled_rows = plan.rows[plan.needs_sample]
                 runner.rows.pending_sample[sampled_rows] = True
-                self._fill_samples(response, sampled_rows, result)
-            # Waits for the device: the step's KV writes have happened.
-            response.device_time_us = self._device_elapsed_us(device_start)
+                samples = HostSamples(result, self._num_logprobs(sampled_rows, result))
+            self._num_launched += 1
+            launched = LaunchedStep(
+                sequence=self._num_launched,
+                step_id=request.step_id,
+                received=received,
+                sampled_rows=sampled_rows if result is not None else sampled_rows[:0],
+                samples=samples,
+                tags=plan.tags,
+                start=start,
+                end=device_clock(runner.device),
+            )
             if plan.tags.block_ids:
-                tags.tag(*plan.tags)
-        response.host_time_us = int((time.perf_counter() - received) * 1e6)
+                self._untagged.append(launched)
+        return launched
+
+    def complete(self, launched: LaunchedStep) -> executor_pb2.StepResponse:
+        """Waits for a launched step on the device and makes its response; its
+        tags (and those of steps launched before it) are set now at the latest."""
+        launched.wait()
+        response = executor_pb2.StepResponse(step_id=launched.step_id, **self._drain_fields())
+        if launched.samples is not None:
+            launched.samples.fill(launched.sampled_rows, response)
+        response.device_time_us = launched.device_time_us()
+        if self._untagged and self._untagged[0].sequence <= launched.sequence:
+            with self.lock:
+                self._settle_tags(launched.sequence)
+        response.host_time_us = int((time.perf_counter() - launched.received) * 1e6)
         return response
 
-    def _fill_samples(
-        self, response: executor_pb2.StepResponse, rows: np.ndarray, result: SamplerOutput
-    ) -> None:
-        token_ids = result.token_ids.tolist()  # the step's one wait for the device
-        response.sampled_rows.extend(rows.tolist())
-        response.sampled_token_ids.extend(token_ids)
-        response.sampled_logprobs.extend(result.logprobs.tolist())
-        if result.top_token_ids.shape[1]:
-            top_ids = result.top_token_ids.tolist()
-            top_logprobs = result.top_logprobs.tolist()
-            for i, row in enumerate(rows.tolist()):
-                sampling = self.runner.rows.sampling[row]
-                k = sampling.num_logprobs if sampling else 0
-                response.num_top_logprobs.append(k)
-                response.top_token_ids.extend(top_ids[i][:k])
-                response.top_logprobs.extend(top_logprobs[i][:k])
-        else:
-            response.num_top_logprobs.extend([0] * len(rows))
+    def _settle_tags(self, up_to: int | None = None) -> None:
+        """Sets the pending tags of launched steps, in launch order (all, or
+        those launched up to ``up_to``). Under the lock."""
+        pending = self._untagged
+        while pending and (up_to is None or pending[0].sequence <= up_to):
+            self.tags.tag(*pending.popleft().tags)
 
-    def _device_clock(self) -> object:
+    def _wait_for_device(self) -> None:
         if self.runner.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+            torch.cuda.synchronize(self.runner.device)
 
-    def _device_elapsed_us(self, start: object) -> int:
-        if isinstance(start, torch.cuda.Event):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            return int(start.elapsed_time(end) * 1000)
-        assert isinstance(start, float)
-        return int((time.perf_counter() - start) * 1e6)
+    def _num_logprobs(self, rows: np.ndarray, result: SamplerOutput) -> list[int]:
+        """Top logprobs each sampled row asked for (none when none did)."""
+        if not result.top_token_ids.shape[1]:
+            return []
+        sampling = self.runner.rows.sampling
+        return [s.num_logprobs if (s := sampling[row]) else 0 for row in rows.tolist()]

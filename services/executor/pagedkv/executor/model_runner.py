@@ -10,6 +10,7 @@ head runs only at the last token of each entry that needs a sample
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +120,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
+        self._params_cache: tuple[tuple[int, bytes], SamplingParamsBatch] | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
         self.limits = Limits(
@@ -401,6 +403,24 @@ class ModelRunner:
         return logits
 
     def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:
+        """The params of ``rows`` sampling at ``positions``. Decode steps
+        sample the same rows step after step: their params are built once
+        and kept while no row changes (only seeded rows read the positions,
+        which then go to the device each step)."""
+        key = (self.rows.sampling_version, rows.tobytes())
+        cached = self._params_cache
+        if cached is not None and cached[0] == key:
+            params = cached[1]
+            if params.any_seeded:
+                params = dataclasses.replace(params, positions=to_device(positions, self.device))
+            return params
+        params = self._build_sampling_params(rows, positions)
+        self._params_cache = (key, params)
+        return params
+
+    def _build_sampling_params(
+        self, rows: np.ndarray, positions: np.ndarray
+    ) -> SamplingParamsBatch:
         sampling = [self.rows.sampling[row] for row in rows.tolist()]
         if any(s is None for s in sampling):  # scratch rows of the warm-up
             return SamplingParamsBatch.build(

@@ -69,6 +69,9 @@ class Rows:
         self.max_model_len = max_model_len
         self.device = device
         self.live = np.zeros(max_num_rows, dtype=bool)
+        # Bumped whenever a row's sampling params change (add, free): a
+        # batch of params built for some rows stays valid while it holds.
+        self.sampling_version = 0
         self.request_ids: list[str | None] = [None] * max_num_rows
         self.row_of_request: dict[str, int] = {}
         self.sampling: list[RowSampling | None] = [None] * max_num_rows
@@ -85,6 +88,7 @@ class Rows:
 
     def free(self, rows: list[int]) -> None:
         """Forgets the rows (live or not): tables, histories and pending samples."""
+        self.sampling_version += 1
         for row in rows:
             request_id = self.request_ids[row]
             if request_id is not None:
@@ -105,6 +109,7 @@ class Rows:
     def add(self, row: int, request_id: str, sampling: RowSampling) -> None:
         """Makes ``row`` live with an empty history (the caller writes its
         prompt with ``write_tokens``)."""
+        self.sampling_version += 1
         self.live[row] = True
         self.request_ids[row] = request_id
         self.row_of_request[request_id] = row

@@ -16,6 +16,7 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_health_server
 from pagedkv.executor.engine import Executor
+from pagedkv.executor.step_pipeline import StepPipeline
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -44,11 +45,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def StepStream(
         self, request_iterator: Iterator[executor_pb2.StepRequest], context: Any
     ) -> Iterator[executor_pb2.StepResponse]:
-        """One response per request, in order. A Reset ends the stream: its
-        next message gets FAILED_PRECONDITION."""
-        session = self.executor.session
-        for request in request_iterator:
-            yield self.executor.step(request, session)
+        """One response per request, in order; step N + 1 is launched while
+        the device runs step N (step_pipeline.py). A Reset ends the stream:
+        its next message gets FAILED_PRECONDITION."""
+        yield from StepPipeline(self.executor, request_iterator, self.executor.session)
 
     def CopyBlocks(self, request: Any, context: Any) -> executor_pb2.CopyBlocksResponse:
         return self.executor.copy_blocks(request)

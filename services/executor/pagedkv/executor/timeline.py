@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedkv.executor import engine
 from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
+from pagedkv.executor.launched import LaunchedStep
 from pagedkv.v1 import executor_pb2
 
 
@@ -112,13 +113,16 @@ class StepProfiler:
 
 def profiled_executor(profiler: StepProfiler) -> type[engine.Executor]:
     class ProfiledExecutor(engine.Executor):
-        def step(
+        def launch(
             self, request: executor_pb2.StepRequest, session: int | None = None
-        ) -> executor_pb2.StepResponse:
+        ) -> LaunchedStep:
             if not profiler.around(request):
-                return super().step(request, session)
+                return super().launch(request, session)
             with record_function(STEP_ANNOTATION):
-                response = super().step(request, session)
+                return super().launch(request, session)
+
+        def complete(self, launched: LaunchedStep) -> executor_pb2.StepResponse:
+            response = super().complete(launched)
             profiler.after()
             return response
 

@@ -1,0 +1,92 @@
+"""A step whose work is on the device and whose response is not made yet.
+
+``Executor.launch`` applies a step and enqueues its forward, sampling and the
+copies of its samples to pinned host memory; the device runs them while the
+host goes on (to the next step's launch: see step_pipeline.py).
+``Executor.complete`` waits for the step's last event and makes its response
+from host memory. On the CPU every step has finished when its launch returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.executor.block_tags import TagColumns
+from pagedkv.executor.sampler import SamplerOutput
+from pagedkv.v1 import executor_pb2
+
+
+class HostSamples:
+    """A step's samples on their way to host memory (no wait at creation)."""
+
+    def __init__(self, result: SamplerOutput, num_logprobs: list[int]) -> None:
+        self.num_logprobs = num_logprobs  # per sampled row, as its params were at launch
+        columns = [result.token_ids, result.logprobs]
+        if result.top_token_ids.shape[1]:
+            columns += [result.top_token_ids, result.top_logprobs]
+        if result.token_ids.device.type == "cuda":
+            host = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in columns]
+            for destination, column in zip(host, columns, strict=True):
+                destination.copy_(column, non_blocking=True)
+            columns = host
+        self._columns = columns  # read only once the step's end event has passed
+
+    def fill(self, rows: np.ndarray, response: executor_pb2.StepResponse) -> None:
+        """Writes the samples of ``rows`` into a StepResponse (the device is done)."""
+        token_ids, logprobs, *top = self._columns
+        response.sampled_rows.extend(rows.tolist())
+        response.sampled_token_ids.extend(token_ids.tolist())
+        response.sampled_logprobs.extend(logprobs.tolist())
+        if not top:
+            response.num_top_logprobs.extend([0] * len(rows))
+            return
+        top_ids, top_logprobs = (column.tolist() for column in top)
+        for i, k in enumerate(self.num_logprobs):
+            response.num_top_logprobs.append(k)
+            response.top_token_ids.extend(top_ids[i][:k])
+            response.top_logprobs.extend(top_logprobs[i][:k])
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """One launched step: what its response needs, and its device events."""
+
+    sequence: int  # launch order on this executor
+    step_id: int
+    received: float  # time.perf_counter() when the request came in
+    sampled_rows: np.ndarray
+    samples: HostSamples | None
+    tags: TagColumns  # set in launch order, at the latest when the step completes
+    start: torch.cuda.Event | float  # device clock before the step's work
+    end: torch.cuda.Event | float  # after its last work (the samples' copies)
+
+    def done(self) -> bool:
+        """Whether the device has finished the step (never waits)."""
+        return not isinstance(self.end, torch.cuda.Event) or self.end.query()
+
+    def wait(self) -> None:
+        """Returns once the device has finished the step."""
+        if isinstance(self.end, torch.cuda.Event):
+            self.end.synchronize()
+
+    def device_time_us(self) -> int:
+        """The step's device time (once done): between its events on CUDA, its
+        launch's wall time on the CPU (where a launch runs the work)."""
+        if isinstance(self.start, torch.cuda.Event):
+            assert isinstance(self.end, torch.cuda.Event)
+            return int(self.start.elapsed_time(self.end) * 1000)
+        assert isinstance(self.end, float)
+        return int((self.end - self.start) * 1e6)
+
+
+def device_clock(device: torch.device) -> torch.cuda.Event | float:
+    """A point on the device's clock: a recorded event on CUDA, else the time."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
