@@ -88,6 +88,8 @@ class Rows:
 
     def free(self, rows: list[int]) -> None:
         """Forgets the rows (live or not): tables, histories and pending samples."""
+        if not len(rows):
+            return
         self.sampling_version += 1
         for row in rows:
             request_id = self.request_ids[row]

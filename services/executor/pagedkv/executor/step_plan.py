@@ -82,12 +82,17 @@ class StepPlan:
 
 
 def _check_rows_live(name: str, rows: np.ndarray, live: np.ndarray, max_rows: int) -> None:
-    for i, row in enumerate(rows.tolist()):
-        if row >= max_rows:
-            raise InvalidArgument(f"{name}[{i}]: row {row} >= max_num_rows {max_rows}")
-        if not live[row]:
-            raise InvalidArgument(f"{name}[{i}]: row {row} is not live")
-    if len(set(rows.tolist())) != len(rows):
+    if not len(rows):
+        return
+    bad = rows >= max_rows
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(f"{name}[{i}]: row {rows[i]} >= max_num_rows {max_rows}")
+    bad = ~live[rows]
+    if bad.any():
+        i = _first(bad)
+        raise InvalidArgument(f"{name}[{i}]: row {rows[i]} is not live")
+    if len(np.unique(rows)) != len(rows):
         raise InvalidArgument(f"{name}: rows repeat")
 
 
@@ -257,10 +262,11 @@ def plan_message(
     new_rows = _plan_new_requests(list(message.new_requests), rows, live_after, limits)
     old_rows = np.asarray(message.rows, dtype=np.int64)
     _check_rows_live("rows", old_rows, live_after, rows.max_num_rows)
-    new_row_ids = {n.row for n in new_rows}
-    for i, row in enumerate(old_rows.tolist()):
-        if row in new_row_ids:
-            raise InvalidArgument(f"rows[{i}]: row {row} is taken by a new request")
+    if new_rows:
+        new_row_ids = {n.row for n in new_rows}
+        for i, row in enumerate(old_rows.tolist()):
+            if row in new_row_ids:
+                raise InvalidArgument(f"rows[{i}]: row {row} is taken by a new request")
     num_new = len(new_rows)
     entry_rows = np.concatenate([np.asarray([n.row for n in new_rows], np.int64), old_rows])
     num_entries = len(entry_rows)

@@ -7,6 +7,16 @@ detokenizer, are made when the Generate stream takes the chunk from the
 queue (``ChunkQueue.get``), in the stream's own task: neither costs the step
 loop anything, and chunks are read in the order they were queued, so every
 detokenizer sees its tokens in order.
+
+A Generate stream's messages cost the scheduler's process CPU (some 40-50
+us each in gRPC), which the step loop needs: one message per sequence per
+step would cost more than the step itself with a few hundred streams. So
+chunks queued while a stream is not reading leave as one message, and
+streams pace their reads (``ChunkQueue.pause``): after a message, a stream
+waits a pace that grows with the number of open streams
+(``SchedulerConfig.stream_pace_per_stream``) before reading again. The first
+chunk leaves at once, and so does the last (a final chunk or an error ends
+the pause).
 """
 
 from __future__ import annotations
@@ -75,7 +85,38 @@ class PendingChunk:
         return response
 
 
+def merge(chunks: list[PendingChunk]) -> PendingChunk:
+    """Consecutive chunks of one generation as one: each sequence's tokens
+    and logprobs in order, its finish from the chunk that has it, the usage
+    of the last chunk and the placement of the first."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged: dict[int, PendingOutput] = {}
+    for chunk in chunks:
+        for output in chunk.outputs:
+            earlier = merged.get(output.index)
+            if earlier is None:
+                merged[output.index] = output
+                continue
+            merged[output.index] = PendingOutput(
+                output.index,
+                earlier.token_ids + output.token_ids,
+                earlier.logprobs + output.logprobs,
+                output.detokenizer,
+                output.finish_reason,
+                output.stop_token_id,
+                output.error_message,
+            )
+    first, last = chunks[0], chunks[-1]
+    return PendingChunk(first.request_id, list(merged.values()), last.usage, first.placement)
+
+
 Item = scheduler_pb2.GenerateResponse | PendingChunk | BaseException
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ChunkQueue(asyncio.Queue[Item]):
@@ -83,14 +124,50 @@ class ChunkQueue(asyncio.Queue[Item]):
 
     ``get`` and ``get_nowait`` never return a ``PendingChunk``: a chunk whose
     text cannot be made comes out as the INTERNAL error its stream ends with.
+    Chunks queued behind the one taken leave with it, as one message: a
+    stream that reads less often than the steps run gets fewer, larger
+    messages (see ``pause``).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closing = False  # a final chunk or an error is queued
+        self._pause: asyncio.Future[None] | None = None
+
+    def _put(self, item: Item) -> None:
+        super()._put(item)
+        if not isinstance(item, PendingChunk) or item.usage is not None:
+            self.closing = True
+            if self._pause is not None:
+                _wake(self._pause)
 
     def _get(self) -> Item:
         item = super()._get()
         if not isinstance(item, PendingChunk):
             return item
+        queue = self._queue  # type: ignore[attr-defined]
+        if queue and isinstance(queue[0], PendingChunk):
+            chunks = [item]
+            while queue and isinstance(queue[0], PendingChunk):
+                chunks.append(queue.popleft())
+            item = merge(chunks)
         try:
             return item.build()
         except Exception as exc:
             log.error("internal error", where="chunk", request_id=item.request_id, exc_info=exc)
             return ServiceError("internal error in the scheduler while making a chunk's text")
+
+    async def pause(self, seconds: float) -> None:
+        """Waits ``seconds``, or less once a final chunk or an error is
+        queued: a stream paces its messages with it, so that the chunks of
+        the steps in between leave as one."""
+        if seconds <= 0 or self.closing:
+            return
+        loop = asyncio.get_running_loop()
+        self._pause = loop.create_future()
+        timer = loop.call_later(seconds, _wake, self._pause)
+        try:
+            await self._pause
+        finally:
+            timer.cancel()
+            self._pause = None

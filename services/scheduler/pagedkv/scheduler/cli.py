@@ -29,6 +29,13 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
     parser.add_argument(
+        "--stream-pace-us",
+        type=float,
+        default=150.0,
+        help="a Generate stream's pause after each message, microseconds per open stream "
+        "(at most 50 ms; 0: a message every step): fewer, larger messages under load",
+    )
+    parser.add_argument(
         "--executor-timeout", type=float, default=120.0, help="seconds before a step fails"
     )
     parser.add_argument(

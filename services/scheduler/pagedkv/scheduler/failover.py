@@ -63,6 +63,9 @@ class SchedulerConfig:
     model_dir: str | None = None  # for the tokenizer; default: the executors' model id
     scheduler_id: str = ""
     pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
+    # A Generate stream's pause after each message, seconds per open stream
+    # (capped at 50 ms; 0: a message every step): see chunks.py.
+    stream_pace_per_stream: float = 150e-6
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)
 

@@ -18,6 +18,8 @@ from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+MAX_STREAM_PACE = 0.05
+"""The longest pause between a stream's messages, seconds (see chunks.py)."""
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -44,17 +46,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     return
                 assert isinstance(item, scheduler_pb2.GenerateResponse)
                 yield item
-                if item.HasField("usage"):
-                    # A failure's final chunk (FINISH_REASON_ERROR) is followed
-                    # by its status.
-                    if not generation.chunks.empty():
-                        error = generation.chunks.get_nowait()
-                        if isinstance(error, ServiceError):
-                            await context.abort(error.code, str(error))
-                    return
+                if not item.HasField("usage"):
+                    await generation.chunks.pause(self._stream_pace())
+                    continue
+                # A failure's final chunk (FINISH_REASON_ERROR) is followed
+                # by its status.
+                if not generation.chunks.empty():
+                    error = generation.chunks.get_nowait()
+                    if isinstance(error, ServiceError):
+                        await context.abort(error.code, str(error))
+                return
         finally:
             if not generation.done:
                 self.service.abort(generation.request_id)
+
+    def _stream_pace(self) -> float:
+        """Seconds a stream waits after a message (see chunks.py): more
+        open streams, fewer and larger messages each."""
+        service = self.service
+        pace = service.config.stream_pace_per_stream * len(service.generations)
+        return min(pace, MAX_STREAM_PACE)
 
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: Any
