@@ -1,18 +1,20 @@
 """One simulated executor and the scheduling of its steps, over the real block core.
 
 ``SimExecutor`` holds what a scheduler keeps for one executor: a
-``KVCacheManager`` recording cache events, a ``DecodeBatch`` of decoding
-requests, the partly prefilled ones and a waiting queue; and what the
+``KVCacheManager`` recording cache events, the decoding requests (oldest
+first), the partly prefilled ones and a waiting queue; and what the
 executor itself keeps across owners: its block tags (``tag_changes`` of every
 step's events, oldest first), which a scheduler that takes it over adopts.
 
 A step follows the scheduler's order: every decoding request gets a slot for
-one token (preempting the newest running request while a block is short),
-partly prefilled prompts take their next chunk, then waiting requests are
-admitted with a prefix-cache lookup while the token budget and
-``max_num_seqs`` allow. ``plan_step`` makes those block-core calls and says
-what the step computes (its cost inputs); ``finish_step``, at the step's end
-in simulated time, appends the sampled tokens and frees finished requests.
+one token, in order, through ``KVCacheManager.allocate_decode_slots`` as the
+service's scheduler calls it (preempting the newest running request while a
+block is short), partly prefilled prompts take their next chunk, then
+waiting requests are admitted with a prefix-cache lookup while the token
+budget and ``max_num_seqs`` allow. ``plan_step`` makes those block-core calls
+and says what the step computes (its cost inputs); ``finish_step``, at the
+step's end in simulated time, appends the sampled tokens and frees finished
+requests (in running order, as the scheduler releases them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from pagedkv.common.ids import BlockHash, BlockId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.router.sim.cost_model import prefill_pairs
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind, tag_changes
-from pagedkv.scheduler.decode_batch import DecodeBatch
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 
@@ -112,10 +113,11 @@ class SimExecutor:
         self.kv = KVCacheManager(
             [self.spec], self.num_blocks, model_id=self.model_id, record_events=True
         )
-        self.decoding = DecodeBatch(self.kv, self.max_num_seqs)
+        # Prompt done, one token per step: the requests, oldest first, and their jobs.
+        self.decoding: list[Request] = []
+        self._decoding_jobs: dict[str, Job] = {}
         self.prefilling: list[Job] = []
         self.waiting: deque[Job] = deque()
-        self._decoding_jobs: dict[str, Job] = {}
 
     # -- load --------------------------------------------------------------------------
 
@@ -129,7 +131,7 @@ class SimExecutor:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or len(self.decoding))
+        return bool(self.waiting or self.prefilling or self.decoding)
 
     def num_free_blocks(self) -> int:
         return self.kv.pool.get_num_free_blocks()
@@ -143,8 +145,7 @@ class SimExecutor:
         if self.prefilling:
             job = self.prefilling.pop()
         else:
-            request = self.decoding.pop()
-            job = self._decoding_jobs.pop(request.request_id)
+            job = self._decoding_jobs.pop(self.decoding.pop().request_id)
         self.kv.free(job.request)
         job.request.num_computed_tokens = 0
         job.request.status = RequestStatus.PREEMPTED
@@ -156,10 +157,15 @@ class SimExecutor:
         """Allocates this step's blocks (see the module docstring)."""
         kv = self.kv
         num_preempted = self.num_preemptions
-        while not self.decoding.allocate().ok:
+        requests = self.decoding
+        num_allocated = 0
+        while True:  # on a miss: preempt, then go on from the request that missed
+            num_allocated += kv.allocate_decode_slots(requests, num_allocated).num_allocated
+            if num_allocated == len(requests):
+                break
             self._preempt_newest()
-        num_decoding = len(self.decoding)
-        decode_context = int(self.decoding.num_tokens[:num_decoding].sum())
+        num_decoding = len(requests)
+        decode_context = sum(request.num_tokens for request in requests)
         budget = self.max_num_batched_tokens - num_decoding
         chunks: list[tuple[Job, int]] = []
         num_pairs = 0
@@ -215,14 +221,16 @@ class SimExecutor:
         """After the step's forward: sampled tokens, finished requests, finished prompts."""
         finished: list[Job] = []
         first_tokens: list[Job] = []
-        decoding = self.decoding
-        num_decoding = plan.num_decoding
-        if num_decoding:
-            sampled = decoding.num_tokens[:num_decoding] * 40503 % VOCAB_SIZE
-            for request in decoding.remove(decoding.append(sampled)):
-                request.status = RequestStatus.FINISHED_LENGTH
-                self.kv.free(request)
-                finished.append(self._decoding_jobs.pop(request.request_id))
+        if plan.num_decoding:
+            for request in self.decoding:
+                request.num_computed_tokens += 1
+                request.append_output_token_ids(request.num_tokens * 40503 % VOCAB_SIZE)
+                if request.num_output_tokens == request.max_tokens:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    self.kv.free(request)
+                    finished.append(self._decoding_jobs.pop(request.request_id))
+            if finished:
+                self.decoding = [r for r in self.decoding if not r.status.is_finished]
         for job, num_new in plan.chunks:
             request = job.request
             request.num_computed_tokens += num_new
@@ -235,7 +243,7 @@ class SimExecutor:
                     self.kv.free(request)
                     finished.append(job)
                 else:
-                    decoding.add(request)
+                    self.decoding.append(request)
                     self._decoding_jobs[request.request_id] = job
         return StepOutcome(first_tokens, finished)
 
@@ -259,11 +267,8 @@ class SimExecutor:
         """Its scheduler died: every unfinished job comes back (with the tokens
         its stream delivered) for the client to resume elsewhere; the tags stay."""
         self.take_cache_events()
-        decoding = self.decoding
-        jobs = [*self.prefilling]
-        for request in decoding.remove(range(len(decoding))):
-            jobs.append(self._decoding_jobs.pop(request.request_id))
-        jobs.extend(self.waiting)
+        decoding = [self._decoding_jobs[request.request_id] for request in self.decoding]
+        jobs = [*self.prefilling, *decoding, *self.waiting]
         self._new_scheduler()
         self.kv.pool.take_events()
         return jobs

@@ -1,12 +1,13 @@
 """``pagedkv bench blocks``: the block core's cost on a ShareGPT-like trace.
 
 The measured loop is the scheduler's bookkeeping for one step: running
-requests first (one decode token each, or their next prefill chunk), with
-preemption of the newest running request when a block cannot be had, then
-admission from the waiting queue with a prefix-cache lookup, then the update
-after the (absent) forward: computed-token counts, the sampled token (which
-hashes a block when it fills one), finishing and freeing. Requests are made
-(and their prompts hashed) before the loop, as on arrival; that cost is
+requests first (one decode token each, through
+``KVCacheManager.allocate_decode_slots`` as the service's scheduler calls it,
+or their next prefill chunk), with preemption of the newest running request
+when a block cannot be had, then admission from the waiting queue with a
+prefix-cache lookup, then the update after the (absent) forward:
+computed-token counts, the sampled token, finishing and freeing. Requests are
+made (and their prompts hashed) before the loop, as on arrival; that cost is
 reported on its own.
 """
 
@@ -30,7 +31,6 @@ from typing import Any
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.bench.trace import TraceConfig, build_trace
 from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash
-from pagedkv.scheduler.decode_batch import DecodeBatch
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 
@@ -82,12 +82,13 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
     max_running = args.max_running
     max_batched = args.max_num_batched_tokens
     allocate_slots = kv.allocate_slots
+    allocate_decode_slots = kv.allocate_decode_slots
     get_computed_blocks = kv.get_computed_blocks
     free = kv.free
     pool = kv.pool
     num_usable = args.num_blocks - 1
     waiting: deque[Request] = deque(requests)
-    decoding = DecodeBatch(kv, max_running)  # running, prompt done: one token per step
+    decoding: list[Request] = []  # running, prompt done: one token per step; oldest first
     prefilling: list[Request] = []  # running, prompt partly computed (chunked prefill)
     step_ns: list[int] = []
     num_running_per_step: list[int] = []
@@ -116,8 +117,14 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
     while waiting or decoding or prefilling:
         start = perf_counter_ns()
         num_preempted = num_preemptions
-        # 1. Running requests first: one token for each decoding request ...
-        while not decoding.allocate().ok:
+        # 1. Running requests first: one token for each decoding request, in
+        # order; on a miss the newest running request is preempted and the
+        # slots go on from the request that missed ...
+        num_allocated = 0
+        while True:
+            num_allocated += allocate_decode_slots(decoding, num_allocated).num_allocated
+            if num_allocated == len(decoding):
+                break
             preempt_newest()
         num_decoding = len(decoding)
         budget = max_batched - num_decoding
@@ -155,13 +162,19 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
             num_running += 1
         # 3. After the forward: sampled tokens, finished requests, finished prompts.
         if num_decoding:
-            sampled = decoding.num_tokens[:num_decoding] * 40503 % vocab_size
-            done = decoding.append(sampled)
+            num_done = 0
+            for request in decoding:
+                num_computed = request.num_computed_tokens + 1  # also its tokens, as sampled
+                request.num_computed_tokens = num_computed
+                request.append_output_token_ids(num_computed * 40503 % vocab_size)
+                if num_computed + 1 - request.num_prompt_tokens == request.max_tokens:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    free(request)
+                    num_done += 1
+            if num_done:
+                decoding[:] = [r for r in decoding if not r.status.is_finished]
             num_output_tokens += num_decoding
-            for request in decoding.remove(done):
-                request.status = RequestStatus.FINISHED_LENGTH
-                free(request)
-            num_finished += len(done)
+            num_finished += num_done
         for request, num_new in chunks:
             num_computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = num_computed
@@ -174,7 +187,7 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
                     free(request)
                     num_finished += 1
                 else:
-                    decoding.add(request)
+                    decoding.append(request)
         step_ns.append(perf_counter_ns() - start)
         num_running_per_step.append(num_running)
         usage_per_step.append(1.0 - pool.free_block_queue.num_free_blocks / num_usable)
