@@ -41,7 +41,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority", "resumed_token_ids", "preferred_executor")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "priority", "resumed_token_ids", "preferred_executor", "skip_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -58,7 +59,8 @@ class GenerateRequest(_message.Message):
     priority: int
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     preferred_executor: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., preferred_executor: _Optional[str] = ...) -> None: ...
+    skip_text: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., preferred_executor: _Optional[str] = ..., skip_text: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

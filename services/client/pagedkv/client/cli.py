@@ -40,7 +40,8 @@ output:
   With --json, each chunk of the stream is one JSON object on its own line:
   {"request_id", "sequences": [{"index", "token_ids", "text", "finish_reason",
   and "stop_token_id", "error_message", "logprobs" when set}], "beams" (beam
-  search, final chunk), "usage" (final chunk only)}.
+  search, final chunk), "usage" (final chunk only)}. With --skip-text the
+  scheduler makes no text: every "text" is empty (token ids only).
 """
 
 
@@ -148,6 +149,9 @@ def register_generate(subparsers: Any, name: str) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--logprobs", type=int, help="top-K logprobs per token (--json)")
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
+    parser.add_argument(
+        "--skip-text", action="store_true", help="token ids only, no text (needs --json)"
+    )
     _add_security(parser)
     parser.set_defaults(handler=_run_generate)
 
@@ -208,6 +212,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedkv.client.errors import PagedkvError
     from pagedkv.client.types import Completion
 
+    if args.skip_text and not args.json:
+        print("pagedkv generate: --skip-text makes no text to print; add --json", file=sys.stderr)
+        return 2
     streams_text = not args.json and args.n <= 1 and args.beam_width < 2
     chunks: list[GenerateChunk] = []
     out = sys.stdout
@@ -232,6 +239,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                 stop_token_ids=args.stop_token_ids,
                 ignore_eos=args.ignore_eos,
                 logprobs=args.logprobs,
+                skip_text=args.skip_text,
             )
             for chunk in stream:
                 chunks.append(chunk)

@@ -78,6 +78,7 @@ def generate_request(
     cache_salt: str = "",
     priority: int = 0,
     request_id: str = "",
+    skip_text: bool = False,
 ) -> scheduler_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (see ``Client.generate``).
 
@@ -109,7 +110,11 @@ def generate_request(
     if logprobs is not None:
         sampling.logprobs = _check_uint("logprobs", logprobs)
     request = scheduler_pb2.GenerateRequest(
-        request_id=request_id, sampling=sampling, cache_salt=cache_salt, priority=priority
+        request_id=request_id,
+        sampling=sampling,
+        cache_salt=cache_salt,
+        priority=priority,
+        skip_text=skip_text,
     )
     if prompt is not None:
         request.text = prompt
@@ -236,6 +241,7 @@ class Client:
         cache_salt: str = "",
         priority: int = 0,
         request_id: str = "",
+        skip_text: bool = False,
         timeout: float | None = None,
     ) -> Generator[GenerateChunk, None, None]:
         """Streams the chunks of one generation, the last one carrying usage.
@@ -245,7 +251,8 @@ class Client:
         starts at the first ``next()``. The sampling arguments are those of
         ``SamplingParams`` in common.proto; None leaves a field to the
         scheduler's default. Lower ``priority`` is more important; an empty
-        ``request_id`` gets a uuid4 hex. A stream that breaks (its scheduler
+        ``request_id`` gets a uuid4 hex. ``skip_text``: token ids only, no
+        text is made (every chunk's text is empty). A stream that breaks (its scheduler
         gone) continues on the next target, unless ``n`` > 1 or beam search.
         Raises a ``PagedkvError`` when the call fails, also after some
         chunks, and ``IncompleteStreamError`` when it ends without a final
@@ -267,6 +274,7 @@ class Client:
             cache_salt=cache_salt,
             priority=priority,
             request_id=request_id,
+            skip_text=skip_text,
         )
         return self._stream(request, _deadline(timeout, self.timeout))
 
@@ -327,6 +335,7 @@ class Client:
         cache_salt: str = "",
         priority: int = 0,
         request_id: str = "",
+        skip_text: bool = False,
         timeout: float | None = None,
     ) -> Completion:
         """Runs ``generate`` with the same arguments to the end and returns the
@@ -347,6 +356,7 @@ class Client:
             cache_salt=cache_salt,
             priority=priority,
             request_id=request_id,
+            skip_text=skip_text,
             timeout=timeout,
         )
         return Completion.from_chunks(chunks)
@@ -449,6 +459,7 @@ class AsyncClient:
         cache_salt: str = "",
         priority: int = 0,
         request_id: str = "",
+        skip_text: bool = False,
         timeout: float | None = None,
     ) -> AsyncGenerator[GenerateChunk, None]:
         """As ``Client.generate``, as an async generator (not a coroutine: use
@@ -472,6 +483,7 @@ class AsyncClient:
             cache_salt=cache_salt,
             priority=priority,
             request_id=request_id,
+            skip_text=skip_text,
         )
         return self._stream(request, _deadline(timeout, self.timeout))
 
@@ -531,6 +543,7 @@ class AsyncClient:
         cache_salt: str = "",
         priority: int = 0,
         request_id: str = "",
+        skip_text: bool = False,
         timeout: float | None = None,
     ) -> Completion:
         """As ``Client.generate_text``."""
@@ -550,6 +563,7 @@ class AsyncClient:
             cache_salt=cache_salt,
             priority=priority,
             request_id=request_id,
+            skip_text=skip_text,
             timeout=timeout,
         )
         return Completion.from_chunks([chunk async for chunk in stream])

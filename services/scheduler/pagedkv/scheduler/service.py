@@ -242,6 +242,7 @@ class SchedulerService(ExecutorFailover):
         valid = validate_sampling(sampling, len(prompt), info)
         resumed = resumed_token_ids(request, valid, len(prompt), info)
         n, max_tokens = valid.n, valid.max_tokens
+        tokenizer = None if request.skip_text else self.tokenizer  # skip_text: no text made
         generation = Generation(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -253,7 +254,7 @@ class SchedulerService(ExecutorFailover):
             eos_token_ids=frozenset() if sampling.ignore_eos else frozenset(info.eos_token_ids),
             stop_token_ids=frozenset(sampling.stop_token_ids),
             beam=valid.beam,
-            tokenizer=self.tokenizer,
+            tokenizer=tokenizer,
             key=next(self._keys),
         )
         block_size = info.block_size
@@ -267,7 +268,7 @@ class SchedulerService(ExecutorFailover):
                 priority=request.priority,
             )
             seq_request.num_prompt_tokens = len(prompt)  # the resumed tokens are outputs
-            detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
             if detokenizer is not None:
                 detokenizer.skip(resumed)
             generation.sequences.append(

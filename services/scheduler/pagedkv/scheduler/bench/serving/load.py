@@ -4,7 +4,9 @@ An open loop: each request is sent at its own time whatever the server's
 state (the queue grows when the rate is above what the server sustains), and
 its stream is read to the end; every chunk with tokens is timed on arrival.
 Greedy sampling with ``ignore_eos``, so each request generates exactly its
-``max_tokens``. The raw Scheduler stub is used (the scheduler side does not
+``max_tokens``, and ``skip_text`` (tokens are only counted, so the scheduler
+makes no text, as a client that detokenizes itself would ask). The raw
+Scheduler stub is used (the scheduler side does not
 depend on the SDK); a failed call is recorded, never raised.
 """
 
@@ -68,6 +70,7 @@ async def _send(
         sampling=common_pb2.SamplingParams(
             temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True
         ),
+        skip_text=True,  # only tokens are counted: the scheduler makes no text
     )
     sent = time.perf_counter() - start
     times: list[float] = []
