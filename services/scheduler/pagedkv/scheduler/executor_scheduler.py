@@ -21,14 +21,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
-from pagedkv.scheduler.cache_events import CacheEvent, tag_changes
+from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.kv_cache_manager import NO_TABLE_CHANGE, KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import (
-    Entry,
     NewRequestPlan,
     ScheduledStep,
     StepPlan,
@@ -38,7 +38,7 @@ from pagedkv.scheduler.step_message import (
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
 from pagedkv.v1 import common_pb2, executor_pb2
 
-__all__ = ["Entry", "ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
+__all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
 
 
 def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
@@ -96,6 +96,7 @@ class ExecutorScheduler:
         # (the Redis prefix mirror); must not block.
         self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
         self.num_groups = len(info.kv_cache_groups)
+        self._no_new_blocks = (0,) * self.num_groups  # a decode's new_block_counts
         self.max_model_len = info.max_model_len
         self.max_num_seqs = min(max_num_seqs, info.max_num_rows)
         self.token_budget = min(max_num_batched_tokens, info.max_num_batched_tokens)
@@ -189,8 +190,12 @@ class ExecutorScheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _victim(self, protected: set[Sequence]) -> Sequence | None:
-        candidates = [s for s in self.running if s not in protected]
+    def _victim(self, decisions: list[_Decision], protected: Iterable[Sequence]) -> Sequence | None:
+        """The running sequence to preempt: the least important, newest one
+        neither decided on this step nor in ``protected``."""
+        keep = {decision[0] for decision in decisions}
+        keep.update(protected)
+        candidates = [s for s in self.running if s not in keep]
         return max(candidates, key=_order) if candidates else None
 
     def schedule(self) -> ScheduledStep | None:
@@ -198,7 +203,6 @@ class ExecutorScheduler:
         step's state changes (see ``_plan``) before encoding it."""
         budget = self.token_budget
         decisions: list[_Decision] = []
-        scheduled: set[Sequence] = set()
         decodes: list[Sequence] = []  # consecutive decodes, their slots not allocated yet
         preempted = False
         running = SequenceState.RUNNING
@@ -216,15 +220,17 @@ class ExecutorScheduler:
             ahead = 1 if placed.inflight_samples else 0
             if ahead and seq.generation.beam is not None:
                 continue  # a beam's next token is chosen here, after its round
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget - ahead)
-            if num_new + ahead == 0:
-                continue  # a beam waiting for its round: nothing to compute yet
+            num_new = len(request.token_ids) - request.num_computed_tokens
+            if num_new > budget - ahead:
+                num_new = budget - ahead
             if num_new + ahead == 1:
                 decodes.append(seq)
                 budget -= 1
                 continue
+            if num_new + ahead == 0:
+                continue  # a beam waiting for its round: nothing to compute yet
             if decodes:
-                preempted |= self._allocate_decodes(decodes, scheduled, decisions)
+                preempted |= self._allocate_decodes(decodes, decisions)
                 decodes = []
                 if seq.state is not running:
                     continue
@@ -233,9 +239,7 @@ class ExecutorScheduler:
                 allocation = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=ahead)
                 if allocation is not None:
                     break
-                victim = self._victim(scheduled | {seq})
-                if victim is None:
-                    victim = seq
+                victim = self._victim(decisions, (seq,)) or seq
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -243,11 +247,11 @@ class ExecutorScheduler:
             if seq.state is not running:
                 continue
             decisions.append((seq, num_new + ahead, allocation))
-            scheduled.add(seq)
             budget -= num_new + ahead
         if decodes:
-            preempted |= self._allocate_decodes(decodes, scheduled, decisions)
-            budget = self.token_budget - sum(d[1] for d in decisions)
+            # (A preemption here stops admission below, so the budget that
+            # preempted decodes leave unused needs no refund.)
+            preempted |= self._allocate_decodes(decodes, decisions)
         while not preempted and not self.draining and self.waiting and budget > 0:
             seq = self.waiting[0]
             self.current = seq
@@ -277,139 +281,131 @@ class ExecutorScheduler:
                 generation.reserved_rows.append(self.free_rows.pop())
             self.running.append(seq)
             decisions.append((seq, num_new, None))
-            scheduled.add(seq)
             budget -= num_new
         self.current = None
         if not decisions and not self.freed_rows:
             return None
-        plan, entries = self._plan(decisions)
+        plan, sampled = self._plan(decisions)
         before, message = encode_step(self.owner, plan)
-        return ScheduledStep(message, entries, before)
+        return ScheduledStep(message, plan.num_scheduled_tokens, sampled, before)
 
-    def _allocate_decodes(
-        self, decodes: list[Sequence], scheduled: set[Sequence], decisions: list[_Decision]
-    ) -> bool:
+    def _allocate_decodes(self, decodes: list[Sequence], decisions: list[_Decision]) -> bool:
         """Gives each of ``decodes`` (running in this order, each with one
         token to compute or one in flight) a slot, in one block-core call;
         on a miss preempts as ``schedule`` does and goes on from there.
         Appends their decisions; returns whether anything was preempted."""
         requests = [seq.request for seq in decodes]
-        allocations: dict[int, Allocation] = {}
+        allocations: list[Allocation] = [NO_TABLE_CHANGE] * len(decodes)
         preempted = False
         start = 0
         while start < len(decodes):
             result = self.kv.allocate_decode_slots(requests, start)
-            allocations.update(result.updates)
+            for i, allocation in result.updates:
+                allocations[i] = allocation
             end = start + result.num_allocated
             if end == len(decodes):
                 break
             seq = decodes[end]  # it got no block
             self.current = seq
-            victim = self._victim(scheduled | set(decodes[: end + 1])) or seq
+            victim = self._victim(decisions, decodes[: end + 1]) or seq
             self._preempt(victim)
             preempted = True
             if victim in decodes:  # never one before ``end``: they are protected
                 index = decodes.index(victim)
-                del decodes[index], requests[index]
+                del decodes[index], requests[index], allocations[index]
             start = end
-        for i, seq in enumerate(decodes):
-            decisions.append((seq, 1, allocations.get(i, NO_TABLE_CHANGE)))
-        scheduled.update(decodes)
+        decisions.extend(zip(decodes, repeat(1), allocations))
         self.current = None
         return preempted
 
-    def _plan(self, decisions: list[_Decision]) -> tuple[StepPlan, list[Entry]]:
-        """Makes a step's state changes and returns what they send: the
-        requests' computed counts move on (the executor computes the tokens
-        before any later step), rows record what the executor will hold,
-        queued copies, cache events and freed rows are taken, step ids are
-        used. Entries come new sequences first, as the wire wants."""
-        kv = self.kv
-        phases = copy_phases(kv.take_copy_ops())
-        untag: list[int] = []
-        tags: list[CacheEvent] = []
-        events = kv.pool.take_events()
-        if events:
-            untag, tags = tag_changes(events)
-            if self.on_cache_events is not None:
-                self.on_cache_events(events)
-        plan = StepPlan(
-            first_step_id=self.step_id,
-            copy_phases=phases,
-            untag_block_ids=untag,
-            tag_block_ids=[t.block_id for t in tags],
-            tag_block_hashes=[t.block_hash for t in tags],
-            tag_group_ids=[t.group_id for t in tags],
-            freed_rows=self.freed_rows,
-        )
-        self.step_id += len(phases)
+    def _plan(
+        self, decisions: list[_Decision]
+    ) -> tuple[StepPlan, list[tuple[Sequence, ExecutorRow]]]:
+        """Makes a step's state changes and returns what they send, and the
+        samples it asks for (see ``ScheduledStep``): the requests' computed
+        counts move on (the executor computes the tokens before any later
+        step), rows record what the executor will hold, queued copies, cache
+        events and freed rows are taken, step ids are used. Entries come new
+        sequences first, as the wire wants."""
+        events = self.kv.pool.take_events()
+        if events and self.on_cache_events is not None:
+            self.on_cache_events(events)
+        plan = StepPlan.start(self.step_id, self.kv.take_copy_ops(), events, self.freed_rows)
+        self.step_id += len(plan.copy_phases)
         self.freed_rows = []
-        new: list[_Decision] = []
-        old: list[_Decision] = []
-        for decision in decisions:
-            placed = decision[0].placed
-            assert placed is not None
-            (new if placed.table_lengths is None else old).append(decision)
-        for seq, _, _ in new:
-            self.current = seq
-            plan.new_requests.append(
-                NewRequestPlan(
-                    seq.seq_id,
-                    seq.placed.row,  # type: ignore[union-attr]
-                    seq.request.token_ids[:],
-                    seq.generation.sampling_for(seq.index),
+        # New sequences first. (Decided sequences are running: each holds a row.)
+        new = [d for d in decisions if d[0].placed.table_lengths is None]  # type: ignore[union-attr]
+        if new:
+            old = [d for d in decisions if d[0].placed.table_lengths is not None]  # type: ignore[union-attr]
+            decisions = new + old
+        sampled: list[tuple[Sequence, ExecutorRow]] = []
+        commit = self._commit
+        seq = None
+        try:
+            for seq, _, _ in new:
+                plan.new_requests.append(
+                    NewRequestPlan(
+                        seq.seq_id,
+                        seq.placed.row,  # type: ignore[union-attr]
+                        seq.request.token_ids[:],
+                        seq.generation.sampling_for(seq.index),
+                    )
                 )
-            )
-        entries: list[Entry] = []
-        for seq, num, allocation in new + old:
-            self.current = seq  # the culprit if the scheduler's own code raises
-            entries.append(self._commit(seq, num, allocation, plan))
-        self.current = None
-        return plan, entries
+            for seq, num, allocation in decisions:
+                if commit(seq, num, allocation, plan):
+                    sampled.append((seq, seq.placed))  # type: ignore[arg-type]
+        except BaseException:
+            self.current = seq  # the culprit: the scheduler's own code raised
+            raise
+        plan.num_scheduled_tokens = [num for _, num, _ in decisions]
+        return plan, sampled
 
     def _commit(
         self, seq: Sequence, num: int, allocation: Allocation | None, plan: StepPlan
-    ) -> Entry:
-        """One entry's state changes (see ``_plan``), appended to ``plan``."""
+    ) -> bool:
+        """One entry's state changes (see ``_plan``), appended to ``plan``;
+        returns whether the entry asks for a sample."""
         placed = seq.placed
         assert placed is not None
         request = seq.request
         computed = request.num_computed_tokens
-        needs_sample = computed + num == request.num_tokens + placed.inflight_samples
-        plan.num_scheduled_tokens.append(num)
-        plan.num_computed_tokens.append(computed)
         request.num_computed_tokens = computed + num
+        inflight = placed.inflight_samples
+        needs_sample = computed + num == len(request.token_ids) + inflight
+        plan.num_computed_tokens.append(computed)
         plan.continue_from_sampled.append(placed.pending_on_executor)
         plan.needs_sample.append(needs_sample)
         # The executor keeps what it samples now and appends it when a
         # later step continues from it (beams send their chosen token).
-        placed.pending_on_executor = needs_sample and seq.generation.beam is None
-        placed.inflight_samples += needs_sample
+        if needs_sample:
+            placed.pending_on_executor = seq.generation.beam is None
+            placed.inflight_samples = inflight + 1
+        else:
+            placed.pending_on_executor = False
         lengths = placed.table_lengths
         if placed.token_unsent:  # a beam's token, chosen here, not sampled there
             if lengths is not None:
                 plan.token_ids.append(request.token_ids[-1])
             placed.token_unsent = False
-        starts = plan.block_table_starts
-        counts = plan.new_block_counts
         if lengths is None or allocation is None:
             tables = self.kv.get_block_ids(request.request_id)
             placed.table_lengths = [len(table) for table in tables]
             for table in tables:
-                starts.append(0)
-                counts.append(len(table))
+                plan.block_table_starts.append(0)
+                plan.new_block_counts.append(len(table))
                 plan.new_block_ids.extend(table)
-        else:
-            plan.rows.append(placed.row)
-            if not allocation.updates:
-                starts.extend(lengths)
-                counts.extend([0] * len(lengths))
-            for g, update in enumerate(allocation.updates):
-                lengths[g] = update.start + len(update.block_ids)
-                starts.append(update.start)
-                counts.append(len(update.block_ids))
-                plan.new_block_ids.extend(update.block_ids)
-        return Entry(seq, num, needs_sample, placed)
+            return needs_sample
+        plan.rows.append(placed.row)
+        if not allocation.updates:  # the common decode: no table changed
+            plan.block_table_starts.extend(lengths)
+            plan.new_block_counts.extend(self._no_new_blocks)
+            return needs_sample
+        for g, update in enumerate(allocation.updates):
+            lengths[g] = update.start + len(update.block_ids)
+            plan.block_table_starts.append(update.start)
+            plan.new_block_counts.append(len(update.block_ids))
+            plan.new_block_ids.extend(update.block_ids)
+        return needs_sample
 
     # -- results --------------------------------------------------------------
 

@@ -36,7 +36,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     """Token ids, computed-token count and block hashes of one sequence.
 
-    Token ids are stored as a uint32 ``array`` (prompt then outputs). The
+    ``token_ids``: every token id, prompt then outputs, as a uint32 ``array``;
+    read it, and append only through the ``*_output_token_*`` methods. The
     request hashes each full block once, incrementally, chained from
     ``root_hash`` (see ``block_hash.root_hash``: the model id, block size and
     cache salt): the prompt's full blocks at construction (on arrival, off the
@@ -56,7 +57,6 @@ class Request:
 
     __slots__ = (
         "_block_hashes",
-        "_token_ids",
         "block_size",
         "max_tokens",
         "num_computed_tokens",
@@ -66,6 +66,7 @@ class Request:
         "request_id",
         "root_hash",
         "status",
+        "token_ids",
     )
 
     def __init__(
@@ -85,7 +86,7 @@ class Request:
         if not token_ids:
             raise ValueError("prompt_token_ids: the prompt is empty")
         self.request_id = RequestId(request_id)
-        self._token_ids = token_ids
+        self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
         self.block_size = block_size
@@ -99,50 +100,45 @@ class Request:
         )
 
     @property
-    def token_ids(self) -> array[int]:
-        """All token ids (prompt then outputs). Read it; do not mutate it."""
-        return self._token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def block_hashes(self) -> list[BlockHash]:
         """Hashes of every full block, in order; blocks filled since the last
         read are hashed now. Read it; do not mutate it."""
         hashes = self._block_hashes
-        if len(self._token_ids) // self.block_size > len(hashes):
+        if len(self.token_ids) // self.block_size > len(hashes):
             self._hash_new_full_blocks()
         return hashes
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Appends one sampled token."""
-        self._token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     def extend_output_token_ids(self, token_ids: Iterable[int]) -> None:
         """Appends several sampled tokens."""
-        self._token_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
 
     def extend_output_token_bytes(self, data: bytes) -> None:
         """Appends sampled tokens given as native uint32 bytes."""
-        self._token_ids.frombytes(data)
+        self.token_ids.frombytes(data)
 
     def _hash_new_full_blocks(self) -> None:
         hashes = self._block_hashes
         start = len(hashes)
-        end = len(self._token_ids) // self.block_size
+        end = len(self.token_ids) // self.block_size
         if end == start + 1:  # the common case, without the general loop
             block_size = self.block_size
-            data = token_bytes(self._token_ids[start * block_size : end * block_size])
+            data = token_bytes(self.token_ids[start * block_size : end * block_size])
             hashes.append(hash_block_tokens(hashes[-1] if start else self.root_hash, data))
         else:
             parent = hashes[-1] if start else self.root_hash
-            hashes += hash_full_blocks(parent, self._token_ids, self.block_size, start, end)
+            hashes += hash_full_blocks(parent, self.token_ids, self.block_size, start, end)
 
     def __repr__(self) -> str:
         return (

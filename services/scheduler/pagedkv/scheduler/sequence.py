@@ -20,12 +20,16 @@ from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 FinishReason = scheduler_pb2.FinishReason
+_LENGTH = FinishReason.FINISH_REASON_LENGTH
 
 
 class SequenceState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+_FINISHED = SequenceState.FINISHED
 
 
 @dataclass(slots=True)
@@ -67,7 +71,7 @@ class Sequence:
     finish_reported: bool = False  # its finishing chunk was queued
     # Its state on its executor while it holds a row there (see ExecutorRow);
     # None: it holds none. Replaced, never reset, so that responses to steps
-    # sent before a release are told apart (``Entry.placed``).
+    # sent before a release are told apart (``ScheduledStep.sampled``).
     placed: ExecutorRow | None = None
     # Beam search: the cumulative logprob and this round's candidates
     # (logprob, token id).
@@ -100,9 +104,9 @@ class Sequence:
     def stop_reason(self, token: int) -> int | None:
         """The one stop check of a sampled token just appended: its finish
         reason, or None when the sequence goes on."""
-        reason = self.generation.stop_token_reason(token)
-        if reason is None and self.request.num_tokens >= self.max_num_tokens:
-            return FinishReason.FINISH_REASON_LENGTH
+        reason = self.generation.stop_reasons.get(token)
+        if reason is None and len(self.request.token_ids) >= self.max_num_tokens:
+            return _LENGTH
         return reason
 
     def finish(
@@ -150,6 +154,17 @@ class Generation:
     num_seq_ids: int = 0
     # Where the generation was queued; sent on its first chunk, then None.
     placement: scheduler_pb2.Placement | None = None
+    # Set from the fields above when made: each stop token's finish reason
+    # (see ``stop_token_reason``), and whether every sample is plain (no
+    # beam search, no logprobs, one sequence: the short path of step_outputs).
+    stop_reasons: dict[int, int] = field(init=False)
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        eos, stop = FinishReason.FINISH_REASON_EOS, FinishReason.FINISH_REASON_STOP
+        self.stop_reasons = {token: eos for token in self.eos_token_ids}
+        self.stop_reasons.update({token: stop for token in self.stop_token_ids})
+        self.plain = self.beam is None and self.n == 1 and not self.sampling.HasField("logprobs")
 
     def new_seq_id(self) -> str:
         """A name for a new sequence of this generation (its block-core
@@ -164,11 +179,7 @@ class Generation:
 
     def stop_token_reason(self, token: int) -> int | None:
         """STOP for a stop token, EOS for an EOS token, else None."""
-        if token in self.stop_token_ids:
-            return FinishReason.FINISH_REASON_STOP
-        if token in self.eos_token_ids:
-            return FinishReason.FINISH_REASON_EOS
-        return None
+        return self.stop_reasons.get(token)
 
     def sampling_for(self, index: int) -> common_pb2.SamplingParams:
         """Sequence ``index``'s executor sampling: a distinct seed per sequence."""
@@ -196,29 +207,26 @@ class Generation:
         all_finished = True
         outputs: list[PendingOutput] = []
         for seq in self.sequences:
-            finished = seq.state is SequenceState.FINISHED
-            all_finished &= finished
-            if not seq.pending_token_ids and (not finished or seq.finish_reported):
-                continue
+            finished = seq.state is _FINISHED
+            if not finished:
+                all_finished = False
+            tokens = seq.pending_token_ids
             if finished and not seq.finish_reported:
-                outputs.append(
-                    PendingOutput(
-                        seq.index,
-                        seq.pending_token_ids,
-                        seq.pending_logprobs,
-                        seq.detokenizer,
-                        seq.finish_reason,
-                        seq.stop_token_id,
-                        seq.error_message,
-                    )
-                )
                 seq.finish_reported = True
-            else:
-                outputs.append(
-                    PendingOutput(
-                        seq.index, seq.pending_token_ids, seq.pending_logprobs, seq.detokenizer
-                    )
+                output = PendingOutput(
+                    seq.index,
+                    tokens,
+                    seq.pending_logprobs,
+                    seq.detokenizer,
+                    seq.finish_reason,
+                    seq.stop_token_id,
+                    seq.error_message,
                 )
+            elif tokens:
+                output = PendingOutput(seq.index, tokens, seq.pending_logprobs, seq.detokenizer)
+            else:
+                continue
+            outputs.append(output)
             seq.pending_token_ids = []
             if seq.pending_logprobs:
                 seq.pending_logprobs = []
@@ -231,10 +239,10 @@ class Generation:
                 completion_tokens=sum(s.request.num_output_tokens for s in self.sequences),
             )
             self.done = True
-        if outputs or all_finished:
-            self.chunks.put_nowait(
-                PendingChunk(self.request_id, outputs, usage, self._take_placement())
-            )
+        elif not outputs:
+            return
+        placement = None if self.placement is None else self._take_placement()
+        self.chunks.put_nowait(PendingChunk(self.request_id, outputs, usage, placement))
 
     def _take_placement(self) -> scheduler_pb2.Placement | None:
         """The placement, for the first chunk only."""

@@ -412,7 +412,7 @@ class SchedulerService(ExecutorFailover):
                     sent_at = time.monotonic()
                     for early in step.before:  # copy-only messages: no entries
                         await client.send(early)
-                        inflight.append((ScheduledStep(early, []), t0, t1, sent_at))
+                        inflight.append((ScheduledStep(early), t0, t1, sent_at))
                     await client.send(step.request)
                     inflight.append((step, t0, t1, sent_at))
                     if len(inflight) < depth:
@@ -440,8 +440,8 @@ class SchedulerService(ExecutorFailover):
             self.step_timings.append(
                 StepTiming(
                     address,
-                    len(sent.entries),
-                    sum(e.num_scheduled for e in sent.entries),
+                    len(sent.num_scheduled),
+                    sum(sent.num_scheduled),
                     t1 - t0,
                     t2 - t1,
                     response.host_time_us * 1e-6,

@@ -14,20 +14,10 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedkv.common.ids import BlockId
+from pagedkv.scheduler.cache_events import CacheEvent, tag_changes
 from pagedkv.scheduler.kv_cache_types import BlockCopy
 from pagedkv.scheduler.sequence import ExecutorRow, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One sequence scheduled in a step. ``placed``: its executor state when
-    scheduled (a release replaces it, so a later response no longer applies)."""
-
-    seq: Sequence
-    num_scheduled: int
-    needs_sample: bool
-    placed: ExecutorRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +59,43 @@ class StepPlan:
     new_block_counts: list[int] = field(default_factory=list)
     new_block_ids: list[BlockId] = field(default_factory=list)
 
+    @classmethod
+    def start(
+        cls,
+        first_step_id: int,
+        copies: list[BlockCopy],
+        events: list[CacheEvent],
+        freed_rows: list[int],
+    ) -> StepPlan:
+        """A plan with no entries yet: the copy-on-write ``copies`` made for
+        the step, in phases (see ``copy_phases``), the executor's tag changes
+        for the cache ``events`` logged since the last step, the rows freed."""
+        untag, tags = tag_changes(events) if events else ([], [])
+        return cls(
+            first_step_id=first_step_id,
+            copy_phases=copy_phases(copies),
+            untag_block_ids=untag,
+            tag_block_ids=[t.block_id for t in tags],
+            tag_block_hashes=[t.block_hash for t in tags],
+            tag_group_ids=[t.group_id for t in tags],
+            freed_rows=freed_rows,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledStep:
-    """A step's message and entries. ``before``: copy-only messages to send
-    first, in order (see ``copy_phases``); usually none."""
+    """A step's message, and what applying its response needs.
+
+    ``num_scheduled``: tokens per entry, in wire order. ``sampled``: per
+    sample the step asks for, in entry order (the order of the response's
+    samples), the sequence and its executor state when scheduled (a release
+    replaces that, so a later response no longer applies to it).
+    ``before``: copy-only messages to send first, in order (see
+    ``copy_phases``); usually none."""
 
     request: executor_pb2.StepRequest
-    entries: list[Entry]
+    num_scheduled: list[int] = field(default_factory=list)
+    sampled: list[tuple[Sequence, ExecutorRow]] = field(default_factory=list)
     before: tuple[executor_pb2.StepRequest, ...] = ()
 
 

@@ -1,19 +1,24 @@
 """Applying a step's samples: the output processor of ``ExecutorScheduler``.
 
 A step's response holds one sample per entry that asked for one, in entry
-order. Each sample of a live sequence is appended to its request and to its
-pending output, then checked once (``Sequence.stop_reason``); a finished
-sequence is released at once. Beams keep their candidates until every live
-beam of the generation has them (see groups.py). Text is not made here: a
-chunk's text deltas are decoded when its stream reads it (chunks.py).
+order (``ScheduledStep.sampled``). Each sample of a live sequence is appended
+to its request and to its pending output, then checked once
+(``Sequence.stop_reason``); a finished sequence is released at once. Beams
+keep their candidates until every live beam of the generation has them (see
+groups.py). Text is not made here: a chunk's text deltas are decoded when its
+stream reads it (chunks.py).
+
+The common sample (no beam search, no logprobs, no forks to make) takes a
+short path through plain lists; the others go through ``_apply_sample``.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedkv.scheduler.groups import beam_round, fork_samples
-from pagedkv.scheduler.sequence import Generation, SequenceState
+from pagedkv.scheduler.sequence import Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import ScheduledStep
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 
@@ -34,67 +39,92 @@ def apply_outputs(
     scheduler: ExecutorScheduler, step: ScheduledStep, response: executor_pb2.StepResponse
 ) -> Processed:
     """Applies a step's samples. A generation whose handling raises is
-    left as it is and reported in ``errors``; the others go on."""
+    left as it is and reported in ``errors``; the others go on. Raises
+    ValueError, applying nothing, when the response has fewer samples than
+    the step asked for."""
+    sampled = step.sampled
+    tokens = list(response.sampled_token_ids)  # one conversion for the whole step
+    if len(tokens) < len(sampled) or len(response.num_top_logprobs) < len(sampled):
+        raise ValueError(f"step {response.step_id}: {len(tokens)} samples for {len(sampled)}")
     touched: set[Generation] = set()
     beams: set[Generation] = set()
     errors: list[tuple[Generation, Exception]] = []
-    tokens = list(response.sampled_token_ids)  # one conversion for the whole step
-    num_top = list(response.num_top_logprobs)
+    add = touched.add
     running = SequenceState.RUNNING
-    i = 0
-    top_offset = 0
-    for entry in step.entries:
-        if not entry.needs_sample:
-            continue
-        k = i
-        i += 1
-        top = slice(top_offset, top_offset + num_top[k])
-        top_offset = top.stop
-        seq = entry.seq
-        placed = seq.placed
-        if placed is not entry.placed or seq.state is not running:
+    top_starts: list[int] | None = None  # where each sample's top logprobs start
+    for k, (seq, placed) in enumerate(sampled):
+        if seq.placed is not placed or seq.state is not running:
             continue  # aborted, preempted or moved while the step ran
         generation = seq.generation
-        scheduler.current = seq
         try:
             placed.inflight_samples -= 1
-            if generation.beam is not None:
-                seq.candidates = list(
-                    zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
-                )
-                beams.add(generation)
+            if generation.plain:
+                token = tokens[k]
+                seq.request.append_output_token_ids(token)
+                seq.pending_token_ids.append(token)
+                reason = seq.stop_reason(token)
+                if reason is not None:
+                    seq.finish(reason, token if reason == _STOP else None)
+                    scheduler.release(seq)
+                add(generation)
                 continue
-            if generation.sampling.HasField("logprobs"):
-                seq.pending_logprobs.append(
-                    scheduler_pb2.TokenLogprobs(
-                        logprob=response.sampled_logprobs[k],
-                        top_token_ids=response.top_token_ids[top],
-                        top_logprobs=response.top_logprobs[top],
-                    )
-                )
-            token = tokens[k]
-            seq.request.append_output_token_ids(token)
-            seq.pending_token_ids.append(token)
-            reason = seq.stop_reason(token)
-            if reason is not None:
-                seq.finish(reason, token if reason == _STOP else None)
-            if generation.n > 1 and not generation.forked and seq.index == 0:
-                fork_samples(scheduler, seq)  # before a release: they share its prompt blocks
-            if reason is not None:
-                scheduler.release(seq)
-            touched.add(generation)
+            if top_starts is None:
+                top_starts = list(accumulate(response.num_top_logprobs, initial=0))
+            if _apply_sample(scheduler, seq, response, k, slice(top_starts[k], top_starts[k + 1])):
+                add(generation)
+            else:
+                beams.add(generation)
         except Exception as exc:
+            scheduler.current = seq
             errors.append((generation, exc))
     for generation in beams - {generation for generation, _ in errors}:
         scheduler.current = generation.sequences[0] if generation.sequences else None
         try:
             if beam_round(scheduler, generation):
-                touched.add(generation)
+                add(generation)
         except Exception as exc:
             errors.append((generation, exc))
     scheduler.current = None
     failed = {generation for generation, _ in errors}
     return Processed(touched - failed if failed else touched, errors)
+
+
+def _apply_sample(
+    scheduler: ExecutorScheduler,
+    seq: Sequence,
+    response: executor_pb2.StepResponse,
+    k: int,
+    top: slice,
+) -> bool:
+    """Sample ``k`` of the response (its top logprobs at ``top``) off the
+    short path: a beam's candidates (False: its round comes once every live
+    beam has them), logprobs, the forks of parallel sampling. True when the
+    generation has news."""
+    generation = seq.generation
+    if generation.beam is not None:
+        seq.candidates = list(
+            zip(response.top_logprobs[top], response.top_token_ids[top], strict=True)
+        )
+        return False
+    if generation.sampling.HasField("logprobs"):
+        seq.pending_logprobs.append(
+            scheduler_pb2.TokenLogprobs(
+                logprob=response.sampled_logprobs[k],
+                top_token_ids=response.top_token_ids[top],
+                top_logprobs=response.top_logprobs[top],
+            )
+        )
+    token = response.sampled_token_ids[k]
+    seq.request.append_output_token_ids(token)
+    seq.pending_token_ids.append(token)
+    reason = seq.stop_reason(token)
+    if reason is not None:
+        seq.finish(reason, token if reason == _STOP else None)
+    if generation.n > 1 and not generation.forked and seq.index == 0:
+        fork_samples(scheduler, seq)  # before a release: they share its prompt blocks
+    if reason is not None:
+        scheduler.release(seq)
+    return True
 
 
 _STOP = scheduler_pb2.FinishReason.FINISH_REASON_STOP

@@ -133,7 +133,7 @@ def measure(
         responses = [response_for(early, i) for early in step.before]
         response = response_for(step.request, i)
         for early, answer in zip(step.before, responses, strict=True):
-            inflight.append((ScheduledStep(early, []), answer))
+            inflight.append((ScheduledStep(early), answer))
         inflight.append((step, response))
         busy = t1 - t0
         while len(inflight) >= 2:
@@ -148,8 +148,8 @@ def measure(
         for gen in generations:  # the Generate streams read their chunks (not timed)
             while not gen.chunks.empty():
                 gen.chunks.get_nowait()
-        decoding = all(e.num_scheduled == 1 for e in step.entries)
-        if decoding and len(step.entries) == num_requests:
+        decoding = all(num == 1 for num in step.num_scheduled)
+        if decoding and len(step.num_scheduled) == num_requests:
             step_s.append(busy)
     if not step_s:
         raise RuntimeError("no step had every request decoding")
