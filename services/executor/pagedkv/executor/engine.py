@@ -41,7 +41,7 @@ from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
-from pagedkv.executor.launched import HostSamples, LaunchedStep, device_clock
+from pagedkv.executor.launched import HostSamples, LaunchedStep, device_clock, release_clocks
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
@@ -326,6 +326,7 @@ class Executor:
         if launched.samples is not None:
             launched.samples.fill(launched.sampled_rows, response)
         response.device_time_us = launched.device_time_us()
+        release_clocks(launched)
         if self._untagged and self._untagged[0].sequence <= launched.sequence:
             with self.lock:
                 self._settle_tags(launched.sequence)

@@ -83,10 +83,23 @@ class LaunchedStep:
         return int((self.end - self.start) * 1e6)
 
 
+_free_events: list[torch.cuda.Event] = []  # timing events no step holds (made once, reused)
+
+
 def device_clock(device: torch.device) -> torch.cuda.Event | float:
     """A point on the device's clock: a recorded event on CUDA, else the time."""
     if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
+        try:
+            event = _free_events.pop()
+        except IndexError:
+            event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
     return time.perf_counter()
+
+
+def release_clocks(step: LaunchedStep) -> None:
+    """Gives a completed step's events back for later steps to record."""
+    for clock in (step.start, step.end):
+        if isinstance(clock, torch.cuda.Event):
+            _free_events.append(clock)

@@ -179,15 +179,15 @@ def sample(
     devices that do not match ``params``.
     """
     _check_inputs(logits, params)
-    greedy_ids = logits.argmax(dim=-1)
-    if params.all_greedy:
-        token_ids = greedy_ids
+    log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
+    if params.all_greedy:  # the max and its first index in one pass
+        max_logits, token_ids = logits.max(dim=-1)
+        logprobs = max_logits - log_normaliser.squeeze(1)
     else:
+        greedy_ids = logits.argmax(dim=-1)
         random_ids = _sample_random(logits, params, generator)
         token_ids = torch.where(params.temperature == 0, greedy_ids, random_ids)
-
-    log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
-    logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
+        logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
     if params.max_num_logprobs:
         top_logits, top_token_ids = logits.topk(params.max_num_logprobs, dim=-1)
         top_logprobs = top_logits - log_normaliser

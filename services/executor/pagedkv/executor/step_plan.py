@@ -22,6 +22,7 @@ from pagedkv.executor.rows import Rows, RowSampling
 from pagedkv.v1 import executor_pb2
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 _NO_TAGS = TagColumns((), (), ())
 
 
@@ -101,6 +102,8 @@ def _first(mask: np.ndarray) -> int:
 
 
 def _check_tokens(name: str, tokens: np.ndarray, vocab_size: int) -> None:
+    if not len(tokens):
+        return
     bad = tokens >= vocab_size
     if bad.any():
         i = _first(bad)
@@ -164,6 +167,8 @@ def plan_copies(
 ) -> np.ndarray:
     """Checks block copies (a step's columns, or CopyBlocksRequest's, whose
     field ``names`` the errors use); returns int64 ``[n, 2]``: (src, dst)."""
+    if not len(src_ids) and not len(dst_ids):
+        return _NO_COPIES
     src_name, dst_name = names
     src = np.asarray(src_ids, dtype=np.int64)
     dst = np.asarray(dst_ids, dtype=np.int64)
@@ -304,20 +309,24 @@ def plan_message(
         raise InvalidArgument(
             f"new_block_counts[{i}]: the row would hold {lengths[i]} blocks > {max_blocks}"
         )
-    id_groups = np.repeat(group_of, counts)
-    bad = block_ids >= limits.num_blocks
-    if bad.any():
-        i = _first(bad)
-        raise InvalidArgument(
-            f"new_block_ids[{i}]: block {block_ids[i]} >= num_blocks {limits.num_blocks}"
-        )
-    windowed = np.asarray(limits.group_windowed, dtype=bool)
-    bad = (block_ids == 0) & ~windowed[id_groups]
-    if bad.any():
-        i = _first(bad)
-        raise InvalidArgument(f"new_block_ids[{i}]: the null block 0 in a full-attention group")
-    id_offsets = np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
-    table_columns = np.repeat(starts, counts) + id_offsets
+    if len(block_ids):
+        id_groups = np.repeat(group_of, counts)
+        bad = block_ids >= limits.num_blocks
+        if bad.any():
+            i = _first(bad)
+            raise InvalidArgument(
+                f"new_block_ids[{i}]: block {block_ids[i]} >= num_blocks {limits.num_blocks}"
+            )
+        windowed = np.asarray(limits.group_windowed, dtype=bool)
+        bad = (block_ids == 0) & ~windowed[id_groups]
+        if bad.any():
+            i = _first(bad)
+            raise InvalidArgument(f"new_block_ids[{i}]: the null block 0 in a full-attention group")
+        id_offsets = np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        table_columns = np.repeat(starts, counts) + id_offsets
+        table_rows = np.repeat(row_of, counts)
+    else:  # no table changes (most decode steps)
+        id_groups = table_columns = table_rows = _EMPTY
 
     copies = plan_copies(
         step.copy_src_block_ids if step is not None else (),
@@ -409,7 +418,7 @@ def plan_message(
         freed_rows=freed.tolist(),
         new_rows=new_rows,
         table_groups=id_groups,
-        table_rows=np.repeat(row_of, counts),
+        table_rows=table_rows,
         table_columns=table_columns,
         table_block_ids=block_ids,
         table_lengths=np.stack([group_of, row_of, lengths]),
