@@ -324,8 +324,8 @@ class KVCacheManager:
     ) -> DecodeAllocation:
         """Gives each of ``requests[start:]`` a slot for one more token, in order.
 
-        The per-request decode path (``DecodeBatch`` serves most rows with
-        ``append_blocks``): for each request, slots up to
+        The decode path, the one that the scheduler's steps and the block
+        benchmark both run: for each request, slots up to
         ``num_computed_tokens + 1`` (the next token may still be on the
         executor, not yet appended: async stepping). Same effects as
         ``allocate_slots`` per request; stops at the first request that cannot
@@ -348,8 +348,7 @@ class KVCacheManager:
         caching = self.enable_caching
         pool = self.pool
         forked = self._forked
-        for i in range(start, len(requests)):
-            request = requests[i]
+        for i, request in enumerate(requests[start:] if start else requests, start):
             request_id = request.request_id
             blocks = tables[request_id]
             num_computed = request.num_computed_tokens
@@ -379,25 +378,6 @@ class KVCacheManager:
                 updates.append((i, allocation))
         return DecodeAllocation(len(requests) - start, updates)
 
-    def append_blocks(self, requests: Sequence[Request]) -> list[BlockId] | None:
-        """Appends one fresh block to the end of each request's table.
-
-        For callers that know each request's next token starts a new block
-        (``DecodeBatch``): a single full-attention group, requests not forked.
-        All or nothing: None, and no change, when fewer blocks are free.
-        Returns the new block ids, in the order of ``requests``.
-        """
-        fast = self._single_full
-        if fast is None:
-            raise ValueError("append_blocks needs a single full-attention group")
-        if len(requests) > self.pool.free_block_queue.num_free_blocks:
-            return None
-        tables = fast.req_to_blocks
-        blocks = self.pool.get_new_blocks(len(requests))
-        for request, block in zip(requests, blocks, strict=True):
-            tables[request.request_id].append(block)
-        return list(map(_block_id, blocks))
-
     def _allocate_one_more(self, request: Request) -> Allocation | None:
         num_new = 1 if request.num_tokens > request.num_computed_tokens else 0
         return self._allocate_slots(request, num_new, None, 1 - num_new)
@@ -414,8 +394,9 @@ class KVCacheManager:
 
         Every full block of computed tokens (up to
         ``request.num_computed_tokens``) is first entered into the
-        prefix-cache index if it is not there yet (``DecodeBatch`` leaves the
-        blocks its requests generate to this point), and stays there until
+        prefix-cache index if it is not there yet (a decode's block whose last
+        token was still on the executor when its slot was given waits until
+        here, see ``allocate_decode_slots``), and stays there until
         reused, so a preempted request re-admitted later, or a next turn that
         repeats the conversation, hits them. Freeing a request with no blocks
         is a no-op.
@@ -455,23 +436,6 @@ class KVCacheManager:
         """The request's block table in every group (null placeholders are 0)."""
         return tuple(
             [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers
-        )
-
-    @property
-    def has_single_full_attention_group(self) -> bool:
-        """One full-attention group: the case the decode hot path is built for."""
-        return self._single_full is not None
-
-    def is_forked(self, request_id: RequestId) -> bool:
-        """Whether the request took part in a fork (its writes may need copy-on-write)."""
-        return request_id in self._forked
-
-    def num_slots(self, request_id: RequestId) -> int:
-        """Tokens the request's tables have slots for (the shortest group's table)."""
-        if self._single_full is not None:
-            return len(self._single_full.req_to_blocks.get(request_id, ())) * self.block_size
-        return min(len(m.req_to_blocks.get(request_id, ())) for m in self.managers) * (
-            self.block_size
         )
 
     def num_blocks_held(self, request_id: RequestId) -> int:

@@ -37,7 +37,7 @@ class Request:
     """Token ids, computed-token count and block hashes of one sequence.
 
     ``token_ids``: every token id, prompt then outputs, as a uint32 ``array``;
-    read it, and append only through the ``*_output_token_*`` methods. The
+    append-only (sampled tokens are appended, nothing in it changes). The
     request hashes each full block once, incrementally, chained from
     ``root_hash`` (see ``block_hash.root_hash``: the model id, block size and
     cache salt): the prompt's full blocks at construction (on arrival, off the

@@ -89,8 +89,11 @@ class Sequence:
 
     def detach(self) -> ExecutorRow | None:
         """Forgets its executor state (one place for every release and
-        evacuation); returns the record it had."""
+        evacuation); returns the record it had. A beam's candidates go
+        with it: a preempted or moved beam samples them again once its KV
+        is recomputed, and its generation's round waits for it."""
         placed, self.placed = self.placed, None
+        self.candidates = None
         return placed
 
     @property

@@ -60,7 +60,7 @@ def apply_outputs(
             placed.inflight_samples -= 1
             if generation.plain:
                 token = tokens[k]
-                seq.request.append_output_token_ids(token)
+                seq.request.token_ids.append(token)
                 seq.pending_token_ids.append(token)
                 reason = seq.stop_reason(token)
                 if reason is not None:
