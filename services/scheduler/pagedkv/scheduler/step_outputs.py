@@ -45,7 +45,10 @@ def apply_outputs(
     sampled = step.sampled
     tokens = list(response.sampled_token_ids)  # one conversion for the whole step
     if len(tokens) < len(sampled) or len(response.num_top_logprobs) < len(sampled):
-        raise ValueError(f"step {response.step_id}: {len(tokens)} samples for {len(sampled)}")
+        raise ValueError(
+            f"step {response.step_id}: the response has {len(tokens)} samples, "
+            f"the step asked for {len(sampled)}"
+        )
     touched: set[Generation] = set()
     beams: set[Generation] = set()
     errors: list[tuple[Generation, Exception]] = []
