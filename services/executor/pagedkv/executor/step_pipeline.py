@@ -4,25 +4,25 @@ A scheduler keeps two steps in flight on its stream (async stepping), so the
 next request is usually waiting when a step's device work is enqueued. Made
 strictly in turn (read, run, wait, respond), the device would idle while the
 host answered step N and applied step N + 1. Here three threads share the
-work:
+work, each in message order:
 
-- a reader takes requests off the stream as they arrive;
-- a waiter waits for each launched step's last device event, in order;
-- the stream's own thread launches each request as soon as it is read and
-  answers each step as soon as the waiter says it is done.
+- the launcher takes each request off the stream as it arrives and launches
+  it at once (``Executor.launch``: validated, applied, its device work
+  enqueued), so a request never waits behind a response being sent;
+- the completer waits for each launched step's last device event and makes
+  its response (``Executor.complete``);
+- the stream's own thread sends the responses.
 
-Both report to one queue, so the stream's thread never polls. Responses go
-out one per request, in order. A request refused at launch is answered after
-every step launched before it, by the error that ends the stream (as in the
-unpipelined stream). On the CPU a launch runs the whole step, and the order
-of effects is the same.
+Responses go out one per request, in order. A request refused at launch is
+answered, after every step launched before it, by the error that ends the
+stream (as in an unpipelined stream); nothing after it is read. On the CPU
+a launch runs the whole step, and the order of effects is the same.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -31,19 +31,13 @@ from pagedkv.executor.launched import LaunchedStep
 from pagedkv.v1 import executor_pb2
 
 
-class _Done(NamedTuple):
-    """The waiter's word: this step has finished on the device."""
-
-    step: LaunchedStep
-
-
 class _Failed(NamedTuple):
-    """The stream or the wait raised: the pipeline ends with it."""
+    """The stream, a launch or a wait raised: the pipeline ends with it."""
 
     error: BaseException
 
 
-_END = object()  # the stream ended (reader), or the pipeline is over (waiter)
+_END = object()  # the stream ended, or the pipeline is over
 
 
 class StepPipeline:
@@ -57,59 +51,46 @@ class StepPipeline:
     ) -> None:
         self.executor = executor
         self.session = session
-        self.events: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.to_wait: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.stopped = threading.Event()  # the stream's consumer has gone
+        self.launched: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.responses: queue.SimpleQueue[object] = queue.SimpleQueue()
         threading.Thread(
-            target=self._read, args=(requests,), name="step-reader", daemon=True
+            target=self._launch, args=(requests,), name="step-launcher", daemon=True
         ).start()
-        threading.Thread(target=self._wait, name="step-waiter", daemon=True).start()
+        threading.Thread(target=self._complete, name="step-completer", daemon=True).start()
 
-    def _read(self, requests: Iterator[executor_pb2.StepRequest]) -> None:
+    def _launch(self, requests: Iterator[executor_pb2.StepRequest]) -> None:
         try:
             for request in requests:
-                self.events.put(request)
-        except BaseException as exc:  # cancelled, or a request that does not decode
-            self.events.put(_Failed(exc))
+                if self.stopped.is_set():
+                    break
+                self.launched.put(self.executor.launch(request, self.session))
+        except BaseException as exc:  # refused, cancelled, or undecodable
+            self.launched.put(_Failed(exc))
         else:
-            self.events.put(_END)
+            self.launched.put(_END)
 
-    def _wait(self) -> None:
-        while (step := self.to_wait.get()) is not _END:
-            assert isinstance(step, LaunchedStep)
-            try:
-                step.wait()
-            except BaseException as exc:
-                self.events.put(_Failed(exc))
+    def _complete(self) -> None:
+        while True:
+            item = self.launched.get()
+            if isinstance(item, LaunchedStep):
+                try:
+                    item = self.executor.complete(item)
+                except BaseException as exc:
+                    item = _Failed(exc)
+            self.responses.put(item)
+            if not isinstance(item, executor_pb2.StepResponse):
                 return
-            self.events.put(_Done(step))
 
     def __iter__(self) -> Iterator[executor_pb2.StepResponse]:
-        executor = self.executor
-        launched: deque[LaunchedStep] = deque()
         try:
             while True:
-                event = self.events.get()
-                if isinstance(event, _Done):
-                    assert event.step is launched[0]
-                    yield executor.complete(launched.popleft())
-                elif isinstance(event, executor_pb2.StepRequest):
-                    try:
-                        step = executor.launch(event, self.session)
-                    except Exception:
-                        yield from self._finish(launched)
-                        raise
-                    launched.append(step)
-                    self.to_wait.put(step)
-                elif isinstance(event, _Failed):
-                    yield from self._finish(launched)
-                    raise event.error
+                item = self.responses.get()
+                if isinstance(item, executor_pb2.StepResponse):
+                    yield item
+                elif isinstance(item, _Failed):
+                    raise item.error
                 else:
-                    yield from self._finish(launched)
                     return
         finally:
-            self.to_wait.put(_END)
-
-    def _finish(self, launched: deque[LaunchedStep]) -> Iterator[executor_pb2.StepResponse]:
-        """Answers every launched step, in order (waiting for each)."""
-        while launched:
-            yield self.executor.complete(launched.popleft())
+            self.stopped.set()
