@@ -22,7 +22,7 @@ the pause).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
@@ -32,11 +32,12 @@ from pagedkv.v1 import scheduler_pb2
 log = get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class PendingOutput:
-    """One sequence's news in a chunk. ``finish_reason`` None: not finished."""
+class PendingOutput(NamedTuple):
+    """One sequence's news in a chunk (``seq_index``: its index in the
+    generation). ``finish_reason`` None: not finished. A tuple: the step loop
+    makes one per sequence with news, and a tuple is the cheapest to make."""
 
-    index: int
+    seq_index: int
     token_ids: list[int]
     logprobs: list[scheduler_pb2.TokenLogprobs]
     detokenizer: IncrementalDetokenizer | None
@@ -45,8 +46,7 @@ class PendingOutput:
     error_message: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class PendingChunk:
+class PendingChunk(NamedTuple):
     """A chunk as the step loop leaves it: its outputs, and on the final chunk
     the usage. ``placement`` is set on a generation's first chunk."""
 
@@ -68,7 +68,7 @@ class PendingChunk:
                 if pending.finish_reason is not None:
                     text += detokenizer.flush()
             output = response.outputs.add(
-                index=pending.index,
+                index=pending.seq_index,
                 token_ids=pending.token_ids,
                 text_delta=text,
                 logprobs=pending.logprobs,
@@ -94,12 +94,12 @@ def merge(chunks: list[PendingChunk]) -> PendingChunk:
     merged: dict[int, PendingOutput] = {}
     for chunk in chunks:
         for output in chunk.outputs:
-            earlier = merged.get(output.index)
+            earlier = merged.get(output.seq_index)
             if earlier is None:
-                merged[output.index] = output
+                merged[output.seq_index] = output
                 continue
-            merged[output.index] = PendingOutput(
-                output.index,
+            merged[output.seq_index] = PendingOutput(
+                output.seq_index,
                 earlier.token_ids + output.token_ids,
                 earlier.logprobs + output.logprobs,
                 output.detokenizer,
