@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
 
@@ -75,6 +76,9 @@ async def serve_scheduler(
     extra = ""
     if metrics_port is not None:
         extra = f", metrics on :{metrics.serve(metrics_port, host)}"
+    # What start-up made (modules, the tokenizer) lives as long as the
+    # process: out of the collector's way, its full collections stay short.
+    gc.freeze()
     print(
         f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
         f"model {service.info.model_id or 'not known yet'}{extra})",
