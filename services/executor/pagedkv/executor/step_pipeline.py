@@ -60,15 +60,16 @@ class StepPipeline:
         threading.Thread(target=self._complete, name="step-completer", daemon=True).start()
 
     def _launch(self, requests: Iterator[executor_pb2.StepRequest]) -> None:
+        end: object = _END  # what the completer gets last, whatever ends the loop
         try:
             for request in requests:
                 if self.stopped.is_set():
                     break
                 self.launched.put(self.executor.launch(request, self.session))
         except BaseException as exc:  # refused, cancelled, or undecodable
-            self.launched.put(_Failed(exc))
-        else:
-            self.launched.put(_END)
+            end = _Failed(exc)
+        finally:
+            self.launched.put(end)
 
     def _complete(self) -> None:
         while True:
