@@ -4,6 +4,10 @@ A stream launches step N + 1 before step N completes (step_pipeline.py). The
 order of effects must stay the order of the messages: a later step continues
 from an earlier one's sample, an untag in a later step removes a tag that an
 earlier step sets, and every response carries its own step's samples.
+
+Decode windows (``num_decode_steps``): one message runs N decode steps, each
+continuing from the previous one's samples on the device, and gives the
+tokens N single steps give.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.common.errors import InvalidArgument
 from pagedkv.executor.engine import Executor
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
@@ -101,3 +106,69 @@ def test_a_reset_that_drops_the_tags_drops_those_of_steps_not_yet_completed(
     executor.reset(executor_pb2.ResetRequest(owner=OWNER, drop_cached_blocks=True))
     executor.complete(launched)
     assert tags_of(executor) == []
+
+
+# -- decode windows (num_decode_steps) ----------------------------------------
+
+
+def window(owner: common_pb2.Owner, seqs: list[Seq], num_steps: int) -> executor_pb2.StepRequest:
+    """A decode window of ``num_steps`` over ``seqs`` (their tables resent whole)."""
+    request = decode(owner, seqs)
+    request.num_decode_steps = num_steps
+    for seq in seqs:
+        seq.num_computed += num_steps - 1
+    return request
+
+
+def take_window(seqs: list[Seq], response: executor_pb2.StepResponse, num_steps: int) -> None:
+    assert list(response.sampled_rows) == [s.row for s in seqs] * num_steps
+    tokens = list(response.sampled_token_ids)
+    for j in range(num_steps):
+        for i, seq in enumerate(seqs):
+            seq.output.append(tokens[j * len(seqs) + i])
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_decode_window_gives_the_tokens_of_its_steps_run_one_by_one(
+    executor: Executor, sampling: str
+) -> None:
+    params = (
+        common_pb2.SamplingParams(temperature=0.0)
+        if sampling == "greedy"
+        else common_pb2.SamplingParams(temperature=1.0, seed=7)
+    )
+    prompts = [[5, 9, 2, 7, 11, 3], [4, 4, 8, 1]]
+
+    def generate(windows: list[int]) -> list[list[int]]:
+        fresh(executor)
+        seqs = [Seq(row=r, blocks=[1 + 2 * r, 2 + 2 * r], num_computed=0) for r in range(2)]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            take_samples([seq], executor.step(prefill(OWNER, seq, f"r{seq.row}", prompt, params)))
+        for num_steps in windows:
+            if num_steps == 1:
+                take_samples(seqs, executor.step(decode(OWNER, seqs)))
+            else:
+                take_window(seqs, executor.step(window(OWNER, seqs, num_steps)), num_steps)
+        return [seq.output for seq in seqs]
+
+    one_by_one = generate([1] * 12)
+    assert generate([4, 1, 3, 4]) == one_by_one
+    assert generate([12]) == one_by_one
+
+
+def test_a_decode_window_with_a_new_request_or_too_few_blocks_is_refused(
+    executor: Executor,
+) -> None:
+    fresh(executor)
+    seq = Seq(row=0, blocks=[1], num_computed=0)
+    executor.step(prefill(OWNER, seq, "r", [1, 2, 3]))
+    other = Seq(row=1, blocks=[2], num_computed=0)
+    mixed = prefill(OWNER, other, "s", [4, 5])
+    mixed.num_decode_steps = 2
+    with pytest.raises(InvalidArgument, match=r"^num_decode_steps"):
+        executor.step(mixed)
+    # The row holds one block of BLOCK_SIZE tokens: a window past it is refused.
+    too_long = window(OWNER, [seq], BLOCK_SIZE)
+    with pytest.raises(InvalidArgument, match=r"^new_block_counts"):
+        executor.step(too_long)
+    assert executor.runner.rows.num_tokens[0] == 3  # nothing changed

@@ -62,7 +62,7 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., row: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids")
+    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids", "num_decode_steps")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class StepRequest(_message.Message):
     TAG_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TAG_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAG_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     owner: _common_pb2.Owner
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -101,7 +102,8 @@ class StepRequest(_message.Message):
     tag_block_ids: _containers.RepeatedScalarFieldContainer[int]
     tag_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tag_group_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_decode_steps: int
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us", "draining", "drain_seconds_left")

@@ -300,6 +300,8 @@ class Executor:
             result = runner.run(plan)
             samples = None
             sampled_rows = plan.rows[plan.needs_sample]
+            if plan.num_steps > 1:  # a decode window: its steps' samples, in turn
+                sampled_rows = np.tile(sampled_rows, plan.num_steps)
             if result is not None:
                 runner.rows.pending_sample[sampled_rows] = True
                 samples = HostSamples(result, self._num_logprobs(sampled_rows, result))

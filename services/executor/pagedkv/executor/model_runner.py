@@ -248,7 +248,27 @@ class ModelRunner:
         self.copy_blocks(plan.copies)
         if not len(plan.rows):
             return None
+        if plan.num_steps > 1:
+            return self.decode_window(plan.rows, plan.num_computed, plan.num_steps)
         return self.forward(plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample)
+
+    def decode_window(
+        self, rows: np.ndarray, num_computed: np.ndarray, num_steps: int
+    ) -> SamplerOutput:
+        """``num_steps`` one-token decodes of ``rows`` back to back, each
+        step's samples appended on the device as the next step's tokens (no
+        wait for the host between them); the samples of every step, step
+        after step."""
+        ones = np.ones(len(rows), dtype=np.int64)
+        sample_all = np.ones(len(rows), dtype=bool)
+        results = []
+        for j in range(num_steps):
+            if j:
+                self.rows.append_samples(rows, num_computed + j)
+            result = self.forward(rows, num_computed + j, ones, sample_all)
+            assert result is not None  # every entry samples
+            results.append(result)
+        return SamplerOutput(*(torch.cat(column) for column in zip(*results, strict=True)))
 
     def forward(
         self,

@@ -76,6 +76,7 @@ class StepPlan:
     num_scheduled: np.ndarray  # int64 [num_run]
     needs_sample: np.ndarray  # bool [num_run]
     tags: TagColumns  # set once the forward and sampling have finished
+    num_steps: int = 1  # a decode window's steps (see num_decode_steps)
 
     @property
     def num_tokens(self) -> int:
@@ -246,6 +247,34 @@ def _plan_tags(step: executor_pb2.StepRequest, limits: Limits) -> TagColumns:
     )
 
 
+MAX_DECODE_STEPS = 64
+"""The longest decode window a step may ask for."""
+
+
+def _plan_window(
+    step: executor_pb2.StepRequest | None,
+    num_new: int,
+    scheduled: np.ndarray,
+    sample: np.ndarray,
+    tokens: np.ndarray,
+) -> int:
+    """Checks a decode window (``num_decode_steps``); returns its steps (1:
+    none)."""
+    num_steps = step.num_decode_steps if step is not None else 0
+    if num_steps <= 1:
+        return 1
+    name = "num_decode_steps"
+    if num_steps > MAX_DECODE_STEPS:
+        raise InvalidArgument(f"{name}: {num_steps} > {MAX_DECODE_STEPS}")
+    if num_new:
+        raise InvalidArgument(f"{name}: a decode window has no new_requests")
+    if not len(scheduled) or not (scheduled == 1).all() or not sample.all():
+        raise InvalidArgument(f"{name}: every entry of a decode window decodes 1 token and samples")
+    if len(tokens):
+        raise InvalidArgument(f"{name}: a decode window sends no token_ids")
+    return int(num_steps)
+
+
 def plan_message(
     message: executor_pb2.StepRequest | executor_pb2.AllocateRequest,
     rows: Rows,
@@ -365,7 +394,9 @@ def plan_message(
         )
     continue_positions = history[cont]
     history = history + cont
-    ends = computed + scheduled
+    num_steps = _plan_window(step, num_new, scheduled, sample, tokens)
+    # The last token each entry computes (a window's last step's).
+    ends = computed + scheduled + (num_steps - 1)
     bad = (ends > limits.max_model_len) | (history > limits.max_model_len)
     if bad.any():
         i = _first(bad)
@@ -379,7 +410,7 @@ def plan_message(
         raise InvalidArgument(
             f"num_computed_tokens[{i}]: {computed[i]} > the row's {history[i]} tokens"
         )
-    needed = np.maximum(ends - history, 0)
+    needed = np.maximum(computed + scheduled - history, 0)
     if len(tokens) != needed.sum():
         raise InvalidArgument(f"token_ids: {len(tokens)} ids, the entries need {needed.sum()}")
     _check_tokens("token_ids", tokens, limits.vocab_size)
@@ -429,10 +460,11 @@ def plan_message(
         token_positions=np.concatenate(token_positions),
         token_values=np.concatenate([*(n.prompt for n in new_rows), tokens]),
         history_rows=entry_rows,
-        history_lengths=np.maximum(history, ends),
+        history_lengths=np.maximum(history, ends),  # a window appends its samples
         rows=entry_rows[run],
         num_computed=computed[run],
         num_scheduled=scheduled[run],
         needs_sample=sample[run],
         tags=tags,
+        num_steps=num_steps,
     )
