@@ -29,6 +29,13 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
     parser.add_argument(
+        "--decode-window",
+        type=int,
+        default=1,
+        help="most decode steps one step message asks an executor for, when every running "
+        "request is a plain decode and none waits (1: one step a message; at most 64)",
+    )
+    parser.add_argument(
         "--stream-pace-us",
         type=float,
         default=150.0,

@@ -36,6 +36,7 @@ from pagedkv.scheduler.step_message import (
     encode_step,
 )
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
+from pagedkv.scheduler.windows import window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
@@ -77,12 +78,14 @@ class ExecutorScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         cached: Iterable[CacheEvent] = (),
+        decode_window: int = 1,
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
         prefix-cache index (blocks that cannot be adopted are untagged in
         the first step)."""
         self.address = address
+        self.decode_window = decode_window  # most decode steps in one message (windows.py)
         self.info = info
         self.owner = owner
         self.kv = KVCacheManager(
@@ -218,8 +221,8 @@ class ExecutorScheduler:
             # known here yet; the executor continues from it, and the slot
             # is allocated ahead.
             ahead = 1 if placed.inflight_samples else 0
-            if ahead and seq.generation.beam is not None:
-                continue  # a beam's next token is chosen here, after its round
+            if ahead and (seq.generation.beam is not None or placed.window_samples):
+                continue  # a beam's next token is chosen here; a window's, when applied
             num_new = len(request.token_ids) - request.num_computed_tokens
             if num_new > budget - ahead:
                 num_new = budget - ahead
@@ -285,9 +288,10 @@ class ExecutorScheduler:
         self.current = None
         if not decisions and not self.freed_rows:
             return None
-        plan, sampled = self._plan(decisions)
+        num_steps = window_steps(self, decisions) if not preempted else 1
+        plan, sampled = self._plan(decisions, num_steps)
         before, message = encode_step(self.owner, plan)
-        return ScheduledStep(message, plan.num_scheduled_tokens, sampled, before)
+        return ScheduledStep(message, plan.num_scheduled_tokens, sampled * num_steps, before)
 
     def _allocate_decodes(self, decodes: list[Sequence], decisions: list[_Decision]) -> bool:
         """Gives each of ``decodes`` (running in this order, each with one
@@ -319,7 +323,7 @@ class ExecutorScheduler:
         return preempted
 
     def _plan(
-        self, decisions: list[_Decision]
+        self, decisions: list[_Decision], num_steps: int = 1
     ) -> tuple[StepPlan, list[tuple[Sequence, ExecutorRow]]]:
         """Makes a step's state changes and returns what they send, and the
         samples it asks for (see ``ScheduledStep``): the requests' computed
@@ -331,6 +335,7 @@ class ExecutorScheduler:
         if events and self.on_cache_events is not None:
             self.on_cache_events(events)
         plan = StepPlan.start(self.step_id, self.kv.take_copy_ops(), events, self.freed_rows)
+        plan.num_decode_steps = num_steps
         self.step_id += len(plan.copy_phases)
         self.freed_rows = []
         # New sequences first. (Decided sequences are running: each holds a row.)
@@ -354,6 +359,13 @@ class ExecutorScheduler:
             for seq, num, allocation in decisions:
                 if commit(seq, num, allocation, plan):
                     sampled.append((seq, seq.placed))  # type: ignore[arg-type]
+            if num_steps > 1:  # a window: each entry computes num_steps tokens
+                for seq, _, _ in decisions:
+                    placed = seq.placed
+                    assert placed is not None
+                    seq.request.num_computed_tokens += num_steps - 1
+                    placed.inflight_samples += num_steps - 1
+                    placed.window_samples += num_steps
         except BaseException:
             self.current = seq  # the culprit: the scheduler's own code raised
             raise
@@ -411,4 +423,9 @@ class ExecutorScheduler:
 
     def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> Processed:
         """Applies a step's samples (see step_outputs.py)."""
-        return apply_outputs(self, step, response)
+        processed = apply_outputs(self, step, response)
+        num_steps = step.request.num_decode_steps
+        if num_steps > 1:  # each entry's window is applied (or moot)
+            for _, placed in step.sampled[: len(step.sampled) // num_steps]:
+                placed.window_samples = 0
+        return processed

@@ -66,6 +66,8 @@ class SchedulerConfig:
     # A Generate stream's pause after each message, seconds per open stream
     # (capped at 50 ms; 0: a message every step): see chunks.py.
     stream_pace_per_stream: float = 150e-6
+    # Most decode steps one step message may ask for (1: none; windows.py).
+    decode_window: int = 1
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)
 
@@ -159,6 +161,7 @@ class ExecutorFailover:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             cached=taken.cached,
+            decode_window=self.config.decode_window,
         )
         self.schedulers[address] = scheduler
         if self.cluster is not None:

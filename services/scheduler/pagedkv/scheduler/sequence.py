@@ -49,6 +49,7 @@ class ExecutorRow:
     inflight_samples: int = 0
     pending_on_executor: bool = False
     token_unsent: bool = False
+    window_samples: int = 0  # samples of a decode window in flight (windows.py)
 
 
 @dataclass(eq=False)

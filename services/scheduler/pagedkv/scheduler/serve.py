@@ -253,6 +253,8 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
         command += ["--host", args.host, "--port", str(base + i if base else 0)]
         command += ["--max-num-seqs", str(args.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        command += ["--decode-window", str(args.decode_window)]
+        command += ["--stream-pace-us", str(args.stream_pace_us)]
         command += ["--executor-timeout", str(args.executor_timeout)]
         command += ["--drain-timeout", str(args.drain_timeout)]
         if args.metrics_port is not None:

@@ -58,6 +58,7 @@ class StepPlan:
     block_table_starts: list[int] = field(default_factory=list)
     new_block_counts: list[int] = field(default_factory=list)
     new_block_ids: list[BlockId] = field(default_factory=list)
+    num_decode_steps: int = 1  # a decode window's steps (see windows.py)
 
     @classmethod
     def start(
@@ -164,4 +165,6 @@ def encode_step(
     message.block_table_starts.extend(plan.block_table_starts)
     message.new_block_counts.extend(plan.new_block_counts)
     message.new_block_ids.extend(plan.new_block_ids)
+    if plan.num_decode_steps > 1:
+        message.num_decode_steps = plan.num_decode_steps
     return tuple(before), message

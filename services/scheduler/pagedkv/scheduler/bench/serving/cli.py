@@ -39,6 +39,9 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument("--num-blocks", type=int, help="KV blocks (default: as serve sizes them)")
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    model.add_argument(
+        "--decode-window", type=int, default=1, help="the scheduler's --decode-window"
+    )
     model.add_argument("--max-model-len", type=int, help="clip lengths to this (default: model's)")
     model.add_argument("--enforce-eager", action="store_true")
     mix = parser.add_argument_group("the ShareGPT-like mix at Poisson rates")

@@ -177,6 +177,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "num_blocks",
         "max_num_seqs",
         "max_num_batched_tokens",
+        "decode_window",
         "max_model_len",
         "enforce_eager",
         "rates",

@@ -87,6 +87,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
     options = ["--device", args.device, "--dtype", args.dtype, "--load-format", args.load_format]
     options += ["--max-num-seqs", str(args.max_num_seqs)]
     options += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    options += ["--decode-window", str(args.decode_window)]
     if args.kernel_backend:
         options += ["--kernel-backend", args.kernel_backend]
     if args.num_blocks is not None:
@@ -133,6 +134,7 @@ class TimelineStack:
         scheduler += ["scheduler", "--executor", self.executor.addresses[0], "--port", "0"]
         scheduler += ["--model", model, "--max-num-seqs", str(args.max_num_seqs)]
         scheduler += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        scheduler += ["--decode-window", str(args.decode_window)]
         try:
             self.scheduler = ChildProcesses([scheduler], "scheduler", SCHEDULER_READY, ["1/1"])
             self.target = self.scheduler.wait_ready()[0]

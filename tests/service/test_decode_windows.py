@@ -1,0 +1,85 @@
+"""Decode windows (``--decode-window``) against a real executor process: the
+scheduler asks for several decode steps in one message when every running
+sequence is a plain decode, and the outputs are Hugging Face's greedy tokens
+however the windows fall (sequences of different lengths end inside them)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from pagedkv.scheduler.executor_client import ExecutorClient
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.v1 import common_pb2
+from tests.executor.driver import ExecutorProcess
+from tests.executor.test_generation import hf_greedy, model_dirs
+
+__all__ = ["model_dirs"]
+
+PROMPTS = [list(b"a prompt of some length"), list(b"another, longer prompt of thirty"), [7, 3]]
+MAX_TOKENS = [9, 23, 14]
+
+
+def generation(scheduler: ExecutorScheduler, index: int) -> Generation:
+    gen = Generation(
+        request_id=f"w{index}",
+        prompt_token_ids=PROMPTS[index],
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+        max_tokens=MAX_TOKENS[index],
+        n=1,
+        priority=0,
+        cache_salt="",
+        eos_token_ids=frozenset(),
+        stop_token_ids=frozenset(),
+    )
+    request = scheduler.kv.make_request(f"w{index}/0", PROMPTS[index])
+    gen.sequences.append(Sequence(gen, 0, request))
+    return gen
+
+
+def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path]) -> None:
+    async def main(executor: ExecutorProcess) -> tuple[list[int], list[list[int]], int]:
+        client = ExecutorClient(executor.target, "test")
+        info = await client.connect()
+        scheduler = ExecutorScheduler(
+            executor.target,
+            info,
+            client.owner,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            decode_window=4,
+        )
+        gens = [generation(scheduler, i) for i in range(len(PROMPTS))]
+        for gen in gens:
+            scheduler.add(gen.sequences[0])
+        windows = []
+        inflight = []
+        while not all(gen.sequences[0].finished for gen in gens):
+            while len(inflight) < 2:  # async stepping, as the service runs it
+                step = scheduler.schedule()
+                if step is None:
+                    break
+                windows.append(step.request.num_decode_steps)
+                await client.send(step.request)
+                inflight.append(step)
+            scheduler.process(inflight.pop(0), await client.receive())
+        for step in inflight:
+            scheduler.process(step, await client.receive())
+        report = scheduler.kv.check_integrity()
+        assert report.ok, report.errors
+        pool = scheduler.kv.pool
+        held = pool.num_blocks - 1 - pool.get_num_free_blocks()
+        await client.close()
+        outputs = [
+            list(gen.sequences[0].request.token_ids[len(p) :])
+            for gen, p in zip(gens, PROMPTS, strict=True)
+        ]
+        return windows, outputs, held
+
+    with ExecutorProcess(model_dirs["llama"], num_blocks=64) as executor:
+        windows, outputs, held = asyncio.run(main(executor))
+    assert 4 in windows  # some steps were windows of the longest size
+    assert held == 0
+    for prompt, max_tokens, output in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
+        assert output == hf_greedy(model_dirs["llama"], prompt, max_tokens)
