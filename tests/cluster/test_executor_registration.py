@@ -79,10 +79,12 @@ def test_an_executor_serves_while_redis_is_down_and_registers_when_it_is_up(
     advertised = "executor-7.example:50061"
     with start(model_dir, redis_url, "--advertise-address", advertised) as process:
         info = process.stub.GetInfo(executor_pb2.GetInfoRequest())  # serving
+        # It has tried Redis and says so (before Redis is back, or the
+        # registration could succeed at its first try).
+        wait_until(lambda: "redis unreachable" in process.stderr())
         redis_server.start()
         wait_until(lambda: [r.address for r in listed(redis_url)] == [advertised])
         assert listed(redis_url)[0].incarnation_id == info.incarnation_id
-        assert "redis unreachable" in process.stderr()
         process.process.send_signal(signal.SIGINT)
         assert process.process.wait(timeout=60) == 0
     assert listed(redis_url) == []
