@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
@@ -40,6 +41,26 @@ def layout_specs(layout: str, block_size: int, window: int) -> list[KVCacheSpec]
 def max_request_len(specs: Sequence[KVCacheSpec], num_blocks: int) -> int:
     """Tokens a request may reach so that it fits the pool alone."""
     return (num_blocks - 1) // len(specs) * specs[0].block_size
+
+
+@dataclass(frozen=True)
+class Config:
+    """A state machine's block core: layout, sizes and prefix caching."""
+
+    layout: str
+    block_size: int
+    window: int
+    num_blocks: int
+    enable_caching: bool
+
+    @property
+    def specs(self) -> list[KVCacheSpec]:
+        return layout_specs(self.layout, self.block_size, self.window)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens (lookahead slots included) a request may reach: it fits the pool alone."""
+        return max_request_len(self.specs, self.num_blocks)
 
 
 def manager(

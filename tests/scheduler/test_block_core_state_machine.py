@@ -39,7 +39,7 @@ from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 from pagedkv.scheduler.single_type_kv_cache_manager import cdiv
-from tests.scheduler.factories import FULL, HYBRID, SLIDING, layout_specs, max_request_len
+from tests.scheduler.factories import FULL, HYBRID, SLIDING, Config
 
 VOCAB = 4  # few token ids: different prompts often share blocks
 NUM_FAMILIES = 3  # fresh prompts start with a prefix of one of these
@@ -49,24 +49,6 @@ GARBAGE = -1  # what a lookahead (draft) slot holds until its token is computed
 
 STEPS: Counter[str] = Counter()  # rules run, per machine class
 SEEN: Counter[tuple[str, str]] = Counter()  # (machine class, event): what a run exercised
-
-
-@dataclass(frozen=True)
-class Config:
-    layout: str
-    block_size: int
-    window: int
-    num_blocks: int
-    enable_caching: bool
-
-    @property
-    def specs(self) -> list[KVCacheSpec]:
-        return layout_specs(self.layout, self.block_size, self.window)
-
-    @property
-    def max_len(self) -> int:
-        """Tokens (lookahead slots included) a request may reach: it fits the pool alone."""
-        return max_request_len(self.specs, self.num_blocks)
 
 
 @dataclass

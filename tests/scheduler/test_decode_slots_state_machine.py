@@ -37,11 +37,10 @@ from hypothesis.stateful import (
 )
 
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockId, RequestId
-from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import KVCacheBlock
 from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedkv.scheduler.request import Request
-from tests.scheduler.factories import FULL, HYBRID, SLIDING, layout_specs, max_request_len
+from tests.scheduler.factories import FULL, HYBRID, SLIDING, Config
 
 VOCAB = 4  # prompt and later sampled tokens: different requests often share blocks
 FIRST_TOKEN = 1000  # first sampled token of a prefill: FIRST_TOKEN + a counter, unique
@@ -53,24 +52,6 @@ STEPS: Counter[str] = Counter()  # rules run, per machine class
 SEEN: Counter[tuple[str, str]] = Counter()  # (machine class, event)
 
 Tables = list[list[BlockId]]
-
-
-@dataclass(frozen=True)
-class Config:
-    layout: str
-    block_size: int
-    window: int
-    num_blocks: int
-    enable_caching: bool
-
-    @property
-    def specs(self) -> list[KVCacheSpec]:
-        return layout_specs(self.layout, self.block_size, self.window)
-
-    @property
-    def max_len(self) -> int:
-        """Tokens a request may reach: it fits the pool alone."""
-        return max_request_len(self.specs, self.num_blocks)
 
 
 @dataclass
