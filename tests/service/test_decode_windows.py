@@ -14,6 +14,7 @@ from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs
+from tests.service.test_executor_scheduler import run_two_in_flight
 
 __all__ = ["model_dirs"]
 
@@ -53,19 +54,10 @@ def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path]) -
         gens = [generation(scheduler, i) for i in range(len(PROMPTS))]
         for gen in gens:
             scheduler.add(gen.sequences[0])
-        windows = []
-        inflight = []
-        while not all(gen.sequences[0].finished for gen in gens):
-            while len(inflight) < 2:  # async stepping, as the service runs it
-                step = scheduler.schedule()
-                if step is None:
-                    break
-                windows.append(step.request.num_decode_steps)
-                await client.send(step.request)
-                inflight.append(step)
-            scheduler.process(inflight.pop(0), await client.receive())
-        for step in inflight:
-            scheduler.process(step, await client.receive())
+        sent = await run_two_in_flight(
+            scheduler, client, lambda: all(gen.sequences[0].finished for gen in gens)
+        )
+        windows = [message.num_decode_steps for message in sent]
         report = scheduler.kv.check_integrity()
         assert report.ok, report.errors
         pool = scheduler.kv.pool

@@ -4,12 +4,13 @@ block counts of parallel sampling, preemption by recompute, and release."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedkv.scheduler.executor_client import ExecutorClient
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation, Sequence
-from pagedkv.v1 import common_pb2
+from pagedkv.v1 import common_pb2, executor_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs
 
@@ -44,6 +45,28 @@ async def run_steps(scheduler: ExecutorScheduler, client: ExecutorClient, count:
         step = scheduler.schedule()
         assert step is not None
         scheduler.process(step, await client.step(step.request))
+
+
+async def run_two_in_flight(
+    scheduler: ExecutorScheduler, client: ExecutorClient, finished: Callable[[], bool]
+) -> list[executor_pb2.StepRequest]:
+    """Steps until ``finished()`` with two steps in flight, as the service
+    keeps them (async stepping), and applies every response; returns the
+    messages sent, in order."""
+    sent = []
+    inflight = []
+    while not finished():
+        while len(inflight) < 2:
+            step = scheduler.schedule()
+            if step is None:
+                break
+            sent.append(step.request)
+            await client.send(step.request)
+            inflight.append(step)
+        scheduler.process(inflight.pop(0), await client.receive())
+    for step in inflight:  # those scheduled past the end
+        scheduler.process(step, await client.receive())
+    return sent
 
 
 def blocks_held(scheduler: ExecutorScheduler) -> int:
@@ -100,19 +123,8 @@ def test_async_stepping_sends_the_next_step_before_reading_a_sample(
         )
         gen = generation(scheduler, "async", 1)
         scheduler.add(gen.sequences[0])
-        inflight = []
-        continued = []
-        while not gen.sequences[0].finished:
-            while len(inflight) < 2:
-                step = scheduler.schedule()
-                if step is None:
-                    break
-                continued.extend(step.request.continue_from_sampled)
-                await client.send(step.request)
-                inflight.append(step)
-            scheduler.process(inflight.pop(0), await client.receive())
-        for step in inflight:  # the one scheduled past the end
-            scheduler.process(step, await client.receive())
+        sent = await run_two_in_flight(scheduler, client, lambda: gen.sequences[0].finished)
+        continued = [flag for message in sent for flag in message.continue_from_sampled]
         assert scheduler.kv.check_integrity().ok
         await client.close()
         return continued, list(gen.sequences[0].request.token_ids[len(PROMPT) :])
