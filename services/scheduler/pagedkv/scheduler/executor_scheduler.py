@@ -221,7 +221,7 @@ class ExecutorScheduler:
             # known here yet; the executor continues from it, and the slot
             # is allocated ahead.
             ahead = 1 if placed.inflight_samples else 0
-            if ahead and (seq.generation.beam is not None or placed.window_samples):
+            if ahead and (seq.generation.beam is not None or placed.in_window):
                 continue  # a beam's next token is chosen here; a window's, when applied
             num_new = len(request.token_ids) - request.num_computed_tokens
             if num_new > budget - ahead:
@@ -365,7 +365,7 @@ class ExecutorScheduler:
                     assert placed is not None
                     seq.request.num_computed_tokens += num_steps - 1
                     placed.inflight_samples += num_steps - 1
-                    placed.window_samples += num_steps
+                    placed.in_window = True
         except BaseException:
             self.current = seq  # the culprit: the scheduler's own code raised
             raise
@@ -427,5 +427,5 @@ class ExecutorScheduler:
         num_steps = step.request.num_decode_steps
         if num_steps > 1:  # each entry's window is applied (or moot)
             for _, placed in step.sampled[: len(step.sampled) // num_steps]:
-                placed.window_samples = 0
+                placed.in_window = False
         return processed

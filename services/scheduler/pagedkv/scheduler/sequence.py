@@ -49,7 +49,7 @@ class ExecutorRow:
     inflight_samples: int = 0
     pending_on_executor: bool = False
     token_unsent: bool = False
-    window_samples: int = 0  # samples of a decode window in flight (windows.py)
+    in_window: bool = False  # a decode window of it is in flight (windows.py)
 
 
 @dataclass(eq=False)
