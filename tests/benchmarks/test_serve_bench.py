@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.common.step_trace import StepTrace
+from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
 from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
 from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.load import RequestResult
 from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
 from pagedkv.scheduler.bench.serving.run import main, parse_fixed_batches
+from pagedkv.scheduler.bench.serving.step_trace import analyze as analyze_trace
 from pagedkv.scheduler.bench.serving.workload import (
     MixConfig,
     fixed_batch,
@@ -22,6 +25,7 @@ from pagedkv.scheduler.bench.serving.workload import (
     poisson_arrivals,
     sharegpt_like,
 )
+from pagedkv.scheduler.service import TRACE_FIELDS as SCHEDULER_FIELDS
 
 
 def test_the_mix_is_seeded_fits_the_context_and_shares_system_prompts() -> None:
@@ -103,6 +107,43 @@ def test_gpu_idle_splits_idle_time_between_and_inside_steps() -> None:
     assert idle.median_step_gpu_span_us == pytest.approx(70.0)
 
 
+def _write_trace(folder: Path, role: str, fields: tuple[str, ...], records: list[tuple]) -> None:
+    trace = StepTrace(folder / f"{role}-1.json", role, fields)
+    for record in records:
+        trace.add(*record)
+    trace.write()
+
+
+def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> None:
+    # Three steps; times in ms. The device runs [10, 20], [21, 31] and [40, 50]:
+    # step 2 was read at 20 and launched by 21 (1 ms launching); step 3 was
+    # sent at 33 (2 ms late), read at 36 (3 ms in transit) and started at 40
+    # (4 ms launching).
+    ms = 1e-3
+    scheduler = [  # step_id, entries, tokens, num_steps, scheduling .. processed, cpu
+        (1, 4, 4, 1, 1 * ms, 2 * ms, 3 * ms, 22 * ms, 23 * ms, 0.0),
+        (2, 4, 4, 1, 4 * ms, 5 * ms, 6 * ms, 32 * ms, 33 * ms, 5 * ms),
+        (3, 4, 4, 1, 32 * ms, 32.5 * ms, 33 * ms, 52 * ms, 53 * ms, 13 * ms),
+        (4, 4, 4, 1, 60 * ms, 61 * ms, 62 * ms, 70 * ms, 71 * ms, 15 * ms),  # after `until`
+    ]
+    executor = [  # step_id, rows, num_steps, received .. completed, device span, cpu
+        (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
+        (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),
+        (3, 4, 1, 36 * ms, 39 * ms, 50 * ms, 51 * ms, 40 * ms, 50 * ms, 20 * ms),
+    ]
+    _write_trace(tmp_path, "scheduler", SCHEDULER_FIELDS, scheduler)
+    _write_trace(tmp_path, "executor", EXECUTOR_FIELDS, executor)
+    trace = analyze_trace(tmp_path, since=0.0, until=40 * ms)
+    assert (trace["steps"], trace["decode_steps"], trace["windows"]) == (3, 3, 0)
+    assert trace["span_ms"] == pytest.approx(40.0)
+    assert trace["device_busy_fraction"] == pytest.approx(30 / 40)
+    assert trace["idle_ms"] == pytest.approx(
+        {"late_send": 2.0, "in_transit": 3.0, "launching": 5.0}
+    )
+    assert trace["median_us"]["executor_launch"] == pytest.approx(5000.0)  # of 5, 13.5, 3
+    assert trace["cpu_use"]["executor"] == pytest.approx(20 / 30, abs=1e-3)  # completed 21 .. 51
+
+
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(), "serve")
@@ -120,7 +161,7 @@ def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     argv = ["--model", str(model), "--rates", "8,inf", "--num-requests", "4"]
     argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
     argv += ["--warmup-requests", "1", "--fixed-batch", "3x12x5", "--num-blocks", "128"]
-    argv += ["--hf-repeat", "1", "--output", str(output)]
+    argv += ["--hf-repeat", "1", "--step-trace", "--output", str(output)]
     assert main(_args(argv)) == 0
     report = json.loads(output.read_text())
     assert output.with_suffix(".md").read_text().startswith("# Serving benchmark")
@@ -140,4 +181,12 @@ def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     assert batch["pagedkv"]["output_tokens"] == 15 and batch["pagedkv"]["num_ok"] == 3
     assert batch["hf"]["output_tokens"] == 15 and batch["hf"]["mode"] == "eager, dynamic cache"
     assert report["server"]["integrity_ok"]
-    assert "Fixed batch" in capsys.readouterr().out
+    # The traced fixed batch: its 5 tokens take a prefill step and 4 decode steps.
+    trace = report["step_trace"]
+    assert trace["steps"] == trace["decode_steps"] >= 5 and trace["windows"] == 0
+    assert 0 < trace["device_busy_fraction"] <= 1
+    idle_ms = sum(trace["idle_ms"].values())
+    assert idle_ms == pytest.approx((1 - trace["device_busy_fraction"]) * trace["span_ms"], abs=0.1)
+    assert trace["cpu_use"]["scheduler"] > 0 and trace["cpu_use"]["executor"] > 0
+    out = capsys.readouterr().out
+    assert "Fixed batch" in out and "Where the step time went" in out

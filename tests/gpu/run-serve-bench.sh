@@ -10,12 +10,15 @@
 #   bash tests/gpu/run-serve-bench.sh executor   # python -m pagedkv.executor.bench,
 #                                            # decode batch 64 and 256
 #   bash tests/gpu/run-serve-bench.sh window     # ~1.1B: 64 and 256 x (512 -> 256)
-#                                            # with --decode-window 8, no HF
+#                                            # with --decode-window 8, no HF, step trace
+#   bash tests/gpu/run-serve-bench.sh trace      # ~1.1B: 64 and 256 x (512 -> 256),
+#                                            # no HF, step trace (where step time goes)
 #
 # Both use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
-# 256-h200 (256), window8-h200 / 256-window8-h200 (window), and
+# 256-h200 (256), window8-h200 / 256-window8-h200 (window), trace-h200 /
+# 256-trace-h200 (trace), and
 # executor-fused-h200 / executor-256-h200 (executor); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
@@ -47,17 +50,23 @@ case "${1:-1b}" in
       --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-$NAME.json"
     ;;
   window)
-    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 \
+    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 --step-trace \
       --fixed-batch 64x512x256 --no-hf --output "$RESULTS/serve-bench-window8-$NAME.json"
-    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 \
+    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 --step-trace \
       --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-window8-$NAME.json"
+    ;;
+  trace)
+    bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace \
+      --fixed-batch 64x512x256 --no-hf --output "$RESULTS/serve-bench-trace-$NAME.json"
+    bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace \
+      --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-trace-$NAME.json"
     ;;
   executor)
     "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, window or executor, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, window, trace or executor, not $1" >&2
     exit 2
     ;;
 esac

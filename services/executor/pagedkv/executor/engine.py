@@ -40,8 +40,15 @@ import torch
 from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
+from pagedkv.common.step_trace import step_trace
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
-from pagedkv.executor.launched import HostSamples, LaunchedStep, device_clock, release_clocks
+from pagedkv.executor.launched import (
+    DeviceOrigin,
+    HostSamples,
+    LaunchedStep,
+    device_clock,
+    release_clocks,
+)
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
@@ -54,6 +61,21 @@ DRAIN_IDLE_S = 2.0
 """A draining executor whose live rows nobody has stepped for this long
 stops: a running row is stepped every few milliseconds while its owner
 lives."""
+# A step's record in a step trace (pagedkv.common.step_trace): perf_counter
+# times when it came in, was launched, was seen done and was answered, and
+# when its device work started and ended (CUDA events, on the same clock).
+TRACE_FIELDS = (
+    "step_id",
+    "rows",
+    "num_steps",
+    "received",
+    "launched",
+    "done",
+    "completed",
+    "device_start",
+    "device_end",
+    "cpu",
+)
 
 
 def _check_owner_fields(owner: common_pb2.Owner) -> None:
@@ -88,6 +110,8 @@ class Executor:
         self._untagged: deque[LaunchedStep] = deque()
         # Called once when draining starts (the server turns its health NOT_SERVING).
         self.on_draining: list[Callable[[], None]] = []
+        self.trace = step_trace("executor", TRACE_FIELDS)  # None unless measuring
+        self._device_origin = DeviceOrigin(runner.device) if self.trace is not None else None
 
     # -- draining -------------------------------------------------------------
 
@@ -315,6 +339,8 @@ class Executor:
                 tags=plan.tags,
                 start=start,
                 end=device_clock(runner.device),
+                num_steps=plan.num_steps,
+                launched=time.perf_counter(),
             )
             if plan.tags.block_ids:
                 self._untagged.append(launched)
@@ -324,15 +350,31 @@ class Executor:
         """Waits for a launched step on the device and makes its response; its
         tags (and those of steps launched before it) are set now at the latest."""
         launched.wait()
+        done = time.perf_counter()
         response = executor_pb2.StepResponse(step_id=launched.step_id, **self._drain_fields())
         if launched.samples is not None:
             launched.samples.fill(launched.sampled_rows, response)
         response.device_time_us = launched.device_time_us()
+        trace, origin = self.trace, self._device_origin
+        span = origin.span(launched) if origin is not None else ()
         release_clocks(launched)
         if self._untagged and self._untagged[0].sequence <= launched.sequence:
             with self.lock:
                 self._settle_tags(launched.sequence)
-        response.host_time_us = int((time.perf_counter() - launched.received) * 1e6)
+        completed = time.perf_counter()
+        response.host_time_us = int((completed - launched.received) * 1e6)
+        if trace is not None:
+            trace.add(
+                launched.step_id,
+                len(launched.sampled_rows) // launched.num_steps,
+                launched.num_steps,
+                launched.received,
+                launched.launched,
+                done,
+                completed,
+                *span,
+                time.process_time(),
+            )
         return response
 
     def _settle_tags(self, up_to: int | None = None) -> None:

@@ -63,6 +63,8 @@ class LaunchedStep:
     tags: TagColumns  # set in launch order, at the latest when the step completes
     start: torch.cuda.Event | float  # device clock before the step's work
     end: torch.cuda.Event | float  # after its last work (the samples' copies)
+    num_steps: int = 1  # decode steps (a window's)
+    launched: float = 0.0  # time.perf_counter() when its launch returned
 
     def done(self) -> bool:
         """Whether the device has finished the step (never waits)."""
@@ -96,6 +98,33 @@ def device_clock(device: torch.device) -> torch.cuda.Event | float:
         event.record()
         return event
     return time.perf_counter()
+
+
+class DeviceOrigin:
+    """Puts a step's device clocks on the host's ``time.perf_counter()``
+    (step traces): an event recorded while the device is idle, and the host
+    time once it has passed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            self.event.synchronize()
+        self.time = time.perf_counter()
+
+    def span(self, step: LaunchedStep) -> tuple[float, float]:
+        """When a completed step's device work started and ended."""
+        if isinstance(step.start, torch.cuda.Event):
+            assert self.event is not None and isinstance(step.end, torch.cuda.Event)
+            origin = self.event
+            return (
+                self.time + origin.elapsed_time(step.start) * 1e-3,
+                self.time + origin.elapsed_time(step.end) * 1e-3,
+            )
+        assert isinstance(step.start, float) and isinstance(step.end, float)
+        return step.start, step.end
 
 
 def release_clocks(step: LaunchedStep) -> None:

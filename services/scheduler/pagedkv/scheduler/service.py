@@ -29,6 +29,7 @@ from pagedkv.common.errors import (
 )
 from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
+from pagedkv.common.step_trace import step_trace
 from pagedkv.scheduler.cluster import ClusterMember
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
@@ -42,6 +43,23 @@ from pagedkv.v1 import scheduler_pb2
 __all__ = ["SchedulerConfig", "SchedulerService", "StepTiming"]
 
 log = get_logger(__name__)
+
+
+# A step's record in a step trace (pagedkv.common.step_trace): perf_counter
+# times when its scheduling started and ended, its send returned, its
+# response came and was applied.
+TRACE_FIELDS = (
+    "step_id",
+    "entries",
+    "tokens",
+    "num_steps",
+    "scheduling",
+    "scheduled",
+    "sent",
+    "received",
+    "processed",
+    "cpu",
+)
 
 
 class StepTiming(NamedTuple):
@@ -64,6 +82,7 @@ class SchedulerService(ExecutorFailover):
         self.tokenizer: TextTokenizer | None = None
         self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
+        self.trace = step_trace("scheduler", TRACE_FIELDS)  # None unless measuring
         self.draining = False  # shutting down: nothing new is admitted
         # Awaited when draining starts (the server turns its health NOT_SERVING).
         self.on_draining: list[Callable[[], Awaitable[None]]] = []
@@ -389,7 +408,10 @@ class SchedulerService(ExecutorFailover):
         client = self.clients[address]
         wake = self._wake[address]
         clock = time.perf_counter
-        inflight: deque[tuple[ScheduledStep, float, float, float]] = deque()
+        # A step in flight: when it was scheduled from, to, sent (monotonic),
+        # and when its send returned.
+        inflight: deque[tuple[ScheduledStep, float, float, float, float]] = deque()
+        trace = self.trace
         depth = self.config.pipeline_depth
         cluster = self.cluster
         while True:
@@ -412,16 +434,16 @@ class SchedulerService(ExecutorFailover):
                     sent_at = time.monotonic()
                     for early in step.before:  # copy-only messages: no entries
                         await client.send(early)
-                        inflight.append((ScheduledStep(early), t0, t1, sent_at))
+                        inflight.append((ScheduledStep(early), t0, t1, sent_at, clock()))
                     await client.send(step.request)
-                    inflight.append((step, t0, t1, sent_at))
+                    inflight.append((step, t0, t1, sent_at, clock()))
                     if len(inflight) < depth:
                         continue
             if not inflight:
                 wake.clear()
                 await wake.wait()
                 continue
-            sent, t0, t1, sent_at = inflight.popleft()
+            sent, t0, t1, sent_at, t_sent = inflight.popleft()
             response = await client.receive(sent_at)
             t2 = clock()
             if response.draining and not scheduler.draining:
@@ -448,6 +470,20 @@ class SchedulerService(ExecutorFailover):
                     clock() - t2,
                 )
             )
+            if trace is not None:
+                request = sent.request
+                trace.add(
+                    request.step_id,
+                    len(sent.num_scheduled),
+                    sum(sent.num_scheduled),
+                    max(1, request.num_decode_steps),
+                    t0,
+                    t1,
+                    t_sent,
+                    t2,
+                    clock(),
+                    time.process_time(),
+                )
             await asyncio.sleep(0)  # let Generate handlers run between steps
 
     def _publish(

@@ -75,6 +75,12 @@ def register(subparsers: Any, name: str) -> None:
         "(a profiled executor and a scheduler) and measure GPU idle between them; 0: no",
     )
     timeline.add_argument("--timeline-skip", type=int, default=20, help="decode steps first")
+    parser.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="trace every step in the server's processes (pagedkv.common.step_trace) and "
+        "report where the first fixed batch's step time went",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
     parser.set_defaults(handler=_run)

@@ -90,6 +90,7 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{timeline['median_step_gpu_span_us']:.0f} us). The profiler's host overhead "
             "makes these upper bounds.",
         ]
+    lines += _step_trace_lines(report.get("step_trace"))
     lines += [
         "",
         "Settings: " + json.dumps(settings),
@@ -98,6 +99,33 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:
+    if not trace:
+        return []
+    b = trace["batch"]
+    idle = trace["idle_ms"]
+    lines = [
+        "",
+        "## Where the step time went (step trace)",
+        "",
+        f"The first fixed batch ({b['batch']} x ({b['prompt_len']} -> {b['max_tokens']})): "
+        f"{trace['steps']} steps, {trace['decode_steps']} decode steps' worth "
+        f"({trace['windows']} windows) in {trace['span_ms']:.1f} ms, "
+        f"{trace['wall_per_decode_step_us']:.0f} us each; the device was busy "
+        f"{100 * trace['device_busy_fraction']:.1f}% of it. Idle: "
+        f"{idle['late_send']:.1f} ms before the scheduler sent the next step, "
+        f"{idle['in_transit']:.1f} ms while it was in transit, "
+        f"{idle['launching']:.1f} ms while the executor launched it. "
+        f"CPU use: scheduler {trace['cpu_use']['scheduler']:.2f}, "
+        f"executor {trace['cpu_use']['executor']:.2f} (CPU seconds per second).",
+        "",
+        "| stage | median (us) |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {value:.0f} |" for name, value in trace["median_us"].items()]
+    return lines
 
 
 def plot(report: Mapping[str, Any], path: Path) -> None:

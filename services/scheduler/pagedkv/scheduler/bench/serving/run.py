@@ -10,6 +10,9 @@
    imports no torch) on the same device.
 5. With ``--timeline-steps``: a fresh stack with a profiled executor runs the
    first fixed batch; its idle measures join the report.
+With ``--step-trace`` the server's processes trace their steps
+(``pagedkv.common.step_trace``) and the report says where the first fixed
+batch's step time went (``step_trace.analyze``).
 Every request must finish with exactly its ``max_tokens`` tokens; the report
 counts those that did not. Numbers come only from the run itself.
 """
@@ -21,16 +24,20 @@ import asyncio
 import contextlib
 import importlib.metadata as metadata
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from pagedkv.common.logging import get_logger
+from pagedkv.common.step_trace import ENV
 from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving import report as reporting
+from pagedkv.scheduler.bench.serving import step_trace
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
 from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows, summarize
 from pagedkv.scheduler.bench.serving.stack import (
@@ -104,9 +111,12 @@ def _serve_runs(
         log.info("rate done", rate=rate, output_tokens_per_s=round(summary["output_tokens_per_s"]))
         label = reporting.rate_label(rate)
         out["rates"].append({"rate": label, "summary": summary, "requests": request_rows(results)})
+    marks = out["fixed_batch_marks"] = []  # perf_counter before and after each
     for i, b in enumerate(batches):
         part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=args.seed + 1000 + i)
+        marks.append(time.perf_counter())
         results, seconds = asyncio.run(run_load(target, part, [0.0] * len(part)))
+        marks.append(time.perf_counter())
         summary = summarize(results, seconds, slo)
         log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
         out["fixed_batches"].append({**b._asdict(), "pagedkv": summary})
@@ -160,6 +170,23 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
     return {**measures, "batch": batch._asdict()}
 
 
+@contextlib.contextmanager
+def _tracing(folder: str | None) -> Iterator[None]:
+    """Children started inside trace their steps into ``folder`` (None: as set)."""
+    if folder is None:
+        yield
+        return
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = previous
+
+
 def _versions() -> dict[str, str]:
     versions = {}
     for name in PACKAGES:
@@ -195,6 +222,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "hf_repeat",
         "timeline_steps",
         "timeline_skip",
+        "step_trace",
         "seed",
         "target",
     ]
@@ -205,14 +233,21 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     batches = parse_fixed_batches(args.fixed_batch)
     parse_rates(args.rates)  # refuse bad rates before anything starts
-    with model_dir(args) as model:
-        stack = None if args.target else ServeStack(model, server_args(args))
+    with model_dir(args) as model, tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
+        with _tracing(traces if args.step_trace and not args.target else None):
+            stack = None if args.target else ServeStack(model, server_args(args))
         try:
             target = args.target or stack.target  # type: ignore[union-attr]
             report: dict[str, Any] = _serve_runs(args, target, model, batches)
         finally:
             if stack is not None:
                 stack.stop()
+        marks = report.pop("fixed_batch_marks")
+        if args.step_trace and stack is not None and batches:
+            report["step_trace"] = {
+                **step_trace.analyze(Path(traces), marks[0], marks[1]),
+                "batch": batches[0]._asdict(),
+            }
         if not args.no_hf:
             for run, batch in zip(report["fixed_batches"], batches, strict=True):
                 run["hf"] = hf_baseline(args, model, batch)
@@ -231,6 +266,7 @@ def main(args: argparse.Namespace) -> int:
     print(text)
     if args.output:
         path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
         path.with_suffix(".md").write_text(text)
         reporting.plot(report, path.with_suffix(".png"))
