@@ -13,12 +13,15 @@
 #                                            # with --decode-window 8, no HF, step trace
 #   bash tests/gpu/run-serve-bench.sh trace      # ~1.1B: 64 and 256 x (512 -> 256),
 #                                            # no HF, step trace (where step time goes)
+#   bash tests/gpu/run-serve-bench.sh sweep      # ~1.1B: 64 and 256 x (512 -> 256) for
+#                                            # each --decode-window in WINDOWS (1 8) and
+#                                            # --pipeline-depth in DEPTHS (2 3), step trace
 #
 # Both use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
 # 256-h200 (256), window8-h200 / 256-window8-h200 (window), trace-h200 /
-# 256-trace-h200 (trace), and
+# 256-trace-h200 (trace), sweep-BATCH-wWINDOW-dDEPTH-h200 (sweep), and
 # executor-fused-h200 / executor-256-h200 (executor); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
@@ -61,12 +64,24 @@ case "${1:-1b}" in
     bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace \
       --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-trace-$NAME.json"
     ;;
+  sweep)
+    for batch in 64 256; do
+      for window in ${WINDOWS:-1 8}; do
+        for depth in ${DEPTHS:-2 3}; do
+          bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace --no-hf \
+            --decode-window "$window" --pipeline-depth "$depth" \
+            --fixed-batch "${batch}x512x256" \
+            --output "$RESULTS/serve-bench-sweep-$batch-w$window-d$depth-$NAME.json"
+        done
+      done
+    done
+    ;;
   executor)
     "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, window, trace or executor, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, window, trace, sweep or executor, not $1" >&2
     exit 2
     ;;
 esac

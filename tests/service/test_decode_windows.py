@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from pagedkv.scheduler.executor_client import ExecutorClient
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs
-from tests.service.test_executor_scheduler import run_two_in_flight
+from tests.service.test_executor_scheduler import run_in_flight
 
 __all__ = ["model_dirs"]
 
@@ -39,8 +41,12 @@ def generation(scheduler: ExecutorScheduler, index: int) -> Generation:
     return gen
 
 
-def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path]) -> None:
-    async def main(executor: ExecutorProcess) -> tuple[list[int], list[list[int]], int]:
+@pytest.mark.parametrize("depth", [2, 3])
+def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path], depth: int) -> None:
+    """Windows are pipelined like single steps: the next is sent while one
+    is in flight, continuing from its last sample."""
+
+    async def main(executor: ExecutorProcess) -> tuple[list[int], bool, list[list[int]], int]:
         client = ExecutorClient(executor.target, "test")
         info = await client.connect()
         scheduler = ExecutorScheduler(
@@ -54,10 +60,17 @@ def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path]) -
         gens = [generation(scheduler, i) for i in range(len(PROMPTS))]
         for gen in gens:
             scheduler.add(gen.sequences[0])
-        sent = await run_two_in_flight(
-            scheduler, client, lambda: all(gen.sequences[0].finished for gen in gens)
+        sent = await run_in_flight(
+            scheduler,
+            client,
+            lambda: all(gen.sequences[0].finished for gen in gens),
+            depth=depth,
         )
-        windows = [message.num_decode_steps for message in sent]
+        windows = [s.request.num_decode_steps for s in sent]
+        pipelined = any(
+            s.request.num_decode_steps > 1 and any(r.num_decode_steps > 1 for r in s.in_flight)
+            for s in sent
+        )
         report = scheduler.kv.check_integrity()
         assert report.ok, report.errors
         pool = scheduler.kv.pool
@@ -67,11 +80,12 @@ def test_decode_windows_give_hugging_faces_tokens(model_dirs: dict[str, Path]) -
             list(gen.sequences[0].request.token_ids[len(p) :])
             for gen, p in zip(gens, PROMPTS, strict=True)
         ]
-        return windows, outputs, held
+        return windows, pipelined, outputs, held
 
     with ExecutorProcess(model_dirs["llama"], num_blocks=64) as executor:
-        windows, outputs, held = asyncio.run(main(executor))
+        windows, pipelined, outputs, held = asyncio.run(main(executor))
     assert 4 in windows  # some steps were windows of the longest size
+    assert pipelined  # a window was sent while another was in flight
     assert held == 0
     for prompt, max_tokens, output in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
         assert output == hf_greedy(model_dirs["llama"], prompt, max_tokens)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+import pytest
 
 from pagedkv.scheduler.executor_client import ExecutorClient
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.scheduler.step_message import ScheduledStep
 from pagedkv.v1 import common_pb2, executor_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs
@@ -47,20 +51,30 @@ async def run_steps(scheduler: ExecutorScheduler, client: ExecutorClient, count:
         scheduler.process(step, await client.step(step.request))
 
 
-async def run_two_in_flight(
-    scheduler: ExecutorScheduler, client: ExecutorClient, finished: Callable[[], bool]
-) -> list[executor_pb2.StepRequest]:
-    """Steps until ``finished()`` with two steps in flight, as the service
-    keeps them (async stepping), and applies every response; returns the
-    messages sent, in order."""
+class Sent(NamedTuple):
+    """A step message, and the steps in flight when it was sent (before it)."""
+
+    request: executor_pb2.StepRequest
+    in_flight: list[executor_pb2.StepRequest]
+
+
+async def run_in_flight(
+    scheduler: ExecutorScheduler,
+    client: ExecutorClient,
+    finished: Callable[[], bool],
+    depth: int = 2,
+) -> list[Sent]:
+    """Steps until ``finished()`` with ``depth`` steps in flight, as the
+    service keeps them (async stepping), and applies every response; returns
+    the messages sent, in order."""
     sent = []
-    inflight = []
+    inflight: list[ScheduledStep] = []
     while not finished():
-        while len(inflight) < 2:
+        while len(inflight) < depth:
             step = scheduler.schedule()
             if step is None:
                 break
-            sent.append(step.request)
+            sent.append(Sent(step.request, [s.request for s in inflight]))
             await client.send(step.request)
             inflight.append(step)
         scheduler.process(inflight.pop(0), await client.receive())
@@ -109,13 +123,15 @@ def test_four_samples_hold_fewer_blocks_than_four_requests(model_dirs: dict[str,
     assert outputs == [expected] * 4
 
 
+@pytest.mark.parametrize("depth", [2, 3, 4])
 def test_async_stepping_sends_the_next_step_before_reading_a_sample(
-    model_dirs: dict[str, Path],
+    model_dirs: dict[str, Path], depth: int
 ) -> None:
-    """Two steps in flight: the second continues from the first's sample,
-    which the scheduler has not seen yet; the output is still exact."""
+    """Steps in flight: each continues from the one before's sample, which
+    the scheduler has not seen yet; the output is still exact, and no step
+    goes past the sequence's last token."""
 
-    async def main(executor: ExecutorProcess) -> tuple[list[bool], list[int]]:
+    async def main(executor: ExecutorProcess) -> tuple[list[bool], int, list[int]]:
         client = ExecutorClient(executor.target, "test")
         info = await client.connect()
         scheduler = ExecutorScheduler(
@@ -123,14 +139,19 @@ def test_async_stepping_sends_the_next_step_before_reading_a_sample(
         )
         gen = generation(scheduler, "async", 1)
         scheduler.add(gen.sequences[0])
-        sent = await run_two_in_flight(scheduler, client, lambda: gen.sequences[0].finished)
-        continued = [flag for message in sent for flag in message.continue_from_sampled]
+        sent = await run_in_flight(
+            scheduler, client, lambda: gen.sequences[0].finished, depth=depth
+        )
+        continued = [flag for s in sent for flag in s.request.continue_from_sampled]
+        ahead = max(len(s.in_flight) for s in sent if s.request.continue_from_sampled)
         assert scheduler.kv.check_integrity().ok
         await client.close()
-        return continued, list(gen.sequences[0].request.token_ids[len(PROMPT) :])
+        return continued, ahead, list(gen.sequences[0].request.token_ids[len(PROMPT) :])
 
     with ExecutorProcess(model_dirs["llama"], num_blocks=64) as executor:
-        continued, output = asyncio.run(main(executor))
-    # After the prefill, every decode continued from a sample still in flight.
-    assert continued[0] is False and all(continued[1:])
+        continued, ahead, output = asyncio.run(main(executor))
+    # After the prefill, every decode continued from a sample still in flight,
+    # up to depth - 1 of them; the 6 tokens took a prefill and 5 decodes.
+    assert continued == [False] + [True] * 5
+    assert ahead == depth - 1
     assert output == hf_greedy(model_dirs["llama"], PROMPT, 6)

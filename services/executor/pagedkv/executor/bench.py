@@ -261,7 +261,27 @@ def profile_decode(executor: Any, step_id: int) -> int:
         executor.step(request)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    return step_id + 2
+    return _profile_launch(executor, step_id + 2)
+
+
+def _profile_launch(executor: Any, step_id: int, iters: int = 50) -> int:
+    """Prints where ``Executor.launch`` spends its host time (cProfile over
+    ``iters`` decode steps, each completed before the next)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for i in range(iters):
+        request = _decode_request(executor, step_id + i)
+        profiler.enable()
+        launched = executor.launch(request)
+        profiler.disable()
+        executor.complete(launched)
+    stats = pstats.Stats(profiler)
+    print(f"Executor.launch, {iters} decode steps (cProfile; times are totals):")
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+    return step_id + iters
 
 
 def time_grpc(executor: Any, step_id: int, iters: int = 30) -> dict[str, Any]:

@@ -14,6 +14,24 @@ from pagedkv.common.cli import (
     add_server_tls_arguments,
 )
 
+MAX_DECODE_WINDOW = 64  # the executor's limit on StepRequest.num_decode_steps
+MAX_PIPELINE_DEPTH = 8
+
+
+def _int_in(low: int, high: int) -> Any:
+    """An argparse type: an integer from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
+
 
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -30,10 +48,18 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
     parser.add_argument(
         "--decode-window",
-        type=int,
+        type=_int_in(1, MAX_DECODE_WINDOW),
         default=1,
         help="most decode steps one step message asks an executor for, when every running "
-        "request is a plain decode and none waits (1: one step a message; at most 64)",
+        f"request is a plain decode and none waits (1: one step a message; at most "
+        f"{MAX_DECODE_WINDOW})",
+    )
+    parser.add_argument(
+        "--pipeline-depth",
+        type=_int_in(1, MAX_PIPELINE_DEPTH),
+        default=2,
+        help="steps in flight per executor: the next ones are scheduled and sent while the "
+        "executor runs the first (1: none ahead)",
     )
     parser.add_argument(
         "--stream-pace-us",

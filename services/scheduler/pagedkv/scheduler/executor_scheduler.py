@@ -217,12 +217,15 @@ class ExecutorScheduler:
             placed = seq.placed
             assert placed is not None
             request = seq.request
-            # A sample still in flight (async stepping): its token is not
-            # known here yet; the executor continues from it, and the slot
-            # is allocated ahead.
-            ahead = 1 if placed.inflight_samples else 0
-            if ahead and (seq.generation.beam is not None or placed.in_window):
-                continue  # a beam's next token is chosen here; a window's, when applied
+            # Samples still in flight (async stepping, windows): their tokens
+            # are not known here yet; the executor continues from the last,
+            # and its slot is allocated ahead.
+            ahead = placed.inflight_samples
+            if ahead and (
+                seq.generation.beam is not None  # a beam's next token is chosen here
+                or len(request.token_ids) + ahead >= seq.max_num_tokens  # it has them all
+            ):
+                continue
             num_new = len(request.token_ids) - request.num_computed_tokens
             if num_new > budget - ahead:
                 num_new = budget - ahead
@@ -230,8 +233,10 @@ class ExecutorScheduler:
                 decodes.append(seq)
                 budget -= 1
                 continue
-            if num_new + ahead == 0:
-                continue  # a beam waiting for its round: nothing to compute yet
+            if num_new + ahead == 0 or ahead > 1:
+                # A beam waiting for its round: nothing to compute yet. (A
+                # sequence with several samples in flight only ever decodes.)
+                continue
             if decodes:
                 preempted |= self._allocate_decodes(decodes, decisions)
                 decodes = []
@@ -365,7 +370,6 @@ class ExecutorScheduler:
                     assert placed is not None
                     seq.request.num_computed_tokens += num_steps - 1
                     placed.inflight_samples += num_steps - 1
-                    placed.in_window = True
         except BaseException:
             self.current = seq  # the culprit: the scheduler's own code raised
             raise
@@ -423,9 +427,4 @@ class ExecutorScheduler:
 
     def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> Processed:
         """Applies a step's samples (see step_outputs.py)."""
-        processed = apply_outputs(self, step, response)
-        num_steps = step.request.num_decode_steps
-        if num_steps > 1:  # each entry's window is applied (or moot)
-            for _, placed in step.sampled[: len(step.sampled) // num_steps]:
-                placed.in_window = False
-        return processed
+        return apply_outputs(self, step, response)

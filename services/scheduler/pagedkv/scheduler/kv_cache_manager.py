@@ -271,7 +271,9 @@ class KVCacheManager:
                 raise ValueError(f"{request_id}: prefix hits are for a request with no blocks")
             num_computed = computed.num_tokens
         num_tokens = num_computed + num_new_tokens
-        if num_tokens > request.num_tokens:
+        # (With no new tokens the computed count may run ahead of the known
+        # tokens: samples still in flight, async stepping.)
+        if num_new_tokens and num_tokens > request.num_tokens:
             raise ValueError(
                 f"{request_id}: {num_tokens} tokens scheduled, the request has {request.num_tokens}"
             )

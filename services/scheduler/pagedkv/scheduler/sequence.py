@@ -42,8 +42,6 @@ class ExecutorRow:
     not yet applied (async stepping). ``pending_on_executor``: the executor
     holds a sample for a later step to continue from. ``token_unsent``: a
     beam's token, chosen here, that the executor does not have yet.
-    ``in_window``: a decode window of it is in flight (windows.py): it is
-    not scheduled again until that window's samples are applied.
     """
 
     row: int
@@ -51,7 +49,6 @@ class ExecutorRow:
     inflight_samples: int = 0
     pending_on_executor: bool = False
     token_unsent: bool = False
-    in_window: bool = False
 
 
 @dataclass(eq=False)

@@ -254,6 +254,7 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
         command += ["--max-num-seqs", str(args.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         command += ["--decode-window", str(args.decode_window)]
+        command += ["--pipeline-depth", str(args.pipeline_depth)]
         command += ["--stream-pace-us", str(args.stream_pace_us)]
         command += ["--executor-timeout", str(args.executor_timeout)]
         command += ["--drain-timeout", str(args.drain_timeout)]

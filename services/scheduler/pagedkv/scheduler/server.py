@@ -45,6 +45,7 @@ def config_from_args(
         max_num_batched_tokens=args.max_num_batched_tokens,
         stream_pace_per_stream=getattr(args, "stream_pace_us", 150.0) * 1e-6,
         decode_window=getattr(args, "decode_window", 1),
+        pipeline_depth=getattr(args, "pipeline_depth", 2),
         executor_timeout=args.executor_timeout,
         model_dir=args.model,
         cluster=cluster,

@@ -11,8 +11,9 @@ its checks and launches, the response) is then paid once for N tokens.
 A window's entries get slots for N tokens; the samples are applied in step
 order, each with its stop check, so a sequence that stops inside the window
 ignores the rest of its samples (their slots go back when it is released).
-A sequence with a window in flight is not scheduled again until the
-window's samples are applied. Plain means: no beam search, one sequence per
+Windows are pipelined as single steps are: a sequence with a window in
+flight may be in the next one, which continues from the window's last
+sample on the executor. Plain means: no beam search, one sequence per
 generation (``n`` = 1), its table already on the executor.
 """
 

@@ -42,6 +42,9 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument(
         "--decode-window", type=int, default=1, help="the scheduler's --decode-window"
     )
+    model.add_argument(
+        "--pipeline-depth", type=int, default=2, help="the scheduler's --pipeline-depth"
+    )
     model.add_argument("--max-model-len", type=int, help="clip lengths to this (default: model's)")
     model.add_argument("--enforce-eager", action="store_true")
     mix = parser.add_argument_group("the ShareGPT-like mix at Poisson rates")

@@ -205,6 +205,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "max_num_seqs",
         "max_num_batched_tokens",
         "decode_window",
+        "pipeline_depth",
         "max_model_len",
         "enforce_eager",
         "rates",

@@ -88,6 +88,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
     options += ["--max-num-seqs", str(args.max_num_seqs)]
     options += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     options += ["--decode-window", str(args.decode_window)]
+    options += ["--pipeline-depth", str(args.pipeline_depth)]
     if args.kernel_backend:
         options += ["--kernel-backend", args.kernel_backend]
     if args.num_blocks is not None:
@@ -135,6 +136,7 @@ class TimelineStack:
         scheduler += ["--model", model, "--max-num-seqs", str(args.max_num_seqs)]
         scheduler += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         scheduler += ["--decode-window", str(args.decode_window)]
+        scheduler += ["--pipeline-depth", str(args.pipeline_depth)]
         try:
             self.scheduler = ChildProcesses([scheduler], "scheduler", SCHEDULER_READY, ["1/1"])
             self.target = self.scheduler.wait_ready()[0]
