@@ -96,13 +96,17 @@ bench-cluster-sim: setup
 		--output tests/benchmarks/results/cluster-sim-512-prefixes-cpu.json
 
 # The serving benchmark: a small run on the CPU (a tiny random llama, two
-# rates, a 16 x (64 -> 32) batch against HF generate; about a minute), and
+# rates, a 16 x (64 -> 32) batch against HF generate; about a minute) and a
+# sweep of scheduler settings on one executor (half a minute), and
 # the GPU recipe (on the GPU machine, after `make gpu-wheels` here: the ~1.1B
 # llama, then the 8B shape; docs/benchmarks.md).
 bench-serve-cpu: setup
 	$(BIN)/pagedkv bench serve --rates 4,inf --num-requests 24 --mean-prompt-len 48 \
 		--mean-output-len 24 --system-prompt-len 32 --fixed-batch 16x64x32 --num-blocks 512 \
 		--output tests/benchmarks/results/serve-bench-cpu.json
+	$(BIN)/pagedkv bench serve --sweep 1:2,4:2,8:2,8:3 --fixed-batch 16x64x32,64x64x32 \
+		--warmup-requests 4 --mean-prompt-len 48 --mean-output-len 24 --system-prompt-len 32 \
+		--num-blocks 1024 --output tests/benchmarks/results/serve-sweep-cpu.json
 
 # KV memory, paged against contiguous, on the live CPU stack: the three
 # scenarios of docs/memory.md (about five minutes on 2 cores).

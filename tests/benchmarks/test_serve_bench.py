@@ -12,12 +12,13 @@ import pytest
 
 from pagedkv.common.step_trace import StepTrace
 from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
-from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle, gpu_time_by_name
 from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.load import RequestResult
 from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
 from pagedkv.scheduler.bench.serving.run import main, parse_fixed_batches
 from pagedkv.scheduler.bench.serving.step_trace import analyze as analyze_trace
+from pagedkv.scheduler.bench.serving.sweep import Setting, parse_settings
 from pagedkv.scheduler.bench.serving.workload import (
     MixConfig,
     fixed_batch,
@@ -114,6 +115,18 @@ def _write_trace(folder: Path, role: str, fields: tuple[str, ...], records: list
     trace.write()
 
 
+def test_gpu_time_by_name_ranks_kernels_by_their_time_per_decode_step() -> None:
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "norm", "ts": 100, "dur": 4},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 110, "dur": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 9},
+    ]
+    ranked = gpu_time_by_name(events, num_decode_steps=2, top=2)
+    assert [tuple(k) for k in ranked] == [("gemm", 40.0, 1.0), ("norm", 2.0, 0.5)]
+
+
 def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> None:
     # Three steps; times in ms. The device runs [10, 20], [21, 31] and [40, 50]:
     # step 2 was read at 20 and launched by 21 (1 ms launching); step 3 was
@@ -190,3 +203,91 @@ def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     assert trace["cpu_use"]["scheduler"] > 0 and trace["cpu_use"]["executor"] > 0
     out = capsys.readouterr().out
     assert "Fixed batch" in out and "Where the step time went" in out
+
+
+def test_an_executor_shared_by_schedulers_in_turn_has_each_step_matched_to_its_own_record(
+    tmp_path: Path,
+) -> None:
+    # Two schedulers stepped the executor in turn, both numbering from 1: the
+    # second one's steps 1 and 2 (sent at 100 and 110 ms) must not match the
+    # first one's records of steps 1 and 2 (read at 4 and 7 ms).
+    ms = 1e-3
+    scheduler = [
+        (1, 4, 4, 1, 100 * ms, 101 * ms, 102 * ms, 108 * ms, 109 * ms, 0.0),
+        (2, 4, 32, 8, 103 * ms, 104 * ms, 105 * ms, 140 * ms, 141 * ms, 1 * ms),
+    ]
+    executor = [
+        (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
+        (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),
+        (1, 4, 1, 102.5 * ms, 103 * ms, 107 * ms, 107.5 * ms, 103 * ms, 107 * ms, 11 * ms),
+        (2, 4, 8, 105.5 * ms, 106 * ms, 139 * ms, 139.5 * ms, 107 * ms, 139 * ms, 40 * ms),
+    ]
+    _write_trace(tmp_path, "scheduler", SCHEDULER_FIELDS, scheduler)
+    _write_trace(tmp_path, "executor", EXECUTOR_FIELDS, executor)
+    trace = analyze_trace(tmp_path, since=90 * ms)
+    assert (trace["steps"], trace["decode_steps"], trace["windows"]) == (2, 9, 1)
+    assert trace["span_ms"] == pytest.approx(36.0)  # device from 103 to 139
+    assert trace["device_busy_fraction"] == pytest.approx(1.0)
+
+
+def test_sweep_settings_parse_and_bad_ones_name_the_option() -> None:
+    assert parse_settings("1:2, 8:3") == [Setting(1, 2), Setting(8, 3)]
+    for bad in ("8", "8:0", "a:2", ""):
+        with pytest.raises(ValueError, match="--sweep"):
+            parse_settings(bad)
+
+
+def test_a_sweep_runs_every_setting_on_one_executor_and_finishes_every_request(
+    tmp_path: Path,
+) -> None:
+    from pagedkv.executor.tiny_model import make_tiny_model
+
+    model = tmp_path / "model"
+    make_tiny_model(model, "llama", seed=7)
+    output = tmp_path / "sweep-cpu.json"
+    argv = ["--model", str(model), "--sweep", "1:2,4:3", "--fixed-batch", "3x12x9,2x8x5"]
+    argv += ["--warmup-requests", "1", "--mean-prompt-len", "20", "--mean-output-len", "6"]
+    argv += ["--system-prompt-len", "16", "--num-blocks", "128", "--output", str(output)]
+    assert main(_args(argv)) == 0
+    report = json.loads(output.read_text())
+    assert report["rates"] == [] and report["fixed_batches"] == []
+    assert report["sweep"]["settings"] == ["1:2", "4:3"]
+    runs = report["sweep"]["runs"]
+    assert [run["setting"] for run in runs] == [
+        {"decode_window": 1, "pipeline_depth": 2},
+        {"decode_window": 4, "pipeline_depth": 3},
+    ]
+    for run in runs:
+        assert [(b["batch"], b["max_tokens"]) for b in run["fixed_batches"]] == [(3, 9), (2, 5)]
+        for b in run["fixed_batches"]:
+            assert b["pagedkv"]["num_ok"] == b["batch"]
+            assert b["pagedkv"]["output_tokens"] == b["batch"] * b["max_tokens"]
+            assert 0 < b["step_trace"]["device_busy_fraction"] <= 1
+    # Each batch's trace holds its own steps: 9 tokens are a prefill and 8
+    # decodes, in windows under the second setting.
+    plain, windowed = (run["fixed_batches"][0]["step_trace"] for run in runs)
+    assert plain["windows"] == 0 and plain["steps"] == plain["decode_steps"] >= 9
+    assert windowed["windows"] >= 1 and windowed["steps"] < windowed["decode_steps"]
+    assert "Scheduler settings on one executor" in output.with_suffix(".md").read_text()
+    assert not output.with_suffix(".png").exists()
+
+
+def test_the_timeline_counts_a_decode_window_as_its_steps(tmp_path: Path) -> None:
+    from pagedkv.executor.timeline import StepProfiler
+    from pagedkv.v1 import executor_pb2
+
+    profiler = StepProfiler(tmp_path, skip=20, steps=16)
+    prefill = executor_pb2.StepRequest(num_scheduled_tokens=[5, 7])
+    window = executor_pb2.StepRequest(num_scheduled_tokens=[1, 1], num_decode_steps=8)
+    assert not profiler.around(prefill)
+    # Windows of 8: steps 1-8, 9-16 and 17-24 are skipped (the third one is
+    # not whole after the 20 skipped), 25-32 and 33-40 profiled.
+    assert [profiler.around(window) for _ in range(3)] == [False] * 3
+    assert profiler.around(window)
+    profiler.after()
+    assert not (tmp_path / "timeline.json").exists()
+    assert profiler.around(window)
+    profiler.after()
+    measures = json.loads((tmp_path / "timeline.json").read_text())
+    assert (measures["skipped_decode_steps"], measures["profiled_decode_steps"]) == (24, 16)
+    assert not profiler.around(window)  # done

@@ -9,19 +9,18 @@
 #   bash tests/gpu/run-serve-bench.sh 256    # ~1.1B: 256 x (512 -> 256), no HF
 #   bash tests/gpu/run-serve-bench.sh executor   # python -m pagedkv.executor.bench,
 #                                            # decode batch 64 and 256
-#   bash tests/gpu/run-serve-bench.sh window     # ~1.1B: 64 and 256 x (512 -> 256)
-#                                            # with --decode-window 8, no HF, step trace
-#   bash tests/gpu/run-serve-bench.sh trace      # ~1.1B: 64 and 256 x (512 -> 256),
-#                                            # no HF, step trace (where step time goes)
-#   bash tests/gpu/run-serve-bench.sh sweep      # ~1.1B: 64 and 256 x (512 -> 256) for
-#                                            # each --decode-window in WINDOWS (1 8) and
-#                                            # --pipeline-depth in DEPTHS (2 3), step trace
+#   bash tests/gpu/run-serve-bench.sh sweep      # ~1.1B: 64 and 256 x (512 -> 256) under
+#                                            # each scheduler setting WINDOW:DEPTH of
+#                                            # SWEEP, on one executor (bench serve --sweep)
 #
-# Both use dummy (random) bf16 weights. Results go to OUT when set (the
+# WINDOW and DEPTH (default 1 and 2) are the --decode-window and
+# --pipeline-depth of the 1b, 8b and 256 runs; SWEEP (default
+# 1:2,4:2,8:2,8:3,16:2,16:3) the settings of the sweep.
+#
+# All use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
-# 256-h200 (256), window8-h200 / 256-window8-h200 (window), trace-h200 /
-# 256-trace-h200 (trace), sweep-BATCH-wWINDOW-dDEPTH-h200 (sweep), and
+# 256-h200 (256), serve-sweep-h200.{json,md} (sweep), and
 # executor-fused-h200 / executor-256-h200 (executor); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
@@ -35,6 +34,8 @@ NAME=${DEVICE_NAME:-h200}
 bench() {
   "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
 }
+# The scheduler settings of the 1b, 8b and 256 runs.
+tuned=(--decode-window "${WINDOW:-1}" --pipeline-depth "${DEPTH:-2}")
 
 setup
 report
@@ -42,46 +43,28 @@ mkdir -p "$RESULTS"
 case "${1:-1b}" in
   1b)
     bench --preset llama-1.1b --rates 4,16,64,inf --num-requests 160 \
-      --fixed-batch 64x512x256 --timeline-steps 50 --output "$RESULTS/serve-bench-$NAME.json"
+      --fixed-batch 64x512x256 --timeline-steps 50 "${tuned[@]}" \
+      --output "$RESULTS/serve-bench-$NAME.json"
     ;;
   8b)
     bench --preset llama-8b --rates 2,8,32,inf --num-requests 96 \
-      --fixed-batch 64x512x256 --output "$RESULTS/serve-bench-8b-$NAME.json"
+      --fixed-batch 64x512x256 "${tuned[@]}" --output "$RESULTS/serve-bench-8b-$NAME.json"
     ;;
   256)
     bench --preset llama-1.1b --rates inf --num-requests 64 \
-      --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-$NAME.json"
-    ;;
-  window)
-    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 --step-trace \
-      --fixed-batch 64x512x256 --no-hf --output "$RESULTS/serve-bench-window8-$NAME.json"
-    bench --preset llama-1.1b --rates inf --num-requests 64 --decode-window 8 --step-trace \
-      --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-window8-$NAME.json"
-    ;;
-  trace)
-    bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace \
-      --fixed-batch 64x512x256 --no-hf --output "$RESULTS/serve-bench-trace-$NAME.json"
-    bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace \
-      --fixed-batch 256x512x256 --no-hf --output "$RESULTS/serve-bench-256-trace-$NAME.json"
+      --fixed-batch 256x512x256 --no-hf "${tuned[@]}" \
+      --output "$RESULTS/serve-bench-256-$NAME.json"
     ;;
   sweep)
-    for batch in 64 256; do
-      for window in ${WINDOWS:-1 8}; do
-        for depth in ${DEPTHS:-2 3}; do
-          bench --preset llama-1.1b --rates inf --num-requests 64 --step-trace --no-hf \
-            --decode-window "$window" --pipeline-depth "$depth" \
-            --fixed-batch "${batch}x512x256" \
-            --output "$RESULTS/serve-bench-sweep-$batch-w$window-d$depth-$NAME.json"
-        done
-      done
-    done
+    bench --preset llama-1.1b --sweep "${SWEEP:-1:2,4:2,8:2,8:3,16:2,16:3}" \
+      --fixed-batch 64x512x256,256x512x256 --output "$RESULTS/serve-sweep-$NAME.json"
     ;;
   executor)
     "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, window, trace, sweep or executor, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep or executor, not $1" >&2
     exit 2
     ;;
 esac

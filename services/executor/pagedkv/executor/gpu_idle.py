@@ -15,6 +15,8 @@ the last step's GPU work:
   between one step's last GPU work and the next step's first (the host's
   time between steps: the step's reply, the scheduler, the next request),
   the rest being gaps inside steps (launch gaps).
+``gpu_time_by_name`` says where the busy time went: each kernel (or copy)
+name's GPU time per decode step, the most first.
 Pure Python: no torch, so it is tested on synthetic traces.
 """
 
@@ -113,3 +115,33 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         median_step_gpu_span_us=_median([end - start for start, end in spans]),
         median_gap_between_steps_us=_median(gaps),
     )
+
+
+class NamedGpuTime(NamedTuple):
+    name: str  # the kernel's (or copy's) name, cut to NAME_LENGTH characters
+    us_per_step: float  # GPU time per decode step, summed over its launches
+    launches_per_step: float
+
+
+NAME_LENGTH = 96
+
+
+def gpu_time_by_name(
+    events: Iterable[Mapping[str, Any]], num_decode_steps: int, top: int = 16
+) -> list[NamedGpuTime]:
+    """The ``top`` GPU event names by their GPU time in ``events`` (the
+    profiled window), per decode step, the most first."""
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.get("ph") != "X" or event.get("cat", "") not in GPU_CATEGORIES:
+            continue
+        name = str(event.get("name", ""))[:NAME_LENGTH]
+        entry = totals.setdefault(name, [0.0, 0.0])
+        entry[0] += float(event.get("dur", 0.0))
+        entry[1] += 1
+    steps = max(1, num_decode_steps)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [
+        NamedGpuTime(name, round(total / steps, 2), round(count / steps, 2))
+        for name, (total, count) in ranked
+    ]

@@ -4,10 +4,13 @@ pagedkv.executor EXECUTOR-ARGS``) that records a torch profiler trace of N
 decode steps, after skipping the first K, and measures the GPU's idle time
 between them (``pagedkv.executor.gpu_idle``).
 
-A decode step is a step with no new request and one token for every row.
-Each profiled step runs inside ``record_function(STEP_ANNOTATION)``; once N
-have run, the profiler stops, the trace goes to ``D/trace.json.gz`` and the
-measures to ``D/timeline.json`` (written last: its presence says the
+A decode step is a step with no new request and one token for every row;
+a decode window (``num_decode_steps``) counts as its steps, and profiling
+starts at the first whole window after the K skipped steps. Each profiled
+step message runs inside ``record_function(STEP_ANNOTATION)``; once N decode
+steps have run, the profiler stops, the trace goes to ``D/trace.json.gz`` and the
+measures (with each kernel's GPU time per decode step) to
+``D/timeline.json`` (written last: its presence says the
 measurement is complete); the executor goes on serving. The profiler records
 CPU ops too (the step ranges need them), which adds host time per op, so the
 idle fractions are upper bounds of the unprofiled ones. Used by ``pagedkv
@@ -31,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedkv.executor import engine
-from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle, gpu_time_by_name
 from pagedkv.executor.launched import LaunchedStep
 from pagedkv.v1 import executor_pb2
 
@@ -57,6 +60,7 @@ class StepProfiler:
     def __init__(self, directory: Path, skip: int, steps: int) -> None:
         self.directory, self.skip, self.steps = directory, skip, steps
         self.num_decode_steps = 0
+        self.num_profiled = 0
         self.profiler: Any = None
         self.all_threads = False
         self.done = False
@@ -72,9 +76,11 @@ class StepProfiler:
         with self.lock:
             if self.done or not self.is_decode(request):
                 return False
-            self.num_decode_steps += 1
-            if self.num_decode_steps <= self.skip:
+            num_steps = max(1, request.num_decode_steps)
+            self.num_decode_steps += num_steps
+            if self.num_decode_steps - num_steps < self.skip:
                 return False
+            self.num_profiled += num_steps
             if self.profiler is None:
                 self.profiler, self.all_threads = _all_threads_profiler()
                 self.profiler.start()
@@ -83,12 +89,12 @@ class StepProfiler:
     def after(self) -> None:
         """After a profiled step: stops and writes once ``steps`` have run."""
         with self.lock:
-            if self.done or self.num_decode_steps < self.skip + self.steps:
+            if self.done or self.num_profiled < self.steps:
                 return
             self.done = True
             measures: dict[str, Any] = {
-                "skipped_decode_steps": self.skip,
-                "profiled_decode_steps": self.steps,
+                "skipped_decode_steps": self.num_decode_steps - self.num_profiled,
+                "profiled_decode_steps": self.num_profiled,
                 "profiled_all_threads": self.all_threads,
             }
             try:
@@ -108,7 +114,8 @@ class StepProfiler:
         with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
             json.dump({"traceEvents": events}, packed)
         trace.unlink()
-        return gpu_idle(events)._asdict()
+        kernels = gpu_time_by_name(events, self.num_profiled)
+        return {**gpu_idle(events)._asdict(), "gpu_time_by_name": [k._asdict() for k in kernels]}
 
 
 def profiled_executor(profiler: StepProfiler) -> type[engine.Executor]:

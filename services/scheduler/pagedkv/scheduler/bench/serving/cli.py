@@ -84,6 +84,12 @@ def register(subparsers: Any, name: str) -> None:
         help="trace every step in the server's processes (pagedkv.common.step_trace) and "
         "report where the first fixed batch's step time went",
     )
+    parser.add_argument(
+        "--sweep",
+        metavar="W:D[,...]",
+        help="instead of the runs above: the fixed batches once per setting (decode window W, "
+        "pipeline depth D), each on a fresh scheduler over one executor, with step traces",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
     parser.set_defaults(handler=_run)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pagedkv.scheduler.bench.serving.sweep import markdown_lines as sweep_lines
+
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
@@ -26,12 +28,9 @@ def _ms(values: Mapping[str, float | None]) -> str:
     )
 
 
-def markdown(report: Mapping[str, Any]) -> str:
+def _rate_lines(report: Mapping[str, Any]) -> list[str]:
     settings = report["settings"]
     lines = [
-        "# Serving benchmark (`pagedkv bench serve`)",
-        "",
-        f"Model: {settings['model']}; device {settings['device']}; {report['model_shape']}.",
         "",
         f"## Poisson arrivals ({settings['num_requests']} requests per rate, "
         f"ShareGPT-like mix; SLO: TTFT <= {settings['slo_ttft_ms']:g} ms and TPOT <= "
@@ -51,6 +50,18 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{_ms(s['itl_ms'])} | {s['goodput_requests_per_s']:.2f} | "
             f"{100 * s['num_meeting_slo'] / s['num_requests']:.0f}% |"
         )
+    return lines
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    settings = report["settings"]
+    lines = [
+        "# Serving benchmark (`pagedkv bench serve`)",
+        "",
+        f"Model: {settings['model']}; device {settings['device']}; {report['model_shape']}.",
+    ]
+    if report["rates"]:
+        lines += _rate_lines(report)
     if report["fixed_batches"]:
         lines += [
             "",
@@ -90,7 +101,22 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{timeline['median_step_gpu_span_us']:.0f} us). The profiler's host overhead "
             "makes these upper bounds.",
         ]
+        kernels = timeline.get("gpu_time_by_name")
+        if kernels:
+            lines += [
+                "",
+                "Where the GPU time went (the profiled window's GPU events by name):",
+                "",
+                "| kernel or copy | GPU us per decode step | launches per decode step |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| `{k['name']}` | {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} |"
+                for k in kernels
+            ]
     lines += _step_trace_lines(report.get("step_trace"))
+    if "sweep" in report:
+        lines += ["", *sweep_lines(report["sweep"])]
     lines += [
         "",
         "Settings: " + json.dumps(settings),

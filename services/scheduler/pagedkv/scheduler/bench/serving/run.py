@@ -24,20 +24,17 @@ import asyncio
 import contextlib
 import importlib.metadata as metadata
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from pagedkv.common.logging import get_logger
-from pagedkv.common.step_trace import ENV
 from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving import report as reporting
-from pagedkv.scheduler.bench.serving import step_trace
+from pagedkv.scheduler.bench.serving import step_trace, sweep
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
 from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows, summarize
 from pagedkv.scheduler.bench.serving.stack import (
@@ -80,28 +77,11 @@ def parse_fixed_batches(text: str) -> list[FixedBatch]:
 def _serve_runs(
     args: argparse.Namespace, target: str, model: str, batches: list[FixedBatch]
 ) -> dict[str, Any]:
-    shape = model_shape(model)
-    vocab = int(shape["vocab_size"])
-    max_len = args.max_model_len or int(shape.get("max_position_embeddings", 2048))
     rates = parse_rates(args.rates)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    mix = MixConfig(
-        num_requests=args.num_requests * len(rates),
-        max_model_len=max_len,
-        vocab_size=vocab,
-        mean_prompt_len=args.mean_prompt_len,
-        mean_output_len=args.mean_output_len,
-        sigma=args.sigma,
-        system_prompt_fraction=args.system_prompt_fraction,
-        num_system_prompts=args.num_system_prompts,
-        system_prompt_len=args.system_prompt_len,
-        seed=args.seed,
-    )
+    mix = mix_config(args, model, args.num_requests * len(rates))
     requests = sharegpt_like(mix)
-    asyncio.run(wait_ready(target))
-    if args.warmup_requests:
-        warm = MixConfig(**{**_fields(mix), "num_requests": args.warmup_requests, "seed": -1})
-        asyncio.run(run_load(target, sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests))
+    warm_up(args, target, mix)
     out: dict[str, Any] = {"rates": [], "fixed_batches": []}
     for i, rate in enumerate(rates):
         part = requests[i * args.num_requests : (i + 1) * args.num_requests]
@@ -111,15 +91,9 @@ def _serve_runs(
         log.info("rate done", rate=rate, output_tokens_per_s=round(summary["output_tokens_per_s"]))
         label = reporting.rate_label(rate)
         out["rates"].append({"rate": label, "summary": summary, "requests": request_rows(results)})
-    marks = out["fixed_batch_marks"] = []  # perf_counter before and after each
-    for i, b in enumerate(batches):
-        part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=args.seed + 1000 + i)
-        marks.append(time.perf_counter())
-        results, seconds = asyncio.run(run_load(target, part, [0.0] * len(part)))
-        marks.append(time.perf_counter())
-        summary = summarize(results, seconds, slo)
-        log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
-        out["fixed_batches"].append({**b._asdict(), "pagedkv": summary})
+    out["fixed_batches"], out["fixed_batch_marks"] = run_fixed_batches(
+        target, batches, mix.vocab_size, slo, seed=args.seed + 1000
+    )
     stats = asyncio.run(server_stats(target))
     out["server"] = {
         "num_preemptions": stats.num_preemptions,
@@ -128,6 +102,49 @@ def _serve_runs(
         "prefix_cache_queries": sum(e.prefix_cache_queries for e in stats.executors),
     }
     return out
+
+
+def mix_config(args: argparse.Namespace, model: str, num_requests: int) -> MixConfig:
+    """The ShareGPT-like mix of ``args`` for ``model``, ``num_requests`` long."""
+    shape = model_shape(model)
+    return MixConfig(
+        num_requests=num_requests,
+        max_model_len=args.max_model_len or int(shape.get("max_position_embeddings", 2048)),
+        vocab_size=int(shape["vocab_size"]),
+        mean_prompt_len=args.mean_prompt_len,
+        mean_output_len=args.mean_output_len,
+        sigma=args.sigma,
+        system_prompt_fraction=args.system_prompt_fraction,
+        num_system_prompts=args.num_system_prompts,
+        system_prompt_len=args.system_prompt_len,
+        seed=args.seed,
+    )
+
+
+def warm_up(args: argparse.Namespace, target: str, mix: MixConfig) -> None:
+    """Waits for ``target`` to serve, then runs ``args.warmup_requests``
+    requests of the mix (their own seed) at once."""
+    asyncio.run(wait_ready(target))
+    if args.warmup_requests:
+        warm = MixConfig(**{**_fields(mix), "num_requests": args.warmup_requests, "seed": -1})
+        asyncio.run(run_load(target, sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests))
+
+
+def run_fixed_batches(
+    target: str, batches: list[FixedBatch], vocab: int, slo: Slo, seed: int
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Each batch sent at once (batch i's prompts from ``seed + i``): a row
+    per batch, and the ``perf_counter`` before and after each."""
+    rows, marks = [], []
+    for i, b in enumerate(batches):
+        part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i)
+        marks.append(time.perf_counter())
+        results, seconds = asyncio.run(run_load(target, part, [0.0] * len(part)))
+        marks.append(time.perf_counter())
+        summary = summarize(results, seconds, slo)
+        log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
+        rows.append({**b._asdict(), "pagedkv": summary})
+    return rows, marks
 
 
 def _fields(config: MixConfig) -> dict[str, Any]:
@@ -170,23 +187,6 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
     return {**measures, "batch": batch._asdict()}
 
 
-@contextlib.contextmanager
-def _tracing(folder: str | None) -> Iterator[None]:
-    """Children started inside trace their steps into ``folder`` (None: as set)."""
-    if folder is None:
-        yield
-        return
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = folder
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = previous
-
-
 def _versions() -> dict[str, str]:
     versions = {}
     for name in PACKAGES:
@@ -224,9 +224,13 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "timeline_steps",
         "timeline_skip",
         "step_trace",
+        "sweep",
         "seed",
         "target",
     ]
+    if args.sweep:  # what a sweep does not use, or sets per setting
+        unused = ("decode_window", "pipeline_depth", "rates", "num_requests", "hf_repeat")
+        keys = [k for k in keys if k not in unused and not k.startswith(("timeline", "step_"))]
     name = args.model if args.model is not None else f"preset {args.preset}"
     return {"model": name, **{k: getattr(args, k) for k in keys}}
 
@@ -234,8 +238,13 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     batches = parse_fixed_batches(args.fixed_batch)
     parse_rates(args.rates)  # refuse bad rates before anything starts
+    if args.sweep:
+        sweep.parse_settings(args.sweep)
     with model_dir(args) as model, tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
-        with _tracing(traces if args.step_trace and not args.target else None):
+        if args.sweep:
+            swept = sweep.run_sweep(args, model, batches)
+            return _write(args, model, {"rates": [], "fixed_batches": [], "sweep": swept})
+        with step_trace.tracing(traces if args.step_trace and not args.target else None):
             stack = None if args.target else ServeStack(model, server_args(args))
         try:
             target = args.target or stack.target  # type: ignore[union-attr]
@@ -254,7 +263,13 @@ def main(args: argparse.Namespace) -> int:
                 run["hf"] = hf_baseline(args, model, batch)
         if args.timeline_steps and batches:
             report["timeline"] = timeline(args, model, batches[0])
-        shape = model_shape(model)
+        return _write(args, model, report)
+
+
+def _write(args: argparse.Namespace, model: str, report: dict[str, Any]) -> int:
+    """Prints the report's markdown and, with ``--output``, writes its JSON,
+    markdown and plot; 0 when every request ended with its tokens."""
+    shape = model_shape(model)
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     described = ", ".join(f"{k} {shape[k]}" for k in (*keys, "vocab_size") if k in shape)
     report = {
@@ -270,10 +285,13 @@ def main(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
         path.with_suffix(".md").write_text(text)
-        reporting.plot(report, path.with_suffix(".png"))
+        if "sweep" not in report:
+            reporting.plot(report, path.with_suffix(".png"))
     return 0 if _all_ok(report) else 1
 
 
 def _all_ok(report: dict[str, Any]) -> bool:
     runs = [r["summary"] for r in report["rates"]] + [b["pagedkv"] for b in report["fixed_batches"]]
+    for run in report.get("sweep", {}).get("runs", []):
+        runs += [b["pagedkv"] for b in run["fixed_batches"]]
     return all(s["num_ok"] == s["num_requests"] for s in runs)

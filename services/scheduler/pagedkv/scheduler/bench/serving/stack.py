@@ -98,6 +98,26 @@ def server_args(args: argparse.Namespace) -> list[str]:
     return options
 
 
+def start_scheduler(args: argparse.Namespace, model: str, executor: str) -> ChildProcesses:
+    """A ready ``pagedkv scheduler`` over the running ``executor`` with the
+    benchmark's scheduler settings (``args.decode_window``,
+    ``args.pipeline_depth``, the batch limits); it takes the executor over
+    with the epoch after its current owner's."""
+    command = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning"]
+    command += ["scheduler", "--executor", executor, "--port", "0"]
+    command += ["--model", model, "--max-num-seqs", str(args.max_num_seqs)]
+    command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    command += ["--decode-window", str(args.decode_window)]
+    command += ["--pipeline-depth", str(args.pipeline_depth)]
+    scheduler = ChildProcesses([command], "scheduler", SCHEDULER_READY, ["1/1"])
+    try:
+        scheduler.wait_ready()
+    except BaseException:
+        scheduler.stop()
+        raise
+    return scheduler
+
+
 class ServeStack:
     """``pagedkv serve --executors 1`` on a free port with ``options`` (more
     ``serve`` flags); ``target`` once ready. The serving and memory
@@ -131,15 +151,9 @@ class TimelineStack:
         command[at : at + 1] = ["pagedkv.executor.timeline", "--timeline-dir", str(directory)]
         command[at + 3 : at + 3] = ["--skip-steps", str(skip), "--steps", str(steps)]
         self.executor = ExecutorProcesses([command])
-        scheduler = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning"]
-        scheduler += ["scheduler", "--executor", self.executor.addresses[0], "--port", "0"]
-        scheduler += ["--model", model, "--max-num-seqs", str(args.max_num_seqs)]
-        scheduler += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        scheduler += ["--decode-window", str(args.decode_window)]
-        scheduler += ["--pipeline-depth", str(args.pipeline_depth)]
         try:
-            self.scheduler = ChildProcesses([scheduler], "scheduler", SCHEDULER_READY, ["1/1"])
-            self.target = self.scheduler.wait_ready()[0]
+            self.scheduler = start_scheduler(args, model, self.executor.addresses[0])
+            self.target = self.scheduler.addresses[0]
         except BaseException:
             self.executor.stop()
             raise

@@ -22,13 +22,18 @@ analysis as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from pagedkv.common.step_trace import ENV
 
 # (name, stage end, stage start) of the median stage times, per process
 SCHEDULER_STAGES = (
@@ -42,6 +47,24 @@ EXECUTOR_STAGES = (
     ("seen_done_after_device", "done", "device_end"),
     ("respond", "completed", "done"),
 )
+
+
+@contextlib.contextmanager
+def tracing(folder: str | None) -> Iterator[None]:
+    """Children started inside trace their steps into ``folder`` (None: as
+    this process's environment says)."""
+    if folder is None:
+        yield
+        return
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = previous
 
 
 def _load(folder: Path, role: str) -> list[dict[str, float]]:
@@ -68,7 +91,15 @@ def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[s
     """The measures above, of the steps begun between ``since`` and ``until``."""
     scheduler = [r for r in _load(folder, "scheduler") if since <= r["scheduling"] < until]
     sent = {int(r["step_id"]): r for r in scheduler}
-    executor = [r for r in _load(folder, "executor") if int(r["step_id"]) in sent]
+    # A step id names one step of one scheduler: an executor that served
+    # several schedulers in turn saw each id more than once, and its record
+    # of this step is the one read between its scheduling and its answer.
+    executor = [
+        r
+        for r in _load(folder, "executor")
+        if (step := sent.get(int(r["step_id"]))) is not None
+        and step["scheduling"] <= r["received"] <= step["received"]
+    ]
     executor.sort(key=lambda r: r["device_start"])
     if len(executor) < 2:
         raise ValueError(f"{len(executor)} traced steps after the mark: too few to analyze")

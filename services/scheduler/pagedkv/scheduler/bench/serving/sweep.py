@@ -1,0 +1,125 @@
+"""``pagedkv bench serve --sweep W:D,...``: the fixed batches under several
+scheduler settings, on one executor.
+
+Each setting ``W:D`` (``--decode-window`` W, ``--pipeline-depth`` D) gets a
+fresh ``pagedkv scheduler`` over the same executor process, which it takes
+over with the epoch after the last one's; the executor's start-up (model
+load, kernel compilation, CUDA graph capture) is paid once, and a device's
+time goes to the runs. Each setting runs the warm-up requests, then every
+fixed batch on prompts of its own (a scheduler adopts the executor's cached
+blocks, so a prompt another setting ran would come from the prefix cache).
+Both processes trace their steps (``pagedkv.common.step_trace``), and each
+batch's report says where its step time went (``step_trace.analyze``). No
+Poisson rates, no Hugging Face, no timeline: those are ``pagedkv bench
+serve`` without ``--sweep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pagedkv.scheduler.bench.serving import step_trace
+from pagedkv.scheduler.bench.serving.metrics import Slo
+from pagedkv.scheduler.bench.serving.stack import start_scheduler
+from pagedkv.scheduler.serve import ExecutorProcesses, executor_commands
+
+if TYPE_CHECKING:  # run.py imports this module (through report.py)
+    from pagedkv.scheduler.bench.serving.run import FixedBatch
+
+
+class Setting(NamedTuple):
+    decode_window: int
+    pipeline_depth: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.decode_window}:{self.pipeline_depth}"
+
+
+def parse_settings(text: str) -> list[Setting]:
+    """``"1:2,8:3"`` -> window 1 at depth 2, window 8 at depth 3."""
+    settings = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        numbers = part.split(":")
+        if len(numbers) != 2 or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+            raise ValueError(f"--sweep: a setting is WINDOW:DEPTH, both >= 1, not {part!r}")
+        settings.append(Setting(int(numbers[0]), int(numbers[1])))
+    if not settings:
+        raise ValueError("--sweep: no setting")
+    return settings
+
+
+def run_sweep(args: argparse.Namespace, model: str, batches: list[FixedBatch]) -> dict[str, Any]:
+    """The report's ``sweep`` part: per setting, its fixed batches and their
+    step-trace analyses."""
+    from pagedkv.scheduler.bench.serving.run import mix_config, run_fixed_batches, warm_up
+
+    settings = parse_settings(args.sweep)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    mix = mix_config(args, model, 0)
+    with tempfile.TemporaryDirectory(prefix="pagedkv-sweep-") as folder:
+        root = Path(folder)
+        options = argparse.Namespace(**vars(args))
+        options.executors, options.log_format, options.log_level = 1, "console", "warning"
+        with step_trace.tracing(str(root / "executor")):
+            executor = ExecutorProcesses(executor_commands(options, model))
+        done: list[tuple[Setting, list[dict[str, Any]], list[float]]] = []
+        try:
+            for i, setting in enumerate(settings):
+                options.decode_window, options.pipeline_depth = setting
+                with step_trace.tracing(str(root / f"setting-{i}")):
+                    scheduler = start_scheduler(options, model, executor.addresses[0])
+                try:
+                    target = scheduler.addresses[0]
+                    warm_up(args, target, mix)
+                    seed = args.seed + 1000 + 100 * i
+                    rows, marks = run_fixed_batches(target, batches, mix.vocab_size, slo, seed)
+                finally:
+                    scheduler.stop()  # its trace is written as it exits
+                done.append((setting, rows, marks))
+        finally:
+            executor.stop()
+        traces = sorted((root / "executor").glob("executor-*.json"))
+        runs = []
+        for i, (setting, rows, marks) in enumerate(done):
+            for trace in traces:
+                shutil.copy(trace, root / f"setting-{i}")
+            for j, row in enumerate(rows):
+                since, until = marks[2 * j], marks[2 * j + 1]
+                row["step_trace"] = step_trace.analyze(root / f"setting-{i}", since, until)
+            runs.append({"setting": setting._asdict(), "fixed_batches": rows})
+    return {"settings": [s.label for s in settings], "runs": runs}
+
+
+def markdown_lines(sweep: dict[str, Any]) -> list[str]:
+    """A table row per setting and batch."""
+    lines = [
+        "## Scheduler settings on one executor (`--sweep`)",
+        "",
+        "Window: `--decode-window`; depth: `--pipeline-depth`. Device busy, wall per "
+        "decode step and CPU use (CPU seconds per second) come from the step traces of the "
+        "batch's steps.",
+        "",
+        "| window | depth | requests x (prompt -> output) | output tok/s | TTFT p50 (ms) | "
+        "TPOT p50/p99 (ms) | device busy | wall per decode step (us) | windows | "
+        "CPU scheduler / executor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in sweep["runs"]:
+        setting = run["setting"]
+        for row in run["fixed_batches"]:
+            s, t = row["pagedkv"], row["step_trace"]
+            lines.append(
+                f"| {setting['decode_window']} | {setting['pipeline_depth']} | "
+                f"{row['batch']} x ({row['prompt_len']} -> {row['max_tokens']}) | "
+                f"{s['output_tokens_per_s']:.0f} | {s['ttft_ms']['p50']:.1f} | "
+                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} | "
+                f"{100 * t['device_busy_fraction']:.1f}% | {t['wall_per_decode_step_us']:.0f} | "
+                f"{t['windows']} | {t['cpu_use']['scheduler']:.2f} / "
+                f"{t['cpu_use']['executor']:.2f} |"
+            )
+    return lines
