@@ -14,8 +14,11 @@
 #                                            # SWEEP, on one executor (bench serve --sweep)
 #
 # WINDOW and DEPTH (default 1 and 2) are the --decode-window and
-# --pipeline-depth of the 1b, 8b and 256 runs; SWEEP (default
-# 1:2,4:2,8:2,8:3,16:2,16:3) the settings of the sweep.
+# --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
+# best, read from its results); SWEEP (default 1:2,4:2,8:2,8:3,16:2,16:3)
+# the settings of the sweep. Within one 10-minute device call:
+#   bash tests/gpu/run-serve-bench.sh sweep && WINDOW=best bash tests/gpu/run-serve-bench.sh 256
+#   WINDOW=best bash tests/gpu/run-serve-bench.sh 1b  (with the sweep's file in OUT or results)
 #
 # All use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
@@ -34,12 +37,22 @@ NAME=${DEVICE_NAME:-h200}
 bench() {
   "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
 }
-# The scheduler settings of the 1b, 8b and 256 runs.
-tuned=(--decode-window "${WINDOW:-1}" --pipeline-depth "${DEPTH:-2}")
 
 setup
 report
 mkdir -p "$RESULTS"
+# The scheduler settings of the 1b, 8b and 256 runs; WINDOW=best takes
+# those of the sweep that come closest to the targets of both
+# batches (64 x: 25,000 output tok/s, 256 x: 40,000), from RESULTS or, when
+# not there (a device's output folder starts empty), the committed results.
+if [[ "${WINDOW:-1}" == best ]]; then
+  swept=$RESULTS/serve-sweep-$NAME.json
+  [[ -e "$swept" ]] || swept=tests/benchmarks/results/serve-sweep-$NAME.json
+  best=$("$PYTHON" -m pagedkv.scheduler.bench.serving.sweep "$swept" 64=25000 256=40000)
+  read -r WINDOW DEPTH <<<"$best"
+  echo "run-serve-bench: the sweep's best setting: --decode-window $WINDOW --pipeline-depth $DEPTH"
+fi
+tuned=(--decode-window "${WINDOW:-1}" --pipeline-depth "${DEPTH:-2}")
 case "${1:-1b}" in
   1b)
     bench --preset llama-1.1b --rates 4,16,64,inf --num-requests 160 \

@@ -3,12 +3,13 @@
 Drives the service's own step code, ``ExecutorScheduler.schedule()`` then
 ``process()`` and the generations' ``flush()`` (what ``SchedulerService``'s
 step loop runs per step), with a synthetic ``StepResponse`` built from each
-step message (one token sampled per entry that asks for one), two steps in
-flight as in the service. Reports microseconds of scheduler CPU per running
-request per step (the median step once every request decodes; the best
-step too, the one least disturbed by a loaded machine).
+step message (one token sampled per entry that asks for one; a round of
+samples per step of a decode window), two steps in flight as in the service.
+Reports microseconds of scheduler CPU per running request per decode step
+(the median step once every request decodes, divided by its decode steps;
+the best step too, the one least disturbed by a loaded machine).
 
-    python -m pagedkv.scheduler.bench.steps --requests 64 256
+    python -m pagedkv.scheduler.bench.steps --requests 64 256 [--decode-window 8]
 """
 
 from __future__ import annotations
@@ -58,13 +59,17 @@ def executor_info(num_blocks: int, max_num_rows: int) -> executor_pb2.GetInfoRes
 
 
 def response_for(message: executor_pb2.StepRequest, token_id: int) -> executor_pb2.StepResponse:
-    """What an executor answers: a token for every entry that asks for a sample."""
+    """What an executor answers: a token for every entry that asks for a
+    sample, in each step of a window."""
     rows = [r.row for r in message.new_requests] + list(message.rows)
     sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
+    num_steps = max(1, message.num_decode_steps)
+    tokens = [(token_id + j + row) % VOCAB_SIZE for j in range(num_steps) for row in sampled]
+    sampled *= num_steps
     return executor_pb2.StepResponse(
         step_id=message.step_id,
         sampled_rows=sampled,
-        sampled_token_ids=[(token_id + row) % VOCAB_SIZE for row in sampled],
+        sampled_token_ids=tokens,
         sampled_logprobs=[-1.0] * len(sampled),
         num_top_logprobs=[0] * len(sampled),
     )
@@ -101,11 +106,13 @@ def measure(
     prompt_len: int,
     num_steps: int,
     tokenizer: TextTokenizer | None,
+    decode_window: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Scheduler CPU per running request per decode step, ``num_requests`` running."""
+    """Scheduler CPU per running request per decode step, ``num_requests``
+    running, ``num_steps`` step messages (windows of up to ``decode_window``)."""
     rng = random.Random(seed)
-    max_tokens = num_steps + 16
+    max_tokens = num_steps * decode_window + 16
     blocks_each = -(-(prompt_len + max_tokens + 2) // BLOCK_SIZE) + 1
     scheduler = ExecutorScheduler(
         "bench",
@@ -113,6 +120,7 @@ def measure(
         common_pb2.Owner(owner_id="bench", epoch=1),
         max_num_seqs=num_requests,
         max_num_batched_tokens=8192,
+        decode_window=decode_window,
     )
     generations = []
     for key in range(num_requests):
@@ -150,7 +158,7 @@ def measure(
                 gen.chunks.get_nowait()
         decoding = all(num == 1 for num in step.num_scheduled)
         if decoding and len(step.num_scheduled) == num_requests:
-            step_s.append(busy)
+            step_s.append(busy / max(1, step.request.num_decode_steps))
     if not step_s:
         raise RuntimeError("no step had every request decoding")
     report = scheduler.kv.check_integrity()
@@ -163,6 +171,7 @@ def measure(
         "us_per_request_per_step": median / num_requests * 1e6,
         "best_us_per_request_per_step": min(step_s) / num_requests * 1e6,
         "text": tokenizer is not None,
+        "decode_window": decode_window,
     }
 
 
@@ -172,12 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tokenizer", type=Path, help="a model dir with tokenizer.json")
+    parser.add_argument("--decode-window", type=int, default=1, help="as the scheduler's")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     tokenizer = TextTokenizer.from_model_dir(args.tokenizer) if args.tokenizer else None
     for num_requests in args.requests:
         result = measure(
-            num_requests, prompt_len=args.prompt_len, num_steps=args.steps, tokenizer=tokenizer
+            num_requests,
+            prompt_len=args.prompt_len,
+            num_steps=args.steps,
+            tokenizer=tokenizer,
+            decode_window=args.decode_window,
         )
         text = "on" if result["text"] else "off"
         if args.json:
@@ -185,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(
                 f"{num_requests} running: {result['us_per_request_per_step']:.2f} us per request "
-                f"per step, median ({result['us_per_step_median']:.0f} us per step; best "
-                f"{result['best_us_per_request_per_step']:.2f} us per request; text {text})"
+                f"per decode step, median ({result['us_per_step_median']:.0f} us per decode "
+                f"step; best {result['best_us_per_request_per_step']:.2f} us per request; "
+                f"text {text}; decode window {args.decode_window})"
             )
     return 0
 

@@ -17,7 +17,9 @@ serve`` without ``--sweep``.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -123,3 +125,41 @@ def markdown_lines(sweep: dict[str, Any]) -> list[str]:
                 f"{t['cpu_use']['executor']:.2f} |"
             )
     return lines
+
+
+def best_setting(sweep: dict[str, Any], targets: dict[int, float]) -> Setting:
+    """The setting whose worst batch comes closest to its target: the
+    largest of min(output tok/s / target) over the batches with a target
+    (``targets``: batch size -> output tok/s)."""
+
+    def score(run: dict[str, Any]) -> float:
+        ratios = [
+            b["pagedkv"]["output_tokens_per_s"] / targets[b["batch"]]
+            for b in run["fixed_batches"]
+            if b["batch"] in targets
+        ]
+        if not ratios:
+            raise ValueError(f"no batch of the sweep has a target ({sorted(targets)})")
+        return min(ratios)
+
+    best = max(sweep["runs"], key=score)
+    return Setting(**best["setting"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedkv.scheduler.bench.serving.sweep REPORT.json
+    BATCH=TOK_S ...`` prints the best setting of a sweep's report as
+    ``WINDOW DEPTH`` (for the GPU recipe's next runs)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    report = json.loads(Path(args[0]).read_text())
+    targets = {int(k): float(v) for k, v in (a.split("=") for a in args[1:])}
+    setting = best_setting(report["sweep"], targets)
+    print(setting.decode_window, setting.pipeline_depth)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
