@@ -134,7 +134,7 @@ def best_setting(sweep: dict[str, Any], targets: dict[int, float]) -> Setting:
 
     def score(run: dict[str, Any]) -> float:
         ratios = [
-            b["pagedkv"]["output_tokens_per_s"] / targets[b["batch"]]
+            float(b["pagedkv"]["output_tokens_per_s"]) / targets[b["batch"]]
             for b in run["fixed_batches"]
             if b["batch"] in targets
         ]
