@@ -70,3 +70,61 @@ def test_pagedkv_cli_lists_the_installed_commands() -> None:
         text=True,
     )
     assert "blocks" in out.stdout
+
+
+ROW_STATE = {
+    "live",
+    "num_tokens",
+    "num_blocks",
+    "pending_sample",
+    "block_tables",
+    "token_ids",
+    "last_sampled",
+    "sampling",
+    "request_ids",
+    "row_of_request",
+    "sampling_version",
+}
+
+
+def _row_state_writes(source: str) -> list[str]:
+    """Assignments (plain, augmented or by index) to a ``rows.X`` of the
+    executor's row state, and in-place tensor calls on one."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr.endswith("_")
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in ROW_STATE
+                and isinstance(target.value, ast.Attribute | ast.Name)
+                and (getattr(target.value, "attr", None) or getattr(target.value, "id", ""))
+                == "rows"
+            ):
+                found.append(f"line {node.lineno}: rows.{target.attr}")
+    return found
+
+
+def test_only_rows_py_writes_the_executors_row_state() -> None:
+    executor = REPO / "services" / "executor" / "pagedkv" / "executor"
+    writes = {
+        path.name: found
+        for path in sorted(executor.glob("*.py"))
+        if path.name != "rows.py" and (found := _row_state_writes(path.read_text()))
+    }
+    assert writes == {}
+    assert _row_state_writes("runner.rows.pending_sample[r] = True\nrows.block_tables.zero_()\n")

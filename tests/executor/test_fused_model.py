@@ -45,9 +45,8 @@ def make_runner(
         fused_ops=fused,
     )
     runner = ModelRunner(config)
-    for g in range(len(runner.groups)):  # row r holds blocks 1 + 4r .. 4 + 4r
-        ids = 1 + torch.arange(2 * BLOCKS_PER_ROW, dtype=torch.int32).view(2, BLOCKS_PER_ROW)
-        runner.rows.block_tables[g, :2, :BLOCKS_PER_ROW] = ids.to(runner.device)
+    # Row r holds blocks 1 + 4r .. 4 + 4r in every group.
+    runner.rows.fill_tables(1 + np.arange(2 * BLOCKS_PER_ROW).reshape(2, BLOCKS_PER_ROW))
     tokens = np.random.default_rng(0).integers(0, 256, size=(2, 30))
     rows = np.repeat([0, 1], 30)
     runner.rows.write_tokens(rows, np.tile(np.arange(30), 2), tokens.reshape(-1))
@@ -64,7 +63,9 @@ def step_logits(runner: ModelRunner) -> list[torch.Tensor]:
     ]
     logits = []
     for step_rows, computed, scheduled in steps:
-        inputs = runner.prepare(step_rows, computed, scheduled, np.ones(len(step_rows), bool))
+        inputs = runner.forward_inputs.prepare(
+            step_rows, computed, scheduled, np.ones(len(step_rows), bool)
+        )
         out = runner.logits(inputs)
         assert out is not None
         logits.append(out)

@@ -94,7 +94,7 @@ def _decode_request(executor: Any, step_id: int) -> Any:
     live = np.flatnonzero(rows.live)
     # Every timed step decodes at the same context: the rows' histories are
     # rewound to CONTEXT tokens (the next token overwrites the last one's KV).
-    rows.num_tokens[live] = CONTEXT
+    rows.set_num_tokens(live, CONTEXT)
     lengths = rows.num_tokens[live]
     return executor_pb2.StepRequest(
         owner=_owner(),
@@ -123,8 +123,7 @@ def check_logits(executor: Any, prompts: np.ndarray, num_decodes: int = 4) -> di
     tokens = torch.from_numpy(prompts).to(runner.device)
     block_size = runner.config.block_size
     blocks = -(-(prompts.shape[1] + num_decodes + 1) // block_size)
-    ids = 1 + torch.arange(len(rows) * blocks, device=runner.device).view(len(rows), blocks)
-    runner.rows.block_tables[0, : len(rows), :blocks] = ids.to(torch.int32)
+    runner.rows.fill_tables(1 + rows[:, None] * blocks + np.arange(blocks))
     errors = {"ours": 0.0, "hf_bf16": 0.0}
     agree = {"ours": 0, "hf_bf16": 0}
     total = 0
@@ -132,8 +131,12 @@ def check_logits(executor: Any, prompts: np.ndarray, num_decodes: int = 4) -> di
         seq_len = tokens.shape[1]
         computed = np.full(len(rows), 0 if step == 0 else seq_len - 1)
         scheduled = np.full(len(rows), seq_len if step == 0 else 1)
-        runner.rows.token_ids[: len(rows), :seq_len] = tokens
-        inputs = runner.prepare(rows, computed, scheduled, np.ones(len(rows), bool))
+        runner.rows.write_tokens(
+            np.repeat(rows, seq_len),
+            np.tile(np.arange(seq_len), len(rows)),
+            tokens.cpu().numpy().reshape(-1),
+        )
+        inputs = runner.forward_inputs.prepare(rows, computed, scheduled, np.ones(len(rows), bool))
         logits = {"ours": runner.logits(inputs)}
         with torch.inference_mode():
             model.set_attn_implementation("sdpa")
@@ -148,6 +151,7 @@ def check_logits(executor: Any, prompts: np.ndarray, num_decodes: int = 4) -> di
         total += len(rows)
         tokens = torch.cat([tokens, exact.argmax(-1, keepdim=True)], dim=1)
     del reference
+    runner.rows.clear_tables()
     torch.cuda.empty_cache()
     return {
         "sequences": len(rows),
@@ -193,19 +197,21 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         plan = plan_message(request, runner.rows, runner.limits)
-        executor._apply(plan)
+        runner.rows.apply(plan)
         t1 = time.perf_counter()
-        inputs = runner.prepare(plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample)
+        inputs = runner.forward_inputs.prepare(
+            plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample
+        )
         t2 = time.perf_counter()
         logits = runner.logits(inputs)
         t3 = time.perf_counter()
-        params = runner._sampling_params(plan.rows[plan.needs_sample], inputs.sample_positions)
+        host_rows = plan.rows[plan.needs_sample]
+        params = runner._sampling_params(host_rows, inputs.sample_positions)
         result = sample(logits, params, runner.generator)
-        runner.rows.last_sampled[inputs.sampled_rows] = result.token_ids
+        runner.rows.record_samples(host_rows, inputs.sampled_rows, result.token_ids)
         t4 = time.perf_counter()
         result.token_ids.tolist()
         t5 = time.perf_counter()
-        runner.rows.pending_sample[plan.rows] = True
         for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             phases[key].append(value * 1e6)
     runner.graphs = graphs
@@ -218,11 +224,10 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         plan = plan_message(request, runner.rows, runner.limits)
-        executor._apply(plan)
-        result = runner.run(plan)
+        runner.rows.apply(plan)
+        runner.run(plan)
         end.record()
         end.synchronize()
-        runner.rows.pending_sample[plan.rows] = True
         gpu.append(begin.elapsed_time(end) * 1000)
     median = statistics.median
     return {

@@ -90,24 +90,16 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner
         rows, raw_positions = self.inputs[0, :size], self.inputs[1, :size]
-        padding = raw_positions < 0
         positions = raw_positions.clamp(min=0)
-        query_start_loc = self.query_start_loc[: size + 1]
-        block_tables = tuple(
-            runner.rows.block_tables[g].index_select(0, rows) for g in range(len(runner.groups))
-        )
-        slot_mappings = tuple(
-            runner.backend.compute_slot_mapping(
-                query_start_loc, positions, table, runner.config.block_size, 1
-            ).masked_fill_(padding, -1)
-            for table in block_tables
-        )
-        meta = runner.metadata(
-            block_tables,
-            slot_mappings,
+        input_ids, meta = runner.forward_inputs.build(
+            rows,
+            rows,
+            positions,
             (positions + 1).to(torch.int32),
-            query_start_loc,
+            self.query_start_loc[: size + 1],
+            num_columns=runner.max_blocks_per_row,
             max_query_len=1,
             max_seq_len=runner.spec.max_model_len,
+            padding=raw_positions < 0,
         )
-        return runner.run_model(runner.rows.token_ids[rows, positions], positions, meta, None)
+        return runner.run_model(input_ids, positions, meta, None)

@@ -51,7 +51,7 @@ from pagedkv.executor.launched import (
 )
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.sampler import SamplerOutput
-from pagedkv.executor.step_plan import StepPlan, plan_copies, plan_message
+from pagedkv.executor.step_plan import plan_copies, plan_message
 from pagedkv.v1 import common_pb2, executor_pb2
 
 log = get_logger(__name__)
@@ -237,29 +237,11 @@ class Executor:
 
     # -- mutations ------------------------------------------------------------
 
-    def _apply(self, plan: StepPlan) -> None:
-        rows = self.runner.rows
-        rows.free(plan.freed_rows)
-        for new in plan.new_rows:
-            rows.add(new.row, new.request_id, new.sampling)
-        rows.set_tables(
-            plan.table_groups,
-            plan.table_rows,
-            plan.table_columns,
-            plan.table_block_ids,
-            plan.table_lengths,
-        )
-        rows.append_samples(plan.continue_rows, plan.continue_positions)
-        rows.write_tokens(plan.token_rows, plan.token_positions, plan.token_values)
-        rows.pending_sample[plan.continue_rows] = False
-        rows.pending_sample[np.unique(plan.token_rows)] = False
-        rows.num_tokens[plan.history_rows] = plan.history_lengths
-
     def allocate(self, request: executor_pb2.AllocateRequest) -> executor_pb2.AllocateResponse:
         with self.lock:
             self.check_owner(request.owner)
             plan = plan_message(request, self.runner.rows, self.runner.limits)
-            self._apply(plan)
+            self.runner.rows.apply(plan)
         return executor_pb2.AllocateResponse()
 
     def free(self, request: executor_pb2.FreeRequest) -> executor_pb2.FreeResponse:
@@ -319,7 +301,7 @@ class Executor:
                     tags.untag(plan.untag_block_ids)
                 if len(plan.copies):
                     tags.untag([BlockId(b) for b in plan.copies[:, 1].tolist()])
-            self._apply(plan)
+            self.runner.rows.apply(plan)
             start = device_clock(runner.device)
             result = runner.run(plan)
             samples = None
@@ -327,7 +309,6 @@ class Executor:
             if plan.num_steps > 1:  # a decode window: its steps' samples, in turn
                 sampled_rows = np.tile(sampled_rows, plan.num_steps)
             if result is not None:
-                runner.rows.pending_sample[sampled_rows] = True
                 samples = HostSamples(result, self._num_logprobs(sampled_rows, result))
             self._num_launched += 1
             launched = LaunchedStep(

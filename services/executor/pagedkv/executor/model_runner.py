@@ -19,6 +19,7 @@ import torch
 from pagedkv.common.logging import get_logger
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.fused_model import FusedDecoder, unsupported_reason
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
@@ -68,18 +69,6 @@ class RunnerConfig:
                 raise ValueError(f"{name}: must be positive")
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardInputs:
-    """What one packed forward reads, on the device (plus host sample positions)."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    sample_index: torch.Tensor  # [num_samples]: packed index of each sampled token
-    sample_positions: np.ndarray  # [num_samples]: position of the token to sample
-    sampled_rows: torch.Tensor  # [num_samples]
-    metadata: attention.AttentionMetadata
-
-
 # CPU fallback when --num-blocks is not given (no device memory to measure).
 DEFAULT_CPU_NUM_BLOCKS = 2048
 
@@ -123,6 +112,9 @@ class ModelRunner:
         self._params_cache: tuple[tuple[int, bytes], SamplingParamsBatch] | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
+        self.forward_inputs = InputBuilder(
+            self.rows, self.kv, self.groups, self.backend, config.block_size, self.spec.softcap
+        )
         self.limits = Limits(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -210,11 +202,7 @@ class ModelRunner:
         if 1 + num_seqs * blocks_per_seq > num_blocks:
             return
         rows = np.arange(num_seqs, dtype=np.int64)
-        for g in range(len(self.groups)):
-            ids = 1 + np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq)
-            self.rows.block_tables[g, :num_seqs, :blocks_per_seq] = torch.from_numpy(ids).to(
-                self.device, torch.int32
-            )
+        self.rows.fill_tables(1 + rows[:, None] * blocks_per_seq + np.arange(blocks_per_seq))
         state = self.generator.get_state()
         for computed, scheduled in ((0, seq_len - 1), (seq_len - 1, 1)):
             self.forward(
@@ -224,7 +212,8 @@ class ModelRunner:
                 np.ones(num_seqs, dtype=bool),
             )
         self.generator.set_state(state)
-        self.rows.block_tables.zero_()
+        self.rows.free(rows.tolist())  # the scratch rows' samples
+        self.rows.clear_tables()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -285,108 +274,17 @@ class ModelRunner:
             logits, sampled_rows = self.graphs.run(rows, num_computed)
             sample_positions = num_computed + 1
         else:
-            inputs = self.prepare(rows, num_computed, num_scheduled, needs_sample)
+            inputs = self.forward_inputs.prepare(rows, num_computed, num_scheduled, needs_sample)
             maybe_logits = self.logits(inputs)
             if maybe_logits is None:
                 return None
             logits, sampled_rows = maybe_logits, inputs.sampled_rows
             sample_positions = inputs.sample_positions
-        params = self._sampling_params(rows[needs_sample], sample_positions)
+        host_rows = rows[needs_sample]
+        params = self._sampling_params(host_rows, sample_positions)
         result = sample(logits, params, self.generator)
-        self.rows.last_sampled[sampled_rows] = result.token_ids
+        self.rows.record_samples(host_rows, sampled_rows, result.token_ids)
         return result
-
-    def prepare(
-        self,
-        rows: np.ndarray,
-        num_computed: np.ndarray,
-        num_scheduled: np.ndarray,
-        needs_sample: np.ndarray,
-    ) -> ForwardInputs:
-        """The device inputs and attention metadata of one packed forward."""
-        device, block_size = self.device, self.config.block_size
-        num_seqs = len(rows)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        positions = np.repeat(num_computed - query_start_loc[:-1], num_scheduled) + np.arange(
-            num_tokens
-        )
-        seq_lens = num_computed + num_scheduled
-        max_seq_len = int(seq_lens.max())
-        sample_index = query_start_loc[1:][needs_sample] - 1
-        sampled_rows = rows[needs_sample]
-        # One host-to-device copy for every index vector of the step.
-        host = np.concatenate(
-            [
-                rows,
-                np.repeat(rows, num_scheduled),
-                positions,
-                seq_lens,
-                query_start_loc,
-                sample_index,
-                sampled_rows,
-            ]
-        )
-        sizes = [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1]
-        sizes += [len(sample_index)] * 2
-        packed = to_device(host, device)
-        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = (
-            torch.split(packed, sizes)
-        )
-        qsl_t = qsl_t.to(torch.int32)
-        num_columns = -(-max_seq_len // block_size)
-        block_tables = tuple(
-            self.rows.block_tables[g, rows_t, :num_columns].contiguous()
-            for g in range(len(self.groups))
-        )
-        max_query_len = int(num_scheduled.max())
-        slot_mappings = tuple(
-            self.backend.compute_slot_mapping(qsl_t, positions_t, table, block_size, max_query_len)
-            for table in block_tables
-        )
-        meta = self.metadata(
-            block_tables,
-            slot_mappings,
-            seq_lens_t.to(torch.int32),
-            qsl_t,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-        )
-        return ForwardInputs(
-            input_ids=self.rows.token_ids[token_rows_t, positions_t],
-            positions=positions_t,
-            sample_index=sample_index_t,
-            sample_positions=seq_lens[needs_sample],
-            sampled_rows=sampled_t,
-            metadata=meta,
-        )
-
-    def metadata(
-        self,
-        block_tables: tuple[torch.Tensor, ...],
-        slot_mappings: tuple[torch.Tensor, ...],
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        *,
-        max_query_len: int,
-        max_seq_len: int,
-    ) -> attention.AttentionMetadata:
-        """A forward's attention metadata over this runner's KV memory."""
-        return attention.AttentionMetadata(
-            backend=self.backend,
-            key_caches=self.kv.key_caches,
-            value_caches=self.kv.value_caches,
-            layer_groups=tuple(self.kv.layer_groups),
-            group_windows=tuple(g.spec.sliding_window for g in self.groups),
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            softcap=self.spec.softcap,
-        )
 
     def logits(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """Runs the model; float32 logits ``[num_samples, vocab_size]`` at the

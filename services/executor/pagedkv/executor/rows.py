@@ -7,18 +7,26 @@ Device side: the block tables, the token histories and the last sampled token
 of every row, so that a step never waits for the host to learn a sample
 (async stepping appends it on the device).
 
-Only ``Rows`` methods mutate this state, and only after a ``StepPlan`` has
-validated the whole message (see step_plan.py).
+Only ``Rows`` methods mutate this state: ``apply`` makes a validated
+``StepPlan``'s changes (see step_plan.py; the engine calls it), and
+``record_samples`` keeps a forward's samples (the model runner calls it).
+The forward's inputs read the device side (forward_inputs.py). Scratch
+tables for warm-up forwards, benchmarks and tests go through
+``fill_tables`` and ``clear_tables``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedkv.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from pagedkv.executor.step_plan import StepPlan
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -85,6 +93,55 @@ class Rows:
             (max_num_rows, max_model_len), dtype=torch.int64, device=device
         )
         self.last_sampled = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
+
+    def apply(self, plan: StepPlan) -> None:
+        """A validated step's (or allocation's) changes, in order: freed rows,
+        new rows, table changes, last samples appended and host tokens
+        written (those rows' samples are no longer pending), history
+        lengths."""
+        self.free(plan.freed_rows)
+        for new in plan.new_rows:
+            self.add(new.row, new.request_id, new.sampling)
+        self.set_tables(
+            plan.table_groups,
+            plan.table_rows,
+            plan.table_columns,
+            plan.table_block_ids,
+            plan.table_lengths,
+        )
+        self.append_samples(plan.continue_rows, plan.continue_positions)
+        self.write_tokens(plan.token_rows, plan.token_positions, plan.token_values)
+        self.pending_sample[plan.continue_rows] = False
+        self.pending_sample[np.unique(plan.token_rows)] = False
+        self.num_tokens[plan.history_rows] = plan.history_lengths
+
+    def record_samples(
+        self, rows: np.ndarray, device_rows: torch.Tensor, token_ids: torch.Tensor
+    ) -> None:
+        """A forward's samples: ``token_ids`` become the last samples of
+        ``rows`` (``device_rows`` is the same rows on the device), pending
+        until a step appends them."""
+        self.last_sampled[device_rows] = token_ids
+        self.pending_sample[rows] = True
+
+    def fill_tables(self, block_ids: np.ndarray) -> None:
+        """Rows ``0 .. n - 1`` of every group hold ``block_ids`` (``[n,
+        num_blocks]``) from their first column: scratch tables for warm-up
+        forwards, benchmarks and tests."""
+        num_rows, num_blocks = block_ids.shape
+        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int32))
+        self.block_tables[:, :num_rows, :num_blocks] = ids.to(self.device)
+        self.num_blocks[:, :num_rows] = num_blocks
+
+    def clear_tables(self) -> None:
+        """Every table empty (after scratch tables)."""
+        self.block_tables.zero_()
+        self.num_blocks[:] = 0
+
+    def set_num_tokens(self, rows: np.ndarray, num_tokens: np.ndarray | int) -> None:
+        """Sets the rows' history lengths (a benchmark rewinds them to time
+        steps at one context)."""
+        self.num_tokens[rows] = num_tokens
 
     def free(self, rows: list[int]) -> None:
         """Forgets the rows (live or not): tables, histories and pending samples."""

@@ -1,0 +1,157 @@
+"""A packed forward's device inputs: the one builder of the eager path and of
+the CUDA graphs.
+
+``InputBuilder.build`` turns a forward's index vectors on the device (each
+entry's row, each token's row and position, the entries' sequence lengths
+and query starts) into the input token ids, read from the rows' histories,
+and the attention metadata: each group's block tables gathered for the
+entries, the slot mappings, the caches. The eager path (``prepare``)
+computes the index vectors on the host and sends them in one copy; the CUDA
+graphs (cuda_graphs.py) run ``build`` inside their capture on their static
+input buffer, with padding entries whose slots are -1. Reads ``Rows``,
+changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.executor.attention import AttentionMetadata
+from pagedkv.executor.kv_memory import KVMemory
+from pagedkv.executor.model_spec import KVCacheGroup
+from pagedkv.executor.rows import Rows, to_device
+from pagedkv.kernels.backend import KernelBackend
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """What one packed forward reads, on the device (plus host sample positions)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    sample_index: torch.Tensor  # [num_samples]: packed index of each sampled token
+    sample_positions: np.ndarray  # [num_samples]: position of the token to sample
+    sampled_rows: torch.Tensor  # [num_samples]
+    metadata: AttentionMetadata
+
+
+class InputBuilder:
+    """The forward inputs over one executor's rows and KV memory."""
+
+    def __init__(
+        self,
+        rows: Rows,
+        kv: KVMemory,
+        groups: tuple[KVCacheGroup, ...],
+        backend: KernelBackend,
+        block_size: int,
+        softcap: float | None,
+    ) -> None:
+        self.rows = rows
+        self.kv = kv
+        self.backend = backend
+        self.block_size = block_size
+        self.softcap = softcap
+        self.num_groups = len(groups)
+        self.group_windows = tuple(g.spec.sliding_window for g in groups)
+
+    def build(
+        self,
+        rows: torch.Tensor,  # int64 [num_seqs]: each entry's row
+        token_rows: torch.Tensor,  # int64 [num_tokens]: each token's row
+        positions: torch.Tensor,  # int64 [num_tokens]
+        seq_lens: torch.Tensor,  # int32 [num_seqs]: tokens of each entry after the forward
+        query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+        *,
+        num_columns: int,  # block-table columns to gather (covers max_seq_len)
+        max_query_len: int,
+        max_seq_len: int,
+        padding: torch.Tensor | None = None,  # bool [num_tokens]: tokens that write no K/V
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The input token ids ``[num_tokens]`` and the attention metadata."""
+        block_tables = tuple(
+            self.rows.block_tables[g, :, :num_columns].index_select(0, rows)
+            for g in range(self.num_groups)
+        )
+        slot_mappings = []
+        for table in block_tables:
+            mapping = self.backend.compute_slot_mapping(
+                query_start_loc, positions, table, self.block_size, max_query_len
+            )
+            if padding is not None:
+                mapping.masked_fill_(padding, -1)
+            slot_mappings.append(mapping)
+        meta = AttentionMetadata(
+            backend=self.backend,
+            key_caches=self.kv.key_caches,
+            value_caches=self.kv.value_caches,
+            layer_groups=tuple(self.kv.layer_groups),
+            group_windows=self.group_windows,
+            block_tables=block_tables,
+            slot_mappings=tuple(slot_mappings),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            softcap=self.softcap,
+        )
+        return self.rows.token_ids[token_rows, positions], meta
+
+    def prepare(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+    ) -> ForwardInputs:
+        """The eager path: tokens ``[c, c + s)`` of each of ``rows``; the
+        index vectors go to the device in one copy."""
+        num_seqs = len(rows)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        positions = np.repeat(num_computed - query_start_loc[:-1], num_scheduled) + np.arange(
+            num_tokens
+        )
+        seq_lens = num_computed + num_scheduled
+        max_seq_len = int(seq_lens.max())
+        sample_index = query_start_loc[1:][needs_sample] - 1
+        sampled_rows = rows[needs_sample]
+        host = np.concatenate(
+            [
+                rows,
+                np.repeat(rows, num_scheduled),
+                positions,
+                seq_lens,
+                query_start_loc,
+                sample_index,
+                sampled_rows,
+            ]
+        )
+        sizes = [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1]
+        sizes += [len(sample_index)] * 2
+        packed = to_device(host, self.rows.device)
+        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = (
+            torch.split(packed, sizes)
+        )
+        input_ids, meta = self.build(
+            rows_t,
+            token_rows_t,
+            positions_t,
+            seq_lens_t.to(torch.int32),
+            qsl_t.to(torch.int32),
+            num_columns=-(-max_seq_len // self.block_size),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+        )
+        return ForwardInputs(
+            input_ids=input_ids,
+            positions=positions_t,
+            sample_index=sample_index_t,
+            sample_positions=seq_lens[needs_sample],
+            sampled_rows=sampled_t,
+            metadata=meta,
+        )

@@ -1,0 +1,90 @@
+"""The one builder of forward inputs: a CUDA graph's decode forward (run here
+without capture, on the CPU) gives the eager path's logits for the same
+entries, and its padding entries write no K/V."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.tiny_model import make_tiny_model
+
+BLOCKS_PER_ROW = 4
+PROMPT_LEN = 21
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    model = Path(tmp_path_factory.mktemp("model"))
+    make_tiny_model(model, "llama", seed=5)
+    config = RunnerConfig(
+        model=str(model),
+        device="cpu",
+        kernel_backend="torch",
+        num_blocks=1 + 3 * BLOCKS_PER_ROW,
+        max_num_rows=4,
+        max_num_batched_tokens=64,
+    )
+    runner = ModelRunner(config)
+    rows = np.arange(3)
+    runner.rows.fill_tables(1 + rows[:, None] * BLOCKS_PER_ROW + np.arange(BLOCKS_PER_ROW))
+    tokens = np.random.default_rng(1).integers(3, 200, size=(3, PROMPT_LEN + 1))
+    positions = np.tile(np.arange(PROMPT_LEN + 1), 3)
+    runner.rows.write_tokens(np.repeat(rows, PROMPT_LEN + 1), positions, tokens.reshape(-1))
+    inputs = runner.forward_inputs.prepare(
+        rows, np.zeros(3, np.int64), np.full(3, PROMPT_LEN), np.ones(3, bool)
+    )
+    assert runner.logits(inputs) is not None  # the prompts' K/V are in the cache
+    return runner
+
+
+def _graph_forward(runner: ModelRunner, rows: list[int], positions: list[int]) -> torch.Tensor:
+    """A decode graph's forward at size 4, eagerly: the entries, then padding."""
+    graphs = object.__new__(DecodeGraphs)
+    graphs.runner = runner
+    graphs.inputs = torch.full((2, 4), -1, dtype=torch.int64)
+    graphs.inputs[0, : len(rows)] = torch.tensor(rows)
+    graphs.inputs[0, len(rows) :] = 0
+    graphs.inputs[1, : len(positions)] = torch.tensor(positions)
+    graphs.query_start_loc = torch.arange(5, dtype=torch.int32)
+    return graphs._forward(4)
+
+
+def test_a_graph_decode_gives_the_eager_logits_and_its_padding_writes_no_kv(
+    runner: ModelRunner,
+) -> None:
+    rows = np.array([2, 1])
+    inputs = runner.forward_inputs.prepare(
+        rows, np.full(2, PROMPT_LEN), np.ones(2, np.int64), np.ones(2, bool)
+    )
+    eager = runner.logits(inputs)
+    assert eager is not None
+    # Padding entries read row 0 at position 0: had they written K/V, it
+    # would land in row 0's first slot (block 1, offset 0), marked here.
+    caches = runner.kv.key_caches + runner.kv.value_caches
+    for cache in caches:
+        cache[1, 0] = 123.0
+    graph = _graph_forward(runner, [2, 1], [PROMPT_LEN, PROMPT_LEN])
+    assert graph.shape[0] == 4
+    torch.testing.assert_close(graph[:2].float(), eager, atol=1e-5, rtol=1e-5)
+    for cache in caches:
+        assert bool((cache[1, 0] == 123.0).all())
+
+
+def test_eager_inputs_gather_only_the_columns_the_longest_entry_needs(
+    runner: ModelRunner,
+) -> None:
+    inputs = runner.forward_inputs.prepare(
+        np.array([1]), np.array([0]), np.array([5]), np.ones(1, bool)
+    )
+    (table,) = inputs.metadata.block_tables
+    assert table.tolist() == [[1 + BLOCKS_PER_ROW]]  # 5 tokens: one block of row 1
+    assert inputs.metadata.slot_mappings[0].tolist() == [
+        (1 + BLOCKS_PER_ROW) * runner.config.block_size + i for i in range(5)
+    ]
+    assert inputs.input_ids.tolist() == runner.rows.token_ids[1, :5].tolist()
