@@ -112,6 +112,22 @@ class Sequence:
             return _LENGTH
         return reason
 
+    def stop_index(self, tokens: list[int]) -> tuple[int, int | None]:
+        """``stop_reason`` of each of ``tokens`` appended in turn, at once
+        (nothing is appended): the index of the first that stops the
+        sequence and its reason, or ``(len(tokens), None)``."""
+        # The token that reaches max_num_tokens stops it by length (the first
+        # always checks, as stop_reason would after appending it).
+        at_length = max(self.max_num_tokens - len(self.request.token_ids) - 1, 0)
+        stops = self.generation.stop_reasons
+        if stops and not stops.keys().isdisjoint(tokens):
+            for i, token in enumerate(tokens[: at_length + 1]):
+                if token in stops:
+                    return i, stops[token]
+        if at_length < len(tokens):
+            return at_length, _LENGTH
+        return len(tokens), None
+
     def finish(
         self, reason: int, stop_token_id: int | None = None, error_message: str = ""
     ) -> None:

@@ -9,7 +9,11 @@ groups.py). Text is not made here: a chunk's text deltas are decoded when its
 stream reads it (chunks.py).
 
 The common sample (no beam search, no logprobs, no forks to make) takes a
-short path through plain lists; the others go through ``_apply_sample``.
+short path through plain lists; the others go through ``_apply_sample``. A
+decode window's samples (one round per step, each round in entry order) are
+applied per sequence instead: a plain sequence's tokens of every round go in
+at once, cut at the first that stops it (``Sequence.stop_index``, the same
+check token by token); the others' samples one by one, round after round.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedkv.scheduler.groups import beam_round, fork_samples
-from pagedkv.scheduler.sequence import Generation, Sequence, SequenceState
+from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import ScheduledStep
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 
@@ -49,6 +53,9 @@ def apply_outputs(
             f"step {response.step_id}: the response has {len(tokens)} samples, "
             f"the step asked for {len(sampled)}"
         )
+    num_steps = step.request.num_decode_steps
+    if num_steps > 1:
+        return _apply_window(scheduler, sampled, tokens, response, num_steps)
     touched: set[Generation] = set()
     beams: set[Generation] = set()
     errors: list[tuple[Generation, Exception]] = []
@@ -86,6 +93,55 @@ def apply_outputs(
             if beam_round(scheduler, generation):
                 add(generation)
         except Exception as exc:
+            errors.append((generation, exc))
+    scheduler.current = None
+    failed = {generation for generation, _ in errors}
+    return Processed(touched - failed if failed else touched, errors)
+
+
+def _apply_window(
+    scheduler: ExecutorScheduler,
+    sampled: list[tuple[Sequence, ExecutorRow]],
+    tokens: list[int],
+    response: executor_pb2.StepResponse,
+    num_steps: int,
+) -> Processed:
+    """A decode window's samples, sequence by sequence (no beams: windows
+    have none)."""
+    width = len(sampled) // num_steps
+    touched: set[Generation] = set()
+    errors: list[tuple[Generation, Exception]] = []
+    running = SequenceState.RUNNING
+    top_starts: list[int] | None = None
+    for e in range(width):
+        seq, placed = sampled[e]
+        if seq.placed is not placed or seq.state is not running:
+            continue  # aborted, preempted or moved while the window ran
+        generation = seq.generation
+        try:
+            if generation.plain:
+                window = tokens[e : len(sampled) : width]
+                end, reason = seq.stop_index(window)
+                applied = window[: end + 1] if end < len(window) else window
+                placed.inflight_samples -= len(applied)
+                seq.request.token_ids.extend(applied)
+                seq.pending_token_ids.extend(applied)
+                if reason is not None:
+                    seq.finish(reason, applied[-1] if reason == _STOP else None)
+                    scheduler.release(seq)
+                touched.add(generation)
+                continue
+            if top_starts is None:
+                top_starts = list(accumulate(response.num_top_logprobs, initial=0))
+            for k in range(e, len(sampled), width):
+                if seq.placed is not placed or seq.state is not running:
+                    break  # it stopped inside the window
+                placed.inflight_samples -= 1
+                top = slice(top_starts[k], top_starts[k + 1])
+                if _apply_sample(scheduler, seq, response, k, top):
+                    touched.add(generation)
+        except Exception as exc:
+            scheduler.current = seq
             errors.append((generation, exc))
     scheduler.current = None
     failed = {generation for generation, _ in errors}
