@@ -57,3 +57,15 @@ def test_a_block_filled_while_decoding_is_cached_before_the_request_ends() -> No
     # Tokens 4..7 fill block 1; the request still runs.
     probe = kv.make_request("p", [*request.token_ids[:8], 7])
     assert kv.get_computed_blocks(probe).num_tokens == 8
+
+
+def test_covers_says_when_a_requests_blocks_already_hold_its_next_tokens() -> None:
+    kv = manager(20)
+    request = prefilled(kv, "a", range(10), 40)  # 11 tokens; 10 computed, in 3 blocks of 4
+    blocks = kv.get_block_ids("a")
+    assert len(blocks[0]) == 3
+    assert kv.covers(request, 12) and not kv.covers(request, 13)
+    assert kv.allocate_slots(request, 0, num_lookahead_tokens=12 - 10) is not None
+    assert kv.get_block_ids("a") == blocks  # covered: nothing changed
+    assert kv.allocate_slots(request, 0, num_lookahead_tokens=13 - 10) is not None
+    assert kv.covers(request, 16) and len(kv.get_block_ids("a")[0]) == 4

@@ -380,6 +380,17 @@ class KVCacheManager:
                 updates.append((i, allocation))
         return DecodeAllocation(len(requests) - start, updates)
 
+    def covers(self, request: Request, num_tokens: int) -> bool:
+        """Whether ``request``'s own blocks already hold slots for
+        ``num_tokens`` tokens, so that ``allocate_slots`` for them would
+        change nothing: known only for one full-attention group and a request
+        that shares no block by a fork (otherwise False: ask
+        ``allocate_slots``). A decode window's entries mostly fit."""
+        fast = self._single_full
+        if fast is None or request.request_id in self._forked:
+            return False
+        return len(fast.req_to_blocks[request.request_id]) * self.block_size >= num_tokens
+
     def _allocate_one_more(self, request: Request) -> Allocation | None:
         num_new = 1 if request.num_tokens > request.num_computed_tokens else 0
         return self._allocate_slots(request, num_new, None, 1 - num_new)

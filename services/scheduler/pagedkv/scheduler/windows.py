@@ -78,8 +78,12 @@ def window_steps(scheduler: ExecutorScheduler, decisions: list[Decision]) -> int
     blocks_per_entry = -(-num_steps // kv.block_size) + 1
     if kv.pool.get_num_free_blocks() < blocks_per_entry * len(decisions):
         return 1
+    covers = kv.covers
     for i, (seq, num, allocation) in enumerate(decisions):
-        more = kv.allocate_slots(seq.request, 0, num_lookahead_tokens=num_steps)
+        request = seq.request
+        if covers(request, request.num_computed_tokens + num_steps):
+            continue  # its blocks hold the window
+        more = kv.allocate_slots(request, 0, num_lookahead_tokens=num_steps)
         if more is None:  # cannot happen with the blocks counted above
             return 1
         assert allocation is not None
