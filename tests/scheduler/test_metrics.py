@@ -103,6 +103,14 @@ def test_histograms_bucket_each_observation(metrics: SchedulerMetrics) -> None:
     assert value(metrics, f"{itl}_count") == 1
 
 
+def test_tokens_that_came_together_are_as_many_gaps(metrics: SchedulerMetrics) -> None:
+    metrics.observe_inter_token(0.08, count=8)  # a decode window's 8 tokens after 80 ms
+    itl = "pagedkv_inter_token_latency_seconds"
+    assert value(metrics, f"{itl}_count") == 8
+    assert value(metrics, f"{itl}_sum") == pytest.approx(0.08)
+    assert value(metrics, f"{itl}_bucket", le="0.01") == 8
+
+
 def test_out_of_range_values_are_internal_errors(metrics: SchedulerMetrics) -> None:
     with pytest.raises(AssertionError):
         metrics.set_kv_usage("e0", 1.5)

@@ -330,9 +330,13 @@ class SchedulerMetrics:
         """Record a request's time from arrival to its first output token."""
         self._time_to_first_token.observe(seconds)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        """Record the time between two consecutive output tokens of a request."""
-        self._inter_token_latency.observe(seconds)
+    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        """Record the time between two consecutive output tokens of a
+        request; ``count`` tokens that came together after ``seconds`` (a
+        decode window's) are ``count`` gaps of ``seconds / count``."""
+        gap = seconds / count
+        for _ in range(count):
+            self._inter_token_latency.observe(gap)
 
     def watch_cluster(self, source: ClusterSource) -> None:
         """Exposes the cluster member's state (read at each scrape)."""

@@ -458,7 +458,7 @@ class SchedulerService(ExecutorFailover):
                 raise Resync
             if not errors:
                 self._unattributed.pop(address, None)
-            self._publish(touched, scheduler, t2 - t0)
+            self._publish(touched, scheduler, t2 - t0, sent.request.num_decode_steps > 1)
             self.step_timings.append(
                 StepTiming(
                     address,
@@ -487,8 +487,16 @@ class SchedulerService(ExecutorFailover):
             await asyncio.sleep(0)  # let Generate handlers run between steps
 
     def _publish(
-        self, touched: set[Generation], scheduler: ExecutorScheduler, seconds: float
+        self,
+        touched: set[Generation],
+        scheduler: ExecutorScheduler,
+        seconds: float,
+        window: bool = False,
     ) -> None:
+        """Queues the touched generations' chunks and records the latency
+        metrics: a step gives each generation one token, a decode window
+        (``window``) each plain one up to its steps, the gap spread over
+        them."""
         now = time.monotonic()
         metrics = self.metrics
         address = scheduler.address
@@ -497,7 +505,10 @@ class SchedulerService(ExecutorFailover):
                 if generation.first_token_at is None:
                     metrics.observe_first_token(now - generation.arrival)
                 elif generation.last_token_at is not None:
-                    metrics.observe_inter_token(now - generation.last_token_at)
+                    count = 1
+                    if window and generation.plain:
+                        count = max(1, len(generation.sequences[0].pending_token_ids))
+                    metrics.observe_inter_token(now - generation.last_token_at, count)
             if generation.first_token_at is None:
                 generation.first_token_at = now
             generation.last_token_at = now
