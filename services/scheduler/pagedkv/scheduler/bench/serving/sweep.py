@@ -92,7 +92,10 @@ def run_sweep(args: argparse.Namespace, model: str, batches: list[FixedBatch]) -
                 shutil.copy(trace, root / f"setting-{i}")
             for j, row in enumerate(rows):
                 since, until = marks[2 * j], marks[2 * j + 1]
-                row["step_trace"] = step_trace.analyze(root / f"setting-{i}", since, until)
+                try:
+                    row["step_trace"] = step_trace.analyze(root / f"setting-{i}", since, until)
+                except ValueError as exc:  # too few steps to say anything
+                    row["step_trace"] = {"error": str(exc)}
             runs.append({"setting": setting._asdict(), "fixed_batches": rows})
     return {"settings": [s.label for s in settings], "runs": runs}
 
@@ -115,14 +118,18 @@ def markdown_lines(sweep: dict[str, Any]) -> list[str]:
         setting = run["setting"]
         for row in run["fixed_batches"]:
             s, t = row["pagedkv"], row["step_trace"]
+            traced = (
+                f"{t['error']} | | | |"
+                if "error" in t
+                else f"{100 * t['device_busy_fraction']:.1f}% | "
+                f"{t['wall_per_decode_step_us']:.0f} | {t['windows']} | "
+                f"{t['cpu_use']['scheduler']:.2f} / {t['cpu_use']['executor']:.2f} |"
+            )
             lines.append(
                 f"| {setting['decode_window']} | {setting['pipeline_depth']} | "
                 f"{row['batch']} x ({row['prompt_len']} -> {row['max_tokens']}) | "
                 f"{s['output_tokens_per_s']:.0f} | {s['ttft_ms']['p50']:.1f} | "
-                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} | "
-                f"{100 * t['device_busy_fraction']:.1f}% | {t['wall_per_decode_step_us']:.0f} | "
-                f"{t['windows']} | {t['cpu_use']['scheduler']:.2f} / "
-                f"{t['cpu_use']['executor']:.2f} |"
+                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} | {traced}"
             )
     return lines
 
