@@ -10,9 +10,9 @@ vocab 32000) in bf16 with random (dummy) weights.
    gRPC ``Step`` on 127.0.0.1, and through a gRPC ``StepStream`` with two
    steps in flight (as a scheduler drives it): wall time per step, the
    host's phases without graphs (validation and row updates, metadata, the
-   model's launches, sampling, the wait for the tokens), and the GPU time of
+   model's launches, sampling, the wait for the tokens), the GPU time of
    the same work with the host out of the way (the GPU spins while the host
-   enqueues).
+   enqueues), and that time by kernel (torch profiler).
 
 Writes a JSON file and a markdown summary.
 """
@@ -243,6 +243,34 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
     }, step_id
 
 
+def kernel_times(executor: Any, step_id: int, steps: int = 10) -> tuple[dict[str, Any], int]:
+    """Each kernel's (and copy's) GPU time per decode step at CONTEXT, the
+    most first, over ``steps`` steps under the torch profiler (GPU activity
+    only: the kernels' own durations); a failure is recorded, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedkv.executor.gpu_idle import gpu_time_by_name
+    from pagedkv.executor.step_plan import plan_message
+
+    runner = executor.runner
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                plan = plan_message(_decode_request(executor, step_id), runner.rows, runner.limits)
+                step_id += 1
+                runner.rows.apply(plan)
+                runner.run(plan)
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+        kernels = [k._asdict() for k in gpu_time_by_name(events, steps, top=20)]
+        return {"steps": steps, "kernels": kernels}, step_id
+    except Exception as exc:  # the measure fails, never the bench
+        return {"steps": steps, "error": f"{type(exc).__name__}: {exc}"}, step_id
+
+
 def profile_decode(executor: Any, step_id: int) -> int:
     """Prints where one decode step waits for the device and where its time
     goes (torch profiler), for reading; nothing is recorded."""
@@ -398,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         step_id = profile_decode(executor, step_id)
     decode, step_id = time_decode(executor, step_id)
+    decode["gpu_time_by_name"], step_id = kernel_times(executor, step_id)
     decode.update(time_grpc(executor, step_id))
     stream, step_id = time_stream(executor, step_id + 30)
     decode.update(stream)
@@ -442,6 +471,17 @@ def main(argv: list[str] | None = None) -> int:
         "  host phases without graphs (us): "
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
     ]
+    named = decode["gpu_time_by_name"]
+    if "error" in named:
+        lines.append(f"  GPU time by kernel: not measured ({named['error']})")
+    else:
+        lines.append(
+            f"  GPU time per decode step by kernel (torch profiler, {named['steps']} steps):"
+        )
+        lines += [
+            f"    {k['us_per_step']:8.1f} us  {k['launches_per_step']:5.1f} x  {k['name']}"
+            for k in named["kernels"]
+        ]
     text = "\n".join(lines)
     print(text)
     Path(args.output).with_suffix(".md").write_text(
