@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-memory redis fuzz gpu-wheels clean
+.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -107,6 +107,13 @@ bench-serve-cpu: setup
 	$(BIN)/pagedkv bench serve --sweep 1:2,4:2,8:2,8:3 --fixed-batch 16x64x32,64x64x32 \
 		--warmup-requests 4 --mean-prompt-len 48 --mean-output-len 24 --system-prompt-len 32 \
 		--num-blocks 1024 --output tests/benchmarks/results/serve-sweep-cpu.json
+
+# The live scheduler's CPU per running request per decode step, without an
+# executor, single steps and windows of 8 (docs/benchmarks.md; seconds).
+bench-steps-cpu: setup
+	{ $(BIN)/python -m pagedkv.scheduler.bench.steps --requests 64 256 && \
+	  $(BIN)/python -m pagedkv.scheduler.bench.steps --requests 64 256 --decode-window 8 \
+	  | tail -n +2; } > tests/benchmarks/results/scheduler-steps-cpu.txt
 
 # KV memory, paged against contiguous, on the live CPU stack: the three
 # scenarios of docs/memory.md (about five minutes on 2 cores).

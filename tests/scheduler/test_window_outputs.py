@@ -10,7 +10,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.scheduler.bench.steps import executor_info
+from pagedkv.scheduler.bench.steps import executor_info, sampled_rows, step_response
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
@@ -31,21 +31,12 @@ class RowStreams:
         for new in message.new_requests:
             self.request_of[new.row] = new.request_id
             self.next[new.row] = 0
-        rows = [r.row for r in message.new_requests] + list(message.rows)
-        sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
-        sampled *= max(1, message.num_decode_steps)
         tokens = []
-        for row in sampled:
+        for row in sampled_rows(message):
             stream = self.streams[self.request_of[row]]
             tokens.append(stream[self.next[row] % len(stream)])
             self.next[row] += 1
-        return executor_pb2.StepResponse(
-            step_id=message.step_id,
-            sampled_rows=sampled,
-            sampled_token_ids=tokens,
-            sampled_logprobs=[-1.0] * len(sampled),
-            num_top_logprobs=[0] * len(sampled),
-        )
+        return step_response(message, tokens)
 
 
 def run(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import platform
 import random
 import statistics
 import time
@@ -58,20 +60,36 @@ def executor_info(num_blocks: int, max_num_rows: int) -> executor_pb2.GetInfoRes
     )
 
 
+def sampled_rows(message: executor_pb2.StepRequest) -> list[int]:
+    """The rows of a response's samples, in order: each entry that asks for
+    a sample, once per step of a decode window."""
+    rows = [r.row for r in message.new_requests] + list(message.rows)
+    sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
+    return sampled * max(1, message.num_decode_steps)
+
+
+def step_response(
+    message: executor_pb2.StepRequest, tokens: list[int]
+) -> executor_pb2.StepResponse:
+    """An executor's answer to ``message`` sampling ``tokens`` (one per
+    ``sampled_rows``), with no top logprobs."""
+    rows = sampled_rows(message)
+    return executor_pb2.StepResponse(
+        step_id=message.step_id,
+        sampled_rows=rows,
+        sampled_token_ids=tokens,
+        sampled_logprobs=[-1.0] * len(rows),
+        num_top_logprobs=[0] * len(rows),
+    )
+
+
 def response_for(message: executor_pb2.StepRequest, token_id: int) -> executor_pb2.StepResponse:
     """What an executor answers: a token for every entry that asks for a
     sample, in each step of a window."""
-    rows = [r.row for r in message.new_requests] + list(message.rows)
-    sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
-    num_steps = max(1, message.num_decode_steps)
-    tokens = [(token_id + j + row) % VOCAB_SIZE for j in range(num_steps) for row in sampled]
-    sampled *= num_steps
-    return executor_pb2.StepResponse(
-        step_id=message.step_id,
-        sampled_rows=sampled,
-        sampled_token_ids=tokens,
-        sampled_logprobs=[-1.0] * len(sampled),
-        num_top_logprobs=[0] * len(sampled),
+    rows = sampled_rows(message)
+    width = len(rows) // max(1, message.num_decode_steps)
+    return step_response(
+        message, [(token_id + k // width + row) % VOCAB_SIZE for k, row in enumerate(rows)]
     )
 
 
@@ -185,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     tokenizer = TextTokenizer.from_model_dir(args.tokenizer) if args.tokenizer else None
+    if not args.json:
+        print(
+            f"machine: {platform.platform()}, python {platform.python_version()}, "
+            f"{os.cpu_count()} CPUs"
+        )
     for num_requests in args.requests:
         result = measure(
             num_requests,
