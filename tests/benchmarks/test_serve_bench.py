@@ -233,7 +233,7 @@ def test_an_executor_shared_by_schedulers_in_turn_has_each_step_matched_to_its_o
 def test_sweep_settings_parse_and_bad_ones_name_the_option() -> None:
     assert parse_settings("1:2, 8:3") == [Setting(1, 2), Setting(8, 3)]
     for bad in ("8", "8:0", "a:2", ""):
-        with pytest.raises(ValueError, match="--sweep"):
+        with pytest.raises(ValueError, match="sweep"):
             parse_settings(bad)
 
 
@@ -310,3 +310,14 @@ def test_the_best_sweep_setting_comes_closest_to_every_target() -> None:
     assert best_setting(sweep, {64: 25000}) == Setting(8, 2)
     with pytest.raises(ValueError, match="no batch"):
         best_setting(sweep, {8: 1000})
+
+
+def test_bad_rates_batches_and_settings_are_refused_naming_the_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for option, value in (("--rates", "0,2"), ("--fixed-batch", "8x2"), ("--sweep", "8")):
+        with pytest.raises(SystemExit) as stopped:
+            _args([option, value])
+        assert stopped.value.code == 2
+        assert f"argument {option}: " in capsys.readouterr().err
+    assert _args(["--sweep", "1:2,8:3"]).sweep == "1:2,8:3"

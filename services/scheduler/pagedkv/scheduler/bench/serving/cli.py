@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 PRESETS = ("tiny", "llama-1.1b", "llama-8b")
+
+
+def _checked(module: str, parser: str) -> Callable[[str], str]:
+    """An argparse type that keeps the text once ``parser`` of
+    ``pagedkv.scheduler.bench.serving.<module>`` reads it (imported only when
+    the option is parsed), so a bad value is refused in one line naming the
+    option, before anything starts."""
+
+    def check(text: str) -> str:
+        parse = getattr(
+            importlib.import_module(f"pagedkv.scheduler.bench.serving.{module}"), parser
+        )
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
 
 
 def register(subparsers: Any, name: str) -> None:
@@ -49,7 +70,10 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument("--enforce-eager", action="store_true")
     mix = parser.add_argument_group("the ShareGPT-like mix at Poisson rates")
     mix.add_argument(
-        "--rates", default="2,4,8,16,inf", help="requests/s, comma-separated (inf: all at once)"
+        "--rates",
+        default="2,4,8,16,inf",
+        type=_checked("workload", "parse_rates"),
+        help="requests/s, comma-separated (inf: all at once)",
     )
     mix.add_argument("--num-requests", type=int, default=200, help="requests per rate")
     mix.add_argument("--mean-prompt-len", type=float, default=220.0)
@@ -65,6 +89,7 @@ def register(subparsers: Any, name: str) -> None:
     fixed.add_argument(
         "--fixed-batch",
         default="64x512x256",
+        type=_checked("run", "parse_fixed_batches"),
         help="NxPxO[,...]: N requests of P prompt tokens -> O new tokens, all at once; empty: none",
     )
     fixed.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
@@ -87,6 +112,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--sweep",
         metavar="W:D[,...]",
+        type=_checked("sweep", "parse_settings"),
         help="instead of the runs above: the fixed batches once per setting (decode window W, "
         "pipeline depth D), each on a fresh scheduler over one executor, with step traces",
     )

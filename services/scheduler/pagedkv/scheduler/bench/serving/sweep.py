@@ -48,10 +48,10 @@ def parse_settings(text: str) -> list[Setting]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         numbers = part.split(":")
         if len(numbers) != 2 or not all(n.isdigit() and int(n) >= 1 for n in numbers):
-            raise ValueError(f"--sweep: a setting is WINDOW:DEPTH, both >= 1, not {part!r}")
+            raise ValueError(f"a sweep setting is WINDOW:DEPTH, both >= 1, not {part!r}")
         settings.append(Setting(int(numbers[0]), int(numbers[1])))
     if not settings:
-        raise ValueError("--sweep: no setting")
+        raise ValueError("a sweep needs a setting")
     return settings
 
 
