@@ -25,6 +25,7 @@ from itertools import repeat
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.cache_events import CacheEvent
+from pagedkv.scheduler.groups import stalled_beams
 from pagedkv.scheduler.kv_cache_manager import NO_TABLE_CHANGE, KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
@@ -291,6 +292,10 @@ class ExecutorScheduler:
             decisions.append((seq, num_new, None))
             budget -= num_new
         self.current = None
+        if not decisions and not preempted and (stalled := stalled_beams(self)):
+            for seq in stalled:
+                self._preempt(seq)
+            return self.schedule()  # the freed blocks admit what waited
         if not decisions and not self.freed_rows:
             return None
         num_steps = window_steps(self, decisions) if not preempted else 1

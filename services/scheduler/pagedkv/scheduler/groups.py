@@ -113,3 +113,28 @@ def _extend_beam(scheduler: ExecutorScheduler, seq: Sequence, token: int, score:
         )
         seq.finish(FinishReason.FINISH_REASON_LENGTH)
         scheduler.release(seq)
+
+
+def stalled_beams(scheduler: ExecutorScheduler) -> list[Sequence]:
+    """The running beams to preempt so that steps can come again, or none.
+
+    When every running sequence is a beam waiting for its round (its
+    candidates in, nothing in flight) while others wait for blocks, no step
+    would ever come: the rounds wait for preempted beams that the waiting
+    beams' blocks keep out. Then the least important, newest of those beam
+    searches is to be preempted whole, so that the older ones get their
+    beams back (each of them fits the pool alone). Changes nothing."""
+    if not scheduler.waiting or not scheduler.running:
+        return []
+    stalled: dict[Generation, list[Sequence]] = {}
+    for seq in scheduler.running:
+        placed = seq.placed
+        if (
+            seq.generation.beam is None
+            or seq.candidates is None
+            or (placed is not None and placed.inflight_samples)
+        ):
+            return []  # it has a step to come
+        stalled.setdefault(seq.generation, []).append(seq)
+    victim = max(stalled, key=lambda g: (g.priority, g.arrival, g.key))
+    return stalled[victim]
