@@ -13,8 +13,10 @@
 With ``--step-trace`` the server's processes trace their steps
 (``pagedkv.common.step_trace``) and the report says where the first fixed
 batch's step time went (``step_trace.analyze``).
-Every request must finish with exactly its ``max_tokens`` tokens; the report
-counts those that did not. Numbers come only from the run itself.
+With ``--sweep`` none of the above runs: the fixed batches run under each
+scheduler setting on one executor instead (sweep.py), with the same report
+writer. Every request must finish with exactly its ``max_tokens`` tokens;
+the report counts those that did not. Numbers come only from the run itself.
 """
 
 from __future__ import annotations
