@@ -102,6 +102,15 @@ class ExecutorScheduler:
         self.num_groups = len(info.kv_cache_groups)
         self._no_new_blocks = (0,) * self.num_groups  # a decode's new_block_counts
         self.max_model_len = info.max_model_len
+        # The most tokens one sequence's blocks can hold with the whole pool
+        # to itself: a sequence ends there (FINISH_REASON_LENGTH, as at
+        # max_model_len) instead of outgrowing the pool, after which it could
+        # never be admitted again. (Sliding windows free blocks as they go:
+        # no such bound there.)
+        self.max_seq_tokens = info.max_model_len
+        if not any(group.HasField("sliding_window") for group in info.kv_cache_groups):
+            usable = info.num_blocks - 1  # block 0 is the null block
+            self.max_seq_tokens = usable // self.num_groups * info.block_size
         self.max_num_seqs = min(max_num_seqs, info.max_num_rows)
         self.token_budget = min(max_num_batched_tokens, info.max_num_batched_tokens)
         self.free_rows = list(range(info.max_num_rows - 1, -1, -1))  # pop() gives row 0 first
@@ -126,7 +135,9 @@ class ExecutorScheduler:
         seq.executor = self.address
         request = seq.request
         seq.max_num_tokens = min(
-            request.num_prompt_tokens + seq.generation.max_tokens, self.max_model_len
+            request.num_prompt_tokens + seq.generation.max_tokens,
+            self.max_model_len,
+            self.max_seq_tokens,
         )
 
     def start_running(self, seq: Sequence) -> None:
