@@ -4,10 +4,10 @@ drops its candidates: the round waits for it to sample again."""
 from __future__ import annotations
 
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.bench.steps import executor_info
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.sequence import Generation, Sequence, SequenceState
+from pagedkv.scheduler.sequence import SequenceState
 from pagedkv.v1 import common_pb2, executor_pb2
+from tests.scheduler.stepping import add_generation, live_scheduler
 
 NUM_CANDIDATES = 4
 
@@ -40,30 +40,12 @@ def step(scheduler: ExecutorScheduler, token: int) -> None:
 
 
 def test_a_preempted_beam_is_not_extended_with_candidates_from_before() -> None:
-    scheduler = ExecutorScheduler(
-        "executor",
-        executor_info(num_blocks=64, max_num_rows=8),
-        common_pb2.Owner(owner_id="test", epoch=1),
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
+    scheduler = live_scheduler(64, 8, max_num_batched_tokens=512)
+    sampling = common_pb2.SamplingParams(temperature=0.0, beam_width=2)
+    beam = BeamSearch(2, NUM_CANDIDATES)
+    generation = add_generation(
+        scheduler, "beams", list(range(10, 30)), 6, key=1, sampling=sampling, beam=beam
     )
-    prompt = list(range(10, 30))
-    generation = Generation(
-        request_id="beams",
-        prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(temperature=0.0, beam_width=2),
-        max_tokens=6,
-        n=1,
-        priority=0,
-        cache_salt="",
-        eos_token_ids=frozenset(),
-        stop_token_ids=frozenset(),
-        beam=BeamSearch(2, NUM_CANDIDATES),
-        key=1,
-    )
-    request = scheduler.kv.make_request(generation.new_seq_id(), prompt, max_tokens=6)
-    generation.sequences.append(Sequence(generation, 0, request))
-    scheduler.add(generation.sequences[0])
     step(scheduler, 100)  # the prompt; the first round forks the second beam
     first, second = generation.sequences
     assert first.state is second.state is SequenceState.RUNNING

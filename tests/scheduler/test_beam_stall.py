@@ -6,15 +6,16 @@ whole, and every request still ends."""
 from __future__ import annotations
 
 import random
-from collections import deque
+from functools import partial
 
 import pytest
 
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.bench.steps import executor_info, sampled_rows
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.scheduler.bench.steps import sampled_rows
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.sequence import Generation
 from pagedkv.v1 import common_pb2, executor_pb2
+from tests.scheduler.stepping import add_generation, live_scheduler, run_to_end
 
 NUM_CANDIDATES = 4
 BLOCK_SIZE = 16  # executor_info's
@@ -48,25 +49,15 @@ def workload(scheduler: ExecutorScheduler, rng: random.Random, num_blocks: int) 
             prompt = prompt[: len(prompt) // 2]
             max_tokens = max(2, max_tokens // 2)
         sampling = common_pb2.SamplingParams(temperature=0.0 if width > 1 else 1.0, n=n)
+        beam = None
         if width > 1:
             sampling.beam_width = width
-        gen = Generation(
-            request_id=f"g{key}",
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            n=n,
-            priority=0,
-            cache_salt="",
-            eos_token_ids=frozenset(),
-            stop_token_ids=frozenset(),
-            beam=BeamSearch(width, NUM_CANDIDATES) if width > 1 else None,
-            key=key,
+            beam = BeamSearch(width, NUM_CANDIDATES)
+        generations.append(
+            add_generation(
+                scheduler, f"g{key}", prompt, max_tokens, key=key, sampling=sampling, beam=beam
+            )
         )
-        request = scheduler.kv.make_request(gen.new_seq_id(), prompt, max_tokens=max_tokens)
-        gen.sequences.append(Sequence(gen, 0, request))
-        scheduler.add(gen.sequences[0])
-        generations.append(gen)
     return generations
 
 
@@ -75,28 +66,8 @@ def workload(scheduler: ExecutorScheduler, rng: random.Random, num_blocks: int) 
 def test_beam_searches_short_of_blocks_all_end(num_blocks: int, depth: int) -> None:
     for seed in range(25):
         rng = random.Random(seed)
-        scheduler = ExecutorScheduler(
-            "executor",
-            executor_info(num_blocks=num_blocks, max_num_rows=16),
-            common_pb2.Owner(owner_id="test", epoch=1),
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-        )
+        scheduler = live_scheduler(num_blocks)
         generations = workload(scheduler, rng, num_blocks)
-        inflight: deque[ScheduledStep] = deque()
-        for _ in range(400):
-            if all(g.done for g in generations):
-                break
-            step = scheduler.schedule()
-            if step is not None:
-                inflight.append(step)
-            assert inflight, f"seed {seed}: nothing to step, {len(scheduler.waiting)} waiting"
-            if step is None or len(inflight) >= depth:
-                sent = inflight.popleft()
-                processed = scheduler.process(sent, respond(sent.request, rng))
-                assert not processed.errors, processed.errors
-                for gen in processed.touched:
-                    gen.flush()
-        assert all(g.done for g in generations), f"seed {seed}: unfinished after 400 steps"
-        assert scheduler.kv.check_integrity().ok
-        assert scheduler.kv.pool.get_num_free_blocks() == num_blocks - 1
+        run_to_end(scheduler, generations, partial(respond, rng=rng), depth)
+        assert scheduler.kv.check_integrity().ok, seed
+        assert scheduler.kv.pool.get_num_free_blocks() == num_blocks - 1, seed

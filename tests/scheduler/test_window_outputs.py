@@ -5,22 +5,19 @@ token; and every block comes back."""
 
 from __future__ import annotations
 
-from collections import deque
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.scheduler.bench.steps import executor_info, sampled_rows, step_response
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.scheduler.bench.steps import sampled_rows, step_response
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
+from tests.scheduler.stepping import add_generation, live_scheduler, run_to_end
 
 EOS, STOP = 7, 9
 
 
 class RowStreams:
-    """An executor stand-in: each row's samples come from its request's own
-    token stream, in order, whatever steps they come in."""
+    """An executor stand-in: each row's samples come from its sequence's own
+    token stream (by sequence id), in order, whatever steps they come in."""
 
     def __init__(self, streams: dict[str, list[int]]) -> None:
         self.streams = streams
@@ -47,53 +44,27 @@ def run(
 ) -> dict[str, tuple[list[int], int, int | None] | int]:
     """Every request to its end, two steps in flight; each one's output tokens
     and finish reason, and the number of windows sent."""
-    scheduler = ExecutorScheduler(
-        "test",
-        executor_info(num_blocks=512, max_num_rows=16),
-        common_pb2.Owner(owner_id="test", epoch=1),
-        max_num_seqs=16,
-        max_num_batched_tokens=8192,
-        decode_window=decode_window,
-    )
-    generations = []
+    scheduler = live_scheduler(512, max_num_batched_tokens=8192, decode_window=decode_window)
+    generations, by_seq = [], {}
     for key, request_id in enumerate(sorted(streams)):
         sampling = common_pb2.SamplingParams(temperature=0.0)
         if request_id in logprobs:
             sampling.logprobs = 0
-        gen = Generation(
-            request_id=request_id,
-            prompt_token_ids=[3 + key] * 20,
-            sampling=sampling,
-            max_tokens=max_tokens[request_id],
-            n=1,
-            priority=0,
-            cache_salt="",
-            eos_token_ids=frozenset({EOS}),
-            stop_token_ids=frozenset({STOP}),
+        prompt = [3 + key] * 20
+        gen = add_generation(
+            scheduler,
+            request_id,
+            prompt,
+            max_tokens[request_id],
             key=key + 1,
+            sampling=sampling,
+            eos_token_ids={EOS},
+            stop_token_ids={STOP},
         )
-        request = scheduler.kv.make_request(
-            request_id, gen.prompt_token_ids, max_tokens=gen.max_tokens
-        )
-        gen.sequences.append(Sequence(gen, 0, request))
         generations.append(gen)
-        scheduler.add(gen.sequences[0])
-    executor = RowStreams(streams)
-    inflight: deque[tuple[ScheduledStep, executor_pb2.StepResponse]] = deque()
-    num_windows = 0
-    while True:
-        step = scheduler.schedule()
-        if step is not None:
-            assert not step.before
-            num_windows += step.request.num_decode_steps > 1
-            inflight.append((step, executor.respond(step.request)))
-        if not inflight:
-            break
-        if step is None or len(inflight) >= 2:
-            sent, answer = inflight.popleft()
-            _, errors = scheduler.process(sent, answer)
-            assert not errors
-    assert all(s.finished for g in generations for s in g.sequences)
+        by_seq[gen.sequences[0].seq_id] = streams[request_id]
+    sent = run_to_end(scheduler, generations, RowStreams(by_seq).respond, depth=2)
+    num_windows = sum(step.request.num_decode_steps > 1 for step in sent)
     assert decode_window > 1 or not num_windows
     assert scheduler.kv.check_integrity().ok
     assert scheduler.kv.pool.get_num_free_blocks() == 511  # all but the null block
