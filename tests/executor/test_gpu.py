@@ -83,3 +83,21 @@ def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cu
         ours_error = (got.float() - want).abs().mean().item()
         their_error = (theirs.float() - want).abs().mean().item()
         assert ours_error <= 1.5 * their_error + 1e-3, (ours_error, their_error)
+
+
+def test_runner_without_num_blocks_measures_its_pool_on_cuda(model_dirs: dict[str, Path]) -> None:
+    """Without num_blocks the runner sizes its KV pool from a profiling
+    forward on scratch memory, then serves steps on the pool it sized."""
+    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+
+    config = RunnerConfig(
+        model=str(model_dirs["llama"]),
+        device="cuda",
+        max_num_rows=2,
+        max_num_batched_tokens=64,
+        gpu_memory_utilization=0.5,
+    )
+    runner = ModelRunner(config)
+    assert runner.limits.num_blocks > 2
+    assert runner.forward_inputs.kv is runner.kv
+    assert runner.kv.num_bytes == runner.limits.num_blocks * runner.bytes_per_block

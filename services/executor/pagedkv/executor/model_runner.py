@@ -111,10 +111,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
         self._params_cache: tuple[tuple[int, bytes], SamplingParamsBatch] | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
-        self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
-        self.forward_inputs = InputBuilder(
-            self.rows, self.kv, self.groups, self.backend, config.block_size, self.spec.softcap
-        )
+        self._attach_kv(num_blocks)
         self.limits = Limits(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -162,11 +159,11 @@ class ModelRunner:
         scratch_blocks = 1 + num_seqs * blocks_per_seq
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.kv = KVMemory(self.groups, scratch_blocks, self.dtype, self.device)
+        self._attach_kv(scratch_blocks)
         scratch_bytes = self.kv.num_bytes
         self.warm_up(scratch_blocks, profile=True)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
-        del self.kv
+        del self.kv, self.forward_inputs
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
@@ -178,6 +175,14 @@ class ModelRunner:
                 f"(peak {peak / 2**30:.1f} GiB, others {others / 2**30:.1f} GiB)"
             )
         return num_blocks
+
+    def _attach_kv(self, num_blocks: int) -> None:
+        """Allocates the KV memory of ``num_blocks`` blocks and the builder
+        of forward inputs over it (the two always go together)."""
+        self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
+        self.forward_inputs = InputBuilder(
+            self.rows, self.kv, self.groups, self.backend, self.config.block_size, self.spec.softcap
+        )
 
     def warm_up(self, num_blocks: int | None = None, profile: bool = False) -> None:
         """Runs a prefill at the largest step and a decode over scratch rows,
