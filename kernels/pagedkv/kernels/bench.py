@@ -78,19 +78,22 @@ def copy_ceiling_gbps(num_bytes: int = 4 * 1024**3) -> float:
 class Case:
     """One batch: paged K/V behind shuffled block tables, and the same K/V contiguous."""
 
-    def __init__(self, batch: int, context: int, new_tokens: int) -> None:
+    def __init__(
+        self, batch: int, context: int, new_tokens: int, head_size: int = HEAD_SIZE
+    ) -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.batch, self.context, self.new_tokens = batch, context, new_tokens
+        self.head_size = head_size
         seq_len = context + new_tokens
         blocks_per_seq = triton.cdiv(seq_len, BLOCK_SIZE)
         num_blocks = 1 + batch * blocks_per_seq
         perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
         self.block_table = perm.view(batch, blocks_per_seq).to(torch.int32)
-        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size)
         self.key_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
         self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
         self.query = torch.randn(
-            batch * new_tokens, NUM_Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE, generator=gen
+            batch * new_tokens, NUM_Q_HEADS, head_size, device="cuda", dtype=DTYPE, generator=gen
         )
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
         self.query_start_loc = torch.arange(
@@ -100,12 +103,12 @@ class Case:
         # Contiguous [batch, heads, seq_len, head_size] copies for SDPA.
         def contiguous(cache: torch.Tensor) -> torch.Tensor:
             pages = cache[self.block_table.long()]  # [B, blocks, bs, H, D]
-            flat = pages.reshape(batch, blocks_per_seq * BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+            flat = pages.reshape(batch, blocks_per_seq * BLOCK_SIZE, NUM_KV_HEADS, head_size)
             return flat[:, :seq_len].transpose(1, 2).contiguous()
 
         self.k, self.v = contiguous(self.key_cache), contiguous(self.value_cache)
-        self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, HEAD_SIZE).transpose(1, 2)
-        self.scale = HEAD_SIZE**-0.5
+        self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, head_size).transpose(1, 2)
+        self.scale = head_size**-0.5
 
     def ours(self) -> torch.Tensor:
         return paged_attention(
@@ -140,17 +143,18 @@ class Case:
         return best
 
     def max_error_vs_sdpa(self) -> float:
-        ours = self.ours().view(self.batch, self.new_tokens, NUM_Q_HEADS, HEAD_SIZE)
+        ours = self.ours().view(self.batch, self.new_tokens, NUM_Q_HEADS, self.head_size)
         with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
             ref = self.sdpa(SDPBackend.FLASH_ATTENTION).transpose(1, 2)
         return float((ours.float() - ref.float()).abs().max())
 
     def kv_bytes(self) -> int:
-        return 2 * self.batch * (self.context + self.new_tokens) * NUM_KV_HEADS * HEAD_SIZE * 2
+        tokens = self.batch * (self.context + self.new_tokens)
+        return 2 * tokens * NUM_KV_HEADS * self.head_size * 2
 
     def flops(self) -> float:
         q, ctx = self.new_tokens, self.context
-        return 4 * self.batch * NUM_Q_HEADS * HEAD_SIZE * (q * ctx + q * q / 2)
+        return 4 * self.batch * NUM_Q_HEADS * self.head_size * (q * ctx + q * q / 2)
 
 
 def measure(case: Case, kind: str, ceiling: float) -> dict[str, Any]:

@@ -321,7 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"))
     parser.add_argument("--profile", action="store_true", help="print a profile of one step")
     parser.add_argument("--batch", type=int, default=BATCH, help="decoding rows (default 64)")
+    parser.add_argument(
+        "--decode-constants",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="decode attention launch constants to run with (DECODE_* of "
+        "pagedkv.kernels.decode_attention, as python -m pagedkv.kernels.tune --best prints)",
+    )
     args = parser.parse_args(argv)
+
+    from pagedkv.kernels.tune import apply_constants
+
+    decode_constants = apply_constants(args.decode_constants)
 
     import transformers
     import triton
@@ -367,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "dummy (random)"},
         "fused_ops": runner.fused is not None,
         "kernel_backend": args.kernel_backend,
+        "decode_constants": decode_constants,
         "num_blocks": runner.limits.num_blocks,
         "load_and_warm_up_s": load_s,
         "logits_vs_hf_sdpa": logits,
@@ -378,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{results['gpu']}, torch {results['torch']}, triton {results['triton']}, "
         f"transformers {results['transformers']}; ~1.1B llama, bf16, dummy weights; "
         f"{args.kernel_backend} kernels; {runner.limits.num_blocks} KV blocks",
+        "decode attention constants: "
+        + ", ".join(f"{k.removeprefix('DECODE_')} {v}" for k, v in decode_constants.items()),
         f"logits vs HF sdpa in float32 ({logits['sequences']} x {logits['prompt_tokens']} "
         f"prefill + {logits['decode_steps']} decodes; max |logit| "
         f"{logits['max_abs_logit']:.3f}): ours (bf16) max |diff| "
