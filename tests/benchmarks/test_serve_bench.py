@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv.common.step_trace import StepTrace
 from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
-from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle, gpu_time_by_name
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_time_by_name
 from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.load import RequestResult
 from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
@@ -283,14 +283,35 @@ def test_the_timeline_counts_a_decode_window_as_its_steps(tmp_path: Path) -> Non
     # Windows of 8: steps 1-8, 9-16 and 17-24 are skipped (the third one is
     # not whole after the 20 skipped), 25-32 and 33-40 profiled.
     assert [profiler.around(window) for _ in range(3)] == [False] * 3
-    assert profiler.around(window)
-    profiler.after()
-    assert not (tmp_path / "timeline.json").exists()
+    # Two phases of 16 steps: GPU activity only (steps 25-40), then CPU too (41-56).
+    for _ in range(3):
+        assert profiler.around(window)
+        profiler.after()
+        assert not (tmp_path / "timeline.json").exists()
     assert profiler.around(window)
     profiler.after()
     measures = json.loads((tmp_path / "timeline.json").read_text())
-    assert (measures["skipped_decode_steps"], measures["profiled_decode_steps"]) == (24, 16)
+    assert (measures["skipped_decode_steps"], measures["profiled_decode_steps"]) == (40, 16)
+    gpu_only = measures["gpu_only"]
+    assert (gpu_only["skipped_decode_steps"], gpu_only["profiled_decode_steps"]) == (24, 16)
     assert not profiler.around(window)  # done
+
+
+def test_gpu_busy_measures_the_whole_window_of_gpu_events() -> None:
+    events = [
+        _span("kernel", 10, 30),
+        _span("kernel", 30, 20),  # overlaps the first: busy 10 .. 50
+        _span("gpu_memcpy", 60, 10),
+        _span("cuda_runtime", 0, 100),  # not GPU work
+        {"ph": "i", "cat": "kernel", "ts": 200},  # not a span
+    ]
+    busy = gpu_busy(events)
+    assert busy.num_gpu_events == 3
+    assert busy.window_us == pytest.approx(60.0)  # 10 .. 70
+    assert busy.busy_us == pytest.approx(50.0)
+    assert busy.idle_fraction == pytest.approx(10 / 60)
+    with pytest.raises(AssertionError, match="no GPU event"):
+        gpu_busy([_span("cuda_runtime", 0, 1)])
 
 
 def test_the_best_sweep_setting_comes_closest_to_every_target() -> None:

@@ -15,6 +15,10 @@ the last step's GPU work:
   between one step's last GPU work and the next step's first (the host's
   time between steps: the step's reply, the scheduler, the next request),
   the rest being gaps inside steps (launch gaps).
+``gpu_busy`` measures a trace recorded with GPU activity only (no CPU ops,
+so no step ranges and almost no host overhead from the profiler): the idle
+share of the whole window from its first GPU event to its last, all of it
+decode steps when the profiler ran over decode steps only.
 ``gpu_time_by_name`` says where the busy time went: each kernel (or copy)
 name's GPU time per decode step, the most first.
 Pure Python: no torch, so it is tested on synthetic traces.
@@ -114,6 +118,37 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         between_steps_idle_fraction=between / window if window else 0.0,
         median_step_gpu_span_us=_median([end - start for start, end in spans]),
         median_gap_between_steps_us=_median(gaps),
+    )
+
+
+class GpuBusy(NamedTuple):
+    """Times in microseconds of the profiler's clock."""
+
+    num_gpu_events: int
+    window_us: float
+    busy_us: float
+    idle_us: float
+    idle_fraction: float
+
+
+def gpu_busy(events: Iterable[Mapping[str, Any]]) -> GpuBusy:
+    """The busy and idle time of every GPU event of ``events``, from the
+    first one's start to the last one's end. AssertionError when there is
+    no GPU event."""
+    intervals = [
+        (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
+        for event in events
+        if event.get("ph") == "X" and event.get("cat", "") in GPU_CATEGORIES
+    ]
+    assert intervals, "no GPU event in the trace"
+    window = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy = _union_length(intervals)
+    return GpuBusy(
+        num_gpu_events=len(intervals),
+        window_us=window,
+        busy_us=busy,
+        idle_us=window - busy,
+        idle_fraction=(window - busy) / window if window else 0.0,
     )
 
 

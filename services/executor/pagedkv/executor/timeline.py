@@ -1,20 +1,24 @@
 """``python -m pagedkv.executor.timeline --timeline-dir D [--skip-steps K]
 [--steps N] EXECUTOR-ARGS``: an executor (the same as ``python -m
-pagedkv.executor EXECUTOR-ARGS``) that records a torch profiler trace of N
-decode steps, after skipping the first K, and measures the GPU's idle time
-between them (``pagedkv.executor.gpu_idle``).
+pagedkv.executor EXECUTOR-ARGS``) that profiles N decode steps twice, after
+skipping the first K, and measures the GPU's idle time between them
+(``pagedkv.executor.gpu_idle``): first recording GPU activity only (the
+idle share of the whole window, with almost no host overhead from the
+profiler), then GPU and CPU activity (the steps' ranges, so idle time
+between steps and inside them apart, and each kernel's time).
 
 A decode step is a step with no new request and one token for every row;
 a decode window (``num_decode_steps``) counts as its steps, and profiling
 starts at the first whole window after the K skipped steps. Each profiled
 step message runs inside ``record_function(STEP_ANNOTATION)``; once N decode
-steps have run, the profiler stops, the trace goes to ``D/trace.json.gz`` and the
-measures (with each kernel's GPU time per decode step) to
-``D/timeline.json`` (written last: its presence says the
-measurement is complete); the executor goes on serving. The profiler records
-CPU ops too (the step ranges need them), which adds host time per op, so the
-idle fractions are upper bounds of the unprofiled ones. Used by ``pagedkv
-bench serve --timeline-steps N``.
+steps have run under the GPU-only profiler, its measures are kept (under
+``gpu_only``) and the second profiler starts; once N more have run, it
+stops, its trace goes to ``D/trace.json.gz`` and all the measures (with each
+kernel's GPU time per decode step) to ``D/timeline.json`` (written last: its
+presence says the measurement is complete); the executor goes on serving.
+The second profiler records CPU ops (the step ranges need them), which adds
+host time per op, so its idle fractions are upper bounds of the unprofiled
+ones. Used by ``pagedkv bench serve --timeline-steps N``.
 
 This process is a measuring tool: ``Executor`` is replaced, in this process
 only, by a subclass whose ``step`` does the counting and profiling.
@@ -34,7 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedkv.executor import engine
-from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_idle, gpu_time_by_name
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_time_by_name
 from pagedkv.executor.launched import LaunchedStep
 from pagedkv.v1 import executor_pb2
 
@@ -54,14 +58,23 @@ def _all_threads_profiler() -> tuple[Any, bool]:
     return profile(activities=activities, experimental_config=config), True
 
 
+def _gpu_only_profiler() -> Any:
+    """A profiler of GPU activity only (without a CUDA device, of CPU
+    activity, whose trace then holds no GPU event to measure)."""
+    cuda = torch.cuda.is_available()
+    return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+
+
 class StepProfiler:
-    """Counts decode steps and profiles steps ``skip`` .. ``skip + steps - 1``."""
+    """Counts decode steps and profiles steps ``skip`` .. ``skip + steps - 1``
+    with GPU activity only, then the next ``steps`` with CPU activity too."""
 
     def __init__(self, directory: Path, skip: int, steps: int) -> None:
         self.directory, self.skip, self.steps = directory, skip, steps
         self.num_decode_steps = 0
-        self.num_profiled = 0
+        self.num_profiled = 0  # in the current phase
         self.profiler: Any = None
+        self.gpu_only: dict[str, Any] | None = None  # the first phase's measures, once done
         self.all_threads = False
         self.done = False
         self.lock = threading.Lock()
@@ -82,14 +95,29 @@ class StepProfiler:
                 return False
             self.num_profiled += num_steps
             if self.profiler is None:
-                self.profiler, self.all_threads = _all_threads_profiler()
+                if self.gpu_only is None:
+                    self.profiler = _gpu_only_profiler()
+                else:
+                    self.profiler, self.all_threads = _all_threads_profiler()
                 self.profiler.start()
             return True
 
     def after(self) -> None:
-        """After a profiled step: stops and writes once ``steps`` have run."""
+        """After a profiled step: ends the phase once ``steps`` have run in it
+        (after the second, writes the measures)."""
         with self.lock:
             if self.done or self.num_profiled < self.steps:
+                return
+            if self.gpu_only is None:
+                self.gpu_only = {
+                    "skipped_decode_steps": self.num_decode_steps - self.num_profiled,
+                    "profiled_decode_steps": self.num_profiled,
+                }
+                try:
+                    self.gpu_only |= self._stop_and_measure_gpu_only()
+                except Exception as exc:  # the measure fails, never the step
+                    self.gpu_only["error"] = f"{type(exc).__name__}: {exc}"
+                self.profiler, self.num_profiled = None, 0
                 return
             self.done = True
             measures: dict[str, Any] = {
@@ -101,19 +129,27 @@ class StepProfiler:
                 measures |= self._stop_and_measure()
             except Exception as exc:  # the measure fails, never the step
                 measures["error"] = f"{type(exc).__name__}: {exc}"
+            measures["gpu_only"] = self.gpu_only
             (self.directory / "timeline.json").write_text(json.dumps(measures, indent=2) + "\n")
 
-    def _stop_and_measure(self) -> dict[str, Any]:
+    def _stopped_events(self) -> list[dict[str, Any]]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.profiler.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
         trace = self.directory / "trace.json"
         self.profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+        events: list[dict[str, Any]] = json.loads(trace.read_text())["traceEvents"]
+        trace.unlink()
+        return events
+
+    def _stop_and_measure_gpu_only(self) -> dict[str, Any]:
+        return dict(gpu_busy(self._stopped_events())._asdict())
+
+    def _stop_and_measure(self) -> dict[str, Any]:
+        events = self._stopped_events()
         with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
             json.dump({"traceEvents": events}, packed)
-        trace.unlink()
         kernels = gpu_time_by_name(events, self.num_profiled)
         return {**gpu_idle(events)._asdict(), "gpu_time_by_name": [k._asdict() for k in kernels]}
 

@@ -101,6 +101,7 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{timeline['median_step_gpu_span_us']:.0f} us). The profiler's host overhead "
             "makes these upper bounds.",
         ]
+        lines += _gpu_only_lines(timeline.get("gpu_only"))
         kernels = timeline.get("gpu_time_by_name")
         if kernels:
             lines += [
@@ -125,6 +126,24 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _gpu_only_lines(gpu_only: Mapping[str, Any] | None) -> list[str]:
+    """The idle time of the decode steps profiled with GPU activity only."""
+    if not gpu_only:
+        return []
+    if "error" in gpu_only:
+        return ["", f"Profiled with GPU activity only: not measured ({gpu_only['error']})."]
+    return [
+        "",
+        f"Profiled with GPU activity only (no CPU ops, so without their host overhead), "
+        f"{gpu_only['profiled_decode_steps']} decode steps just before those "
+        f"(after {gpu_only['skipped_decode_steps']}): GPU idle "
+        f"{100 * gpu_only['idle_fraction']:.1f}% of the window "
+        f"({gpu_only['idle_us'] / gpu_only['profiled_decode_steps']:.0f} us per decode step "
+        f"of {gpu_only['window_us'] / gpu_only['profiled_decode_steps']:.0f}), between and "
+        "inside steps together.",
+    ]
 
 
 def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:

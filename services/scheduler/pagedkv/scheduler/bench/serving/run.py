@@ -181,7 +181,7 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
             if not found.exists():
                 raise RuntimeError(
                     f"no timeline: the batch ran fewer than {args.timeline_skip} + "
-                    f"{args.timeline_steps} decode steps"
+                    f"2 x {args.timeline_steps} decode steps"
                 )
             measures: dict[str, Any] = json.loads(found.read_text())
         finally:
