@@ -12,6 +12,9 @@
 #   bash tests/gpu/run-serve-bench.sh sweep      # ~1.1B: 64 and 256 x (512 -> 256) under
 #                                            # each scheduler setting WINDOW:DEPTH of
 #                                            # SWEEP, on one executor (bench serve --sweep)
+#   bash tests/gpu/run-serve-bench.sh timeline   # ~1.1B: the GPU timeline of 64 x (512 -> 256)
+#                                            # alone (no rates, no HF; a minute)
+#   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.kernels.bench_gemm
 #
 # WINDOW and DEPTH (default 1 and 2) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
@@ -23,8 +26,9 @@
 # All use dummy (random) bf16 weights. Results go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
-# 256-h200 (256), serve-sweep-h200.{json,md} (sweep), and
-# executor-fused-h200 / executor-256-h200 (executor); set
+# 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
+# (timeline), executor-fused-h200 / executor-256-h200 (executor) and
+# gemm-h200.{json,md} (gemm); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
 
@@ -72,12 +76,20 @@ case "${1:-1b}" in
     bench --preset llama-1.1b --sweep "${SWEEP:-1:2,4:2,8:2,8:3,16:2,16:3}" \
       --fixed-batch 64x512x256,256x512x256 --output "$RESULTS/serve-sweep-$NAME.json"
     ;;
+  timeline)
+    bench --preset llama-1.1b --rates inf --num-requests 16 --fixed-batch 64x512x256 --no-hf \
+      --timeline-steps 48 --timeline-skip 24 "${tuned[@]}" \
+      --output "$RESULTS/serve-timeline-$NAME.json"
+    ;;
+  gemm)
+    "$PYTHON" -m pagedkv.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
+    ;;
   executor)
     "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, sweep or executor, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm or executor, not $1" >&2
     exit 2
     ;;
 esac

@@ -43,14 +43,14 @@ from pagedkv.executor.launched import LaunchedStep
 from pagedkv.v1 import executor_pb2
 
 
-def _all_threads_profiler() -> tuple[Any, bool]:
-    """A CPU + CUDA profiler that records the ops of every thread (the
-    server runs steps on a pool of threads, the profiler is started on one),
-    and whether it does: a torch without that option records the starting
+def _all_threads_profiler(activities: list[ProfilerActivity]) -> tuple[Any, bool]:
+    """A profiler of ``activities`` that follows every thread (the server
+    runs steps on a pool of threads: the profiler is started on the thread
+    that launches a step and stopped on the one that completes another), and
+    whether it does: a torch without that option records the starting
     thread's ops only, so steps run on other threads go unmeasured."""
     from torch._C._profiler import _ExperimentalConfig
 
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     try:
         config = _ExperimentalConfig(profile_all_threads=True)
     except TypeError:
@@ -62,7 +62,8 @@ def _gpu_only_profiler() -> Any:
     """A profiler of GPU activity only (without a CUDA device, of CPU
     activity, whose trace then holds no GPU event to measure)."""
     cuda = torch.cuda.is_available()
-    return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    return _all_threads_profiler([activity])[0]
 
 
 class StepProfiler:
@@ -98,7 +99,9 @@ class StepProfiler:
                 if self.gpu_only is None:
                     self.profiler = _gpu_only_profiler()
                 else:
-                    self.profiler, self.all_threads = _all_threads_profiler()
+                    self.profiler, self.all_threads = _all_threads_profiler(
+                        [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                    )
                 self.profiler.start()
             return True
 
