@@ -106,6 +106,27 @@ def test_gpu_idle_splits_idle_time_between_and_inside_steps() -> None:
     assert idle.idle_fraction == pytest.approx(100 / 220)
     assert idle.between_steps_idle_fraction == pytest.approx(80 / 220)
     assert idle.median_step_gpu_span_us == pytest.approx(70.0)
+    # Every kernel is its own launch: no idle inside a launch.
+    assert idle.inside_launches_idle_us == 0.0
+    assert idle.between_launches_idle_fraction == pytest.approx(idle.idle_fraction)
+
+
+def test_idle_inside_a_graph_replay_is_told_from_idle_between_launches() -> None:
+    # One step [0, 100]: a graph replay (correlation 1) of two kernels with a
+    # 5 us gap between them, then a sampling kernel (2) 20 us later.
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": STEP_ANNOTATION, "ts": 0.0, "dur": 100},
+        _span("cuda_runtime", 1, 1, correlation=1),
+        _span("cuda_runtime", 2, 1, correlation=2),
+        _span("kernel", 10, 10, correlation=1),  # 10 .. 20
+        _span("kernel", 25, 10, correlation=1),  # 25 .. 35
+        _span("kernel", 55, 5, correlation=2),  # 55 .. 60
+    ]
+    for idle in (gpu_idle(events), gpu_busy(events)):
+        assert idle.window_us == pytest.approx(50.0)  # 10 .. 60
+        assert idle.idle_us == pytest.approx(25.0)
+        assert idle.inside_launches_idle_us == pytest.approx(5.0)
+        assert idle.between_launches_idle_fraction == pytest.approx(20 / 50)
 
 
 def _write_trace(folder: Path, role: str, fields: tuple[str, ...], records: list[tuple]) -> None:
@@ -306,7 +327,7 @@ def test_gpu_busy_measures_the_whole_window_of_gpu_events() -> None:
         {"ph": "i", "cat": "kernel", "ts": 200},  # not a span
     ]
     busy = gpu_busy(events)
-    assert busy.num_gpu_events == 3
+    assert busy.num_gpu_events == 3 and busy.inside_launches_idle_us == 0.0
     assert busy.window_us == pytest.approx(60.0)  # 10 .. 70
     assert busy.busy_us == pytest.approx(50.0)
     assert busy.idle_fraction == pytest.approx(10 / 60)

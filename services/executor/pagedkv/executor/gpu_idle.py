@@ -14,7 +14,15 @@ the last step's GPU work:
 - ``between_steps_idle_fraction``: the part of that idle time that lies
   between one step's last GPU work and the next step's first (the host's
   time between steps: the step's reply, the scheduler, the next request),
-  the rest being gaps inside steps (launch gaps).
+  the rest being gaps inside steps (launch gaps);
+- ``inside_launches_idle_us``: the part of the idle time that lies
+  between the GPU events of one launch, that is between the kernels of one
+  CUDA graph replay (the events of one correlation id): gaps the device
+  leaves between a decode step's kernels, part of that step's GPU time
+  whatever the host does. The rest, ``between_launches_idle_fraction``, is
+  the time the GPU waited for the host to launch something: between the
+  decode steps of a window (each its graph replay and its sampling) and
+  between windows.
 ``gpu_busy`` measures a trace recorded with GPU activity only (no CPU ops,
 so no step ranges and almost no host overhead from the profiler): the idle
 share of the whole window from its first GPU event to its last, all of it
@@ -48,6 +56,8 @@ class GpuIdle(NamedTuple):
     between_steps_idle_fraction: float
     median_step_gpu_span_us: float  # first GPU start to last GPU end of a step
     median_gap_between_steps_us: float
+    inside_launches_idle_us: float
+    between_launches_idle_fraction: float
 
 
 def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
@@ -58,6 +68,19 @@ def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
+
+
+def _inside_launches_idle(gpu: Iterable[tuple[int, float, float]]) -> float:
+    """The idle time inside each correlation id's GPU events (between the
+    kernels of one graph replay), summed: span less busy time, per id."""
+    by_launch: dict[int, list[tuple[float, float]]] = {}
+    for correlation, start, end in gpu:
+        by_launch.setdefault(correlation, []).append((start, end))
+    return sum(
+        max(e for _, e in spans) - min(s for s, _ in spans) - _union_length(spans)
+        for spans in by_launch.values()
+        if len(spans) > 1
+    )
 
 
 def _median(values: Sequence[float]) -> float:
@@ -88,6 +111,7 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
     steps.sort()
     starts = [start for start, _ in steps]
     per_step: dict[int, list[tuple[float, float]]] = {}
+    in_steps: list[tuple[int, float, float]] = []
     for correlation, start, end in gpu:
         launch = launches.get(correlation)
         if launch is None:
@@ -95,6 +119,7 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         i = bisect.bisect_right(starts, launch) - 1
         if i >= 0 and launch <= steps[i][1]:
             per_step.setdefault(i, []).append((start, end))
+            in_steps.append((correlation, start, end))
     assert per_step, "no GPU work launched inside a profiled step"
     order = sorted(per_step)
     spans = [(min(s for s, _ in per_step[i]), max(e for _, e in per_step[i])) for i in order]
@@ -102,6 +127,7 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
     intervals = [interval for i in order for interval in per_step[i]]
     busy = _union_length(intervals)
     window = window_end - window_start
+    inside = _inside_launches_idle(in_steps)
     gaps, reached = [], spans[0][1]
     for start, end in spans[1:]:
         gaps.append(max(0.0, start - reached))
@@ -118,6 +144,8 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         between_steps_idle_fraction=between / window if window else 0.0,
         median_step_gpu_span_us=_median([end - start for start, end in spans]),
         median_gap_between_steps_us=_median(gaps),
+        inside_launches_idle_us=inside,
+        between_launches_idle_fraction=(window - busy - inside) / window if window else 0.0,
     )
 
 
@@ -129,26 +157,36 @@ class GpuBusy(NamedTuple):
     busy_us: float
     idle_us: float
     idle_fraction: float
+    inside_launches_idle_us: float  # gaps inside one launch's GPU work (a graph replay)
+    between_launches_idle_fraction: float
 
 
 def gpu_busy(events: Iterable[Mapping[str, Any]]) -> GpuBusy:
     """The busy and idle time of every GPU event of ``events``, from the
     first one's start to the last one's end. AssertionError when there is
     no GPU event."""
-    intervals = [
-        (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
-        for event in events
+    gpu = [
+        (
+            int(event.get("args", {}).get("correlation", -1 - i)),  # no id: a launch of its own
+            float(event["ts"]),
+            float(event["ts"]) + float(event.get("dur", 0.0)),
+        )
+        for i, event in enumerate(events)
         if event.get("ph") == "X" and event.get("cat", "") in GPU_CATEGORIES
     ]
-    assert intervals, "no GPU event in the trace"
+    assert gpu, "no GPU event in the trace"
+    intervals = [(start, end) for _, start, end in gpu]
     window = max(end for _, end in intervals) - min(start for start, _ in intervals)
     busy = _union_length(intervals)
+    inside = _inside_launches_idle(gpu)
     return GpuBusy(
         num_gpu_events=len(intervals),
         window_us=window,
         busy_us=busy,
         idle_us=window - busy,
         idle_fraction=(window - busy) / window if window else 0.0,
+        inside_launches_idle_us=inside,
+        between_launches_idle_fraction=(window - busy - inside) / window if window else 0.0,
     )
 
 

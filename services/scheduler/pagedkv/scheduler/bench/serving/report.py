@@ -100,6 +100,7 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{timeline['median_gap_between_steps_us']:.0f} us; a step's GPU span "
             f"{timeline['median_step_gpu_span_us']:.0f} us). The profiler's host overhead "
             "makes these upper bounds.",
+            *_launch_split(timeline),
         ]
         lines += _gpu_only_lines(timeline.get("gpu_only"))
         kernels = timeline.get("gpu_time_by_name")
@@ -143,6 +144,20 @@ def _gpu_only_lines(gpu_only: Mapping[str, Any] | None) -> list[str]:
         f"({gpu_only['idle_us'] / gpu_only['profiled_decode_steps']:.0f} us per decode step "
         f"of {gpu_only['window_us'] / gpu_only['profiled_decode_steps']:.0f}), between and "
         "inside steps together.",
+        *_launch_split(gpu_only),
+    ]
+
+
+def _launch_split(measures: Mapping[str, Any]) -> list[str]:
+    """The idle time inside CUDA graph replays and between launches, where measured."""
+    if "between_launches_idle_fraction" not in measures:
+        return []
+    inside = measures["inside_launches_idle_us"] / measures["window_us"]
+    return [
+        f"Of that idle time, {100 * inside:.1f}% of the window lies between the kernels "
+        "of one CUDA graph replay (part of a decode step's GPU time) and "
+        f"{100 * measures['between_launches_idle_fraction']:.1f}% between launches "
+        "(the GPU waiting for the host: between a window's decode steps and between windows)."
     ]
 
 
