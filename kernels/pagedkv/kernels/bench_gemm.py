@@ -8,7 +8,10 @@ times (median of CUDA events, the L2 flushed by a read before each call):
 ``torch.nn.functional.linear`` (cuBLAS, the weight as transformers stores
 it), the same with a zero bias (cuBLASLt's epilogue path), a matmul against
 the weight transposed once ahead, and the Triton kernel under each tile of
-a small grid. The bandwidth figure counts the weight, input and output bytes.
+a small grid, split along the input features or not (split, it is timed
+with the sum of its partials and alone: the latter is what the projection
+would cost with that sum done by the kernel that reads its output). The
+bandwidth figure counts the weight, input and output bytes.
 Writes every measurement to a JSON file and a markdown summary beside it.
 """
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 import triton
 
 from pagedkv.kernels.bench import time_us
-from pagedkv.kernels.skinny_linear import LinearTile, skinny_linear
+from pagedkv.kernels.skinny_linear import LinearTile, skinny_linear, skinny_linear_partials
 
 # (model, projection, out_features, in_features)
 PROJECTIONS = [
@@ -47,8 +50,8 @@ ROWS = {"llama-1.1b": (64, 256), "llama-8b": (64,)}
 def tiles(rows: int) -> list[LinearTile]:
     """The Triton tiles tried at ``rows`` rows."""
     block_ms = (64,) if rows <= 64 else (64, 128)
-    grid = itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (3, 5))
-    return [LinearTile(m, n, k, 4, stages) for m, n, k, stages in grid if m * k <= 128 * 256]
+    grid = itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (1, 2, 4, 8))
+    return [LinearTile(m, n, k, 4, 4, split) for m, n, k, split in grid if m * k <= 128 * 256]
 
 
 def measure(
@@ -90,7 +93,22 @@ def measure(
             continue
         error = float((got.float() - want.float()).abs().max())
         results.append(row("triton skinny_linear", us, tile=list(tile), max_abs_error=error))
+        if tile.split_k > 1:
+            alone = time_us(lambda: skinny_linear_partials(x, weight, tile))  # noqa: B023
+            results.append(row("triton partials alone", alone, tile=list(tile)))
     return results
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    return "-" if r is None else f"{r['us']:.1f} us, {r['gbps']:.0f} GB/s"
+
+
+def _best(rows: list[dict[str, Any]], engine: str) -> str:
+    candidates = [r for r in rows if r["engine"] == engine]
+    if not candidates:
+        return "-"
+    fastest = min(candidates, key=lambda r: r["us"])
+    return f"{_cell(fastest)} {tuple(fastest['tile'])}"
 
 
 def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
@@ -100,28 +118,24 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{header['gpu']}, torch {header['torch']}, triton {header['triton']}; bf16; "
         "L2 flushed by a read before each call; GB/s counts weight, input and output bytes.",
         "",
+        "Tiles: (block_m, block_n, block_k, warps, stages, split_k).",
+        "",
         "| model | projection | rows | out x in | cuBLAS linear | cuBLASLt + bias | "
-        "transposed ahead | Triton best (tile) |",
-        "|---|---|---|---|---|---|---|---|",
+        "transposed ahead | Triton best (tile) | Triton split, partials alone (tile) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["model"], r["projection"], r["rows"]) for r in rows}, key=str)
     for model, name, count in keys:
         mine = [r for r in rows if (r["model"], r["projection"], r["rows"]) == (model, name, count)]
-        by_engine = {r["engine"]: r for r in mine if r["engine"] != "triton skinny_linear"}
-        triton_rows = [r for r in mine if r["engine"] == "triton skinny_linear"]
-        best = min(triton_rows, key=lambda r: r["us"]) if triton_rows else None
-
-        def cell(r: dict[str, Any] | None) -> str:
-            return "-" if r is None else f"{r['us']:.1f} us, {r['gbps']:.0f} GB/s"
+        by_engine = {r["engine"]: r for r in mine if not r["engine"].startswith("triton")}
 
         first = mine[0]
-        tile = "" if best is None else f" {tuple(best['tile'])}"
         lines.append(
             f"| {model} | {name} | {count} | {first['out_features']} x {first['in_features']} | "
-            f"{cell(by_engine.get('cublas linear'))} | "
-            f"{cell(by_engine.get('cublaslt linear + bias'))} | "
-            f"{cell(by_engine.get('cublas matmul, weight transposed ahead'))} | "
-            f"{cell(best)}{tile} |"
+            f"{_cell(by_engine.get('cublas linear'))} | "
+            f"{_cell(by_engine.get('cublaslt linear + bias'))} | "
+            f"{_cell(by_engine.get('cublas matmul, weight transposed ahead'))} | "
+            f"{_best(mine, 'triton skinny_linear')} | {_best(mine, 'triton partials alone')} |"
         )
     return "\n".join(lines) + "\n"
 
