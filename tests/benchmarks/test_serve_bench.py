@@ -148,6 +148,19 @@ def test_gpu_time_by_name_ranks_kernels_by_their_time_per_decode_step() -> None:
     assert [tuple(k) for k in ranked] == [("gemm", 40.0, 1.0), ("norm", 2.0, 0.5)]
 
 
+def test_gpu_time_by_name_counts_only_the_work_of_profiled_steps_when_told() -> None:
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": STEP_ANNOTATION, "ts": 0.0, "dur": 50},
+        _span("cuda_runtime", 5, 1, correlation=1),
+        _span("cuda_runtime", 80, 1, correlation=2),  # after the step: not counted
+        {**_span("kernel", 10, 30, correlation=1), "name": "gemm"},
+        {**_span("kernel", 90, 30, correlation=2), "name": "gemm"},
+    ]
+    ranked = gpu_time_by_name(events, num_decode_steps=1, step_name=STEP_ANNOTATION)
+    assert [tuple(k) for k in ranked] == [("gemm", 30.0, 1.0)]
+    assert [tuple(k) for k in gpu_time_by_name(events, 1)] == [("gemm", 60.0, 2.0)]
+
+
 def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> None:
     # Three steps; times in ms. The device runs [10, 20], [21, 31] and [40, 50]:
     # step 2 was read at 20 and launched by 21 (1 ms launching); step 3 was

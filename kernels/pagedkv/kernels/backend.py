@@ -108,12 +108,20 @@ class RotaryAndCache(Protocol):
     ) -> None: ...
 
 
+class GreedySample(Protocol):
+    """Each row's argmax of float ``logits`` ``[N, vocab]`` (ties to the lowest
+    id) as int64, and its float32 log-probability under the row's softmax."""
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class KernelBackend:
     """The kernels of one implementation; contracts in ``pagedkv.kernels.reference``.
 
-    The first four serve any model's attention; the last four are the fused
-    decoder-layer ops (``pagedkv.executor.fused_model``).
+    The first four serve any model's attention; the next four are the fused
+    decoder-layer ops (``pagedkv.executor.fused_model``); ``greedy_sample``
+    samples an all-greedy batch.
     """
 
     name: str
@@ -125,6 +133,7 @@ class KernelBackend:
     add_rms_norm: AddRmsNorm
     silu_mul: SiluMul
     rotary_and_cache: RotaryAndCache
+    greedy_sample: GreedySample
 
 
 def get_backend(name: str) -> KernelBackend:
@@ -134,7 +143,7 @@ def get_backend(name: str) -> KernelBackend:
     any device.
     """
     if name == "triton":
-        from pagedkv.kernels import cache_ops, norm_act, rotary, slot_mapping
+        from pagedkv.kernels import cache_ops, greedy, norm_act, rotary, slot_mapping
         from pagedkv.kernels import paged_attention as attention
 
         return KernelBackend(
@@ -147,6 +156,7 @@ def get_backend(name: str) -> KernelBackend:
             add_rms_norm=norm_act.add_rms_norm,
             silu_mul=norm_act.silu_mul,
             rotary_and_cache=rotary.rotary_and_cache,
+            greedy_sample=greedy.greedy_sample,
         )
     if name == "torch":
         from pagedkv.kernels import torch_backend
@@ -161,5 +171,6 @@ def get_backend(name: str) -> KernelBackend:
             add_rms_norm=torch_backend.add_rms_norm,
             silu_mul=torch_backend.silu_mul,
             rotary_and_cache=torch_backend.rotary_and_cache,
+            greedy_sample=torch_backend.greedy_sample,
         )
     raise ValueError(f"kernel backend: {name!r} is not one of {BACKEND_NAMES}")

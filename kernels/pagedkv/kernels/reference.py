@@ -177,3 +177,11 @@ def rotary_and_cache(
     query.copy_(rotary_embedding(query, cos_sin, positions))
     rotated = rotary_embedding(key, cos_sin, positions)
     reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (ties to the lowest id) and its float32 log-probability
+    ``max - logsumexp`` of the row, from float32 logits."""
+    values = logits.float()
+    best, token_ids = values.max(dim=-1)
+    return token_ids, best - values.logsumexp(dim=-1)

@@ -276,3 +276,8 @@ def rotary_and_cache(
     query.copy_(reference.rotary_embedding(query, cos_sin, positions))
     rotated = reference.rotary_embedding(key, cos_sin, positions)
     reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (ties to the lowest id) and its float32 log-probability."""
+    return reference.greedy_sample(logits)

@@ -75,7 +75,9 @@ class DecodeGraphs:
 
     def run(self, rows: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays a graph for one-token decodes of ``rows`` at ``positions``;
-        returns float32 logits ``[len(rows), vocab]`` and the rows on the device."""
+        returns the logits ``[len(rows), vocab]`` (in the model's dtype: a view
+        of the graph's output, valid until its next replay) and the rows on
+        the device."""
         count = len(rows)
         size = next(s for s in self.sizes if s >= count)
         # The whole buffer in one copy from pinned memory (no device-side copy).
@@ -85,7 +87,7 @@ class DecodeGraphs:
         host[1, :count] = positions
         self.inputs.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         self.graphs[size].replay()
-        return self.logits[size][:count].float(), self.inputs[0, :count]
+        return self.logits[size][:count], self.inputs[0, :count]
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

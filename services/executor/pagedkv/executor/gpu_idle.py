@@ -199,14 +199,44 @@ class NamedGpuTime(NamedTuple):
 NAME_LENGTH = 96
 
 
+def _launched_in_steps(events: Sequence[Mapping[str, Any]], step_name: str) -> set[int]:
+    """The correlation ids of the launches made inside a ``step_name`` range."""
+    steps = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == step_name
+    )
+    starts = [start for start, _ in steps]
+    inside = set()
+    for event in events:
+        if event.get("ph") != "X" or event.get("cat", "") not in LAUNCH_CATEGORIES:
+            continue
+        if "correlation" not in event.get("args", {}):
+            continue
+        ts = float(event["ts"])
+        i = bisect.bisect_right(starts, ts) - 1
+        if i >= 0 and ts <= steps[i][1]:
+            inside.add(int(event["args"]["correlation"]))
+    return inside
+
+
 def gpu_time_by_name(
-    events: Iterable[Mapping[str, Any]], num_decode_steps: int, top: int = 16
+    events: Iterable[Mapping[str, Any]],
+    num_decode_steps: int,
+    top: int = 16,
+    step_name: str | None = None,
 ) -> list[NamedGpuTime]:
     """The ``top`` GPU event names by their GPU time in ``events`` (the
-    profiled window), per decode step, the most first."""
+    profiled window), per decode step, the most first. With ``step_name``,
+    only the GPU work launched inside those step ranges counts (a profiler
+    also records steps launched, uncounted, while it stops)."""
+    events = list(events)
+    counted = None if step_name is None else _launched_in_steps(events, step_name)
     totals: dict[str, list[float]] = {}
     for event in events:
         if event.get("ph") != "X" or event.get("cat", "") not in GPU_CATEGORIES:
+            continue
+        if counted is not None and event.get("args", {}).get("correlation") not in counted:
             continue
         name = str(event.get("name", ""))[:NAME_LENGTH]
         entry = totals.setdefault(name, [0.0, 0.0])

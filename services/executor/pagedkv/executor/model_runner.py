@@ -280,26 +280,46 @@ class ModelRunner:
             sample_positions = num_computed + 1
         else:
             inputs = self.forward_inputs.prepare(rows, num_computed, num_scheduled, needs_sample)
-            maybe_logits = self.logits(inputs)
+            maybe_logits = self._model_logits(inputs)
             if maybe_logits is None:
                 return None
             logits, sampled_rows = maybe_logits, inputs.sampled_rows
             sample_positions = inputs.sample_positions
         host_rows = rows[needs_sample]
         params = self._sampling_params(host_rows, sample_positions)
-        result = sample(logits, params, self.generator)
+        result = self._sample(logits, params)
         self.rows.record_samples(host_rows, sampled_rows, result.token_ids)
         return result
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParamsBatch) -> SamplerOutput:
+        """Samples ``logits`` (the model's dtype): an all-greedy batch without
+        top logprobs in the backend's one pass over them, else the sampler on
+        a float32 copy."""
+        if params.all_greedy and not params.max_num_logprobs:
+            token_ids, logprobs = self.backend.greedy_sample(logits)
+            empty = (len(token_ids), 0)
+            return SamplerOutput(
+                token_ids,
+                logprobs,
+                torch.empty(empty, dtype=torch.int64, device=logits.device),
+                torch.empty(empty, dtype=torch.float32, device=logits.device),
+            )
+        return sample(logits.float(), params, self.generator)
 
     def logits(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """Runs the model; float32 logits ``[num_samples, vocab_size]`` at the
         sampled positions, or None when no entry needs a sample."""
+        logits = self._model_logits(inputs)
+        return None if logits is None else logits.float()
+
+    def _model_logits(self, inputs: ForwardInputs) -> torch.Tensor | None:
+        """As ``logits``, in the model's dtype."""
         logits = self.run_model(
             inputs.input_ids, inputs.positions, inputs.metadata, inputs.sample_index
         )
         if not len(inputs.sample_positions):
             return None
-        return logits.float()
+        return logits
 
     def run_model(
         self,

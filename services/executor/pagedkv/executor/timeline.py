@@ -153,7 +153,7 @@ class StepProfiler:
         events = self._stopped_events()
         with gzip.open(self.directory / "trace.json.gz", "wt") as packed:
             json.dump({"traceEvents": events}, packed)
-        kernels = gpu_time_by_name(events, self.num_profiled)
+        kernels = gpu_time_by_name(events, self.num_profiled, step_name=STEP_ANNOTATION)
         return {**gpu_idle(events)._asdict(), "gpu_time_by_name": [k._asdict() for k in kernels]}
 
 
