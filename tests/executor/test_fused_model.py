@@ -55,11 +55,13 @@ def make_runner(
 
 def step_logits(runner: ModelRunner) -> list[torch.Tensor]:
     """Row 1 prefills 27 tokens (a window of 24 in mistral); then row 0
-    prefills 9 while row 1 decodes its 28th."""
+    prefills 9 while row 1 decodes its 28th; then both decode (a batch of
+    decodes only: the fused stack's one-launch rotary and attention)."""
     rows = np.array([0, 1])
     steps = [
         (np.array([1]), np.array([0]), np.array([27])),
         (rows, np.array([0, 27]), np.array([9, 1])),
+        (rows, np.array([9, 28]), np.array([1, 1])),
     ]
     logits = []
     for step_rows, computed, scheduled in steps:

@@ -120,3 +120,39 @@ def test_bf16_fused_layer_ops_match_the_oracles_and_transformers(num_tokens: int
     blocks, offsets = slots // 16, slots % 16
     torch.testing.assert_close(key_cache[blocks, offsets], k_hf[0].transpose(0, 1), **tol)
     assert torch.equal(value_cache[blocks, offsets], value_before)
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_seqs", [64, 3])  # one split each; many splits each
+def test_bf16_rotary_decode_attention_matches_the_oracle(head_size: int, num_seqs: int) -> None:
+    from pagedkv.kernels.paged_attention import rotary_decode_attention
+    from tests.kernels.test_rotary_decode import decode_case
+
+    contexts = [767] * num_seqs if num_seqs > 3 else [4095, 700, 0]
+    case = decode_case(contexts, 8, torch.bfloat16, True, num_q_heads=32, head_size=head_size)
+    want_caches = [case["key_cache"].clone(), case["value_cache"].clone()]
+    args = dict(case, key_cache=want_caches[0], value_cache=want_caches[1])
+    want = reference.rotary_decode_attention(**args, scale=head_size**-0.5)  # type: ignore[arg-type]
+    on_device = {name: t.cuda() for name, t in case.items()}
+    got = rotary_decode_attention(**on_device, scale=head_size**-0.5, max_seq_len=8192)  # type: ignore[arg-type]
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
+    for name, cache in zip(("key_cache", "value_cache"), want_caches, strict=True):
+        torch.testing.assert_close(on_device[name].cpu(), cache, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_greedy_sample_and_skinny_linear_at_a_decode_steps_shapes() -> None:
+    from pagedkv.kernels.greedy import greedy_sample
+    from pagedkv.kernels.skinny_linear import LinearTile, skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 32000, device="cuda", generator=gen).to(torch.bfloat16) * 4
+    ids, logprobs = greedy_sample(logits)
+    want_ids, want_logprobs = reference.greedy_sample(logits)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, atol=1e-4, rtol=1e-4)
+    x = torch.randn(64, 5632, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = torch.randn(2048, 5632, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+    want = x.float() @ weight.float().T
+    for split_k in (1, 4):
+        got = skinny_linear(x, weight, LinearTile(64, 32, 128, 4, 4, split_k))
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)

@@ -108,6 +108,29 @@ class RotaryAndCache(Protocol):
     ) -> None: ...
 
 
+class RotaryDecodeAttention(Protocol):
+    """``rotary_and_cache`` then ``paged_attention`` for one-token decodes, the
+    query left unchanged."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        max_seq_len: int | None = None,
+    ) -> torch.Tensor: ...
+
+
 class GreedySample(Protocol):
     """Each row's argmax of float ``logits`` ``[N, vocab]`` (ties to the lowest
     id) as int64, and its float32 log-probability under the row's softmax."""
@@ -119,9 +142,10 @@ class GreedySample(Protocol):
 class KernelBackend:
     """The kernels of one implementation; contracts in ``pagedkv.kernels.reference``.
 
-    The first four serve any model's attention; the next four are the fused
-    decoder-layer ops (``pagedkv.executor.fused_model``); ``greedy_sample``
-    samples an all-greedy batch.
+    The first four serve any model's attention; the next five are the fused
+    decoder-layer ops (``pagedkv.executor.fused_model``; the fifth is the
+    fourth and the attention in one, for one-token decodes);
+    ``greedy_sample`` samples an all-greedy batch.
     """
 
     name: str
@@ -133,6 +157,7 @@ class KernelBackend:
     add_rms_norm: AddRmsNorm
     silu_mul: SiluMul
     rotary_and_cache: RotaryAndCache
+    rotary_decode_attention: RotaryDecodeAttention
     greedy_sample: GreedySample
 
 
@@ -156,6 +181,7 @@ def get_backend(name: str) -> KernelBackend:
             add_rms_norm=norm_act.add_rms_norm,
             silu_mul=norm_act.silu_mul,
             rotary_and_cache=rotary.rotary_and_cache,
+            rotary_decode_attention=attention.rotary_decode_attention,
             greedy_sample=greedy.greedy_sample,
         )
     if name == "torch":
@@ -171,6 +197,7 @@ def get_backend(name: str) -> KernelBackend:
             add_rms_norm=torch_backend.add_rms_norm,
             silu_mul=torch_backend.silu_mul,
             rotary_and_cache=torch_backend.rotary_and_cache,
+            rotary_decode_attention=torch_backend.rotary_decode_attention,
             greedy_sample=torch_backend.greedy_sample,
         )
     raise ValueError(f"kernel backend: {name!r} is not one of {BACKEND_NAMES}")

@@ -36,11 +36,12 @@ def check_attention_args(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     sliding_window: int | None,
     softcap: float | None,
 ) -> None:
-    """The arguments of ``paged_attention``, as every backend needs them."""
+    """The arguments of ``paged_attention``, as every backend needs them
+    (``query_start_loc`` None: one token per sequence)."""
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache, like=key_cache)
     if query.ndim != 3 or query.dtype not in FLOAT_DTYPES or query.stride(-1) != 1:
@@ -56,7 +57,10 @@ def check_attention_args(
     if query.dtype != key_cache.dtype:
         raise ValueError(f"query: dtype {query.dtype}, the cache has {key_cache.dtype}")
     check_int_vector("seq_lens", seq_lens)
-    check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
+    if query_start_loc is not None:
+        check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
+    elif len(query) != len(seq_lens):
+        raise ValueError(f"query: {len(query)} tokens for {len(seq_lens)} one-token decodes")
     if block_table.ndim != 2 or block_table.dtype not in INT_DTYPES:
         raise ValueError("block_table: expected an int [num_seqs, max_blocks_per_seq] tensor")
     if block_table.stride(1) != 1 or block_table.shape[0] < len(seq_lens):

@@ -11,6 +11,7 @@ splits by their log-sum-exp. Launch constants come from
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,6 +45,15 @@ def _decode_split_kernel(
     num_q_heads,
     num_queries_per_kv,
     num_splits,
+    key_ptr,  # ROTARY: [num_seqs, num_kv_heads, head_size], the new tokens' keys
+    value_ptr,  # ROTARY: [num_seqs, num_kv_heads, head_size], their values
+    cos_sin_ptr,  # ROTARY: [max_position, head_size], as rotary_and_cache reads it
+    positions_ptr,  # ROTARY: [num_seqs]
+    slot_mapping_ptr,  # ROTARY: [num_seqs], the new tokens' slots (negative: none)
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -52,12 +62,17 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
     byte is read once for all of them. With ``SPLIT`` each program stores its
     partial output and log-sum-exp for ``_decode_merge_kernel``; without,
-    there is one split and the program stores the output."""
+    there is one split and the program stores the output. With ``ROTARY``
+    the query is rotated here (left as it is in memory), and the program
+    whose split holds the new token rotates its key and writes it and its
+    value at its slot before it reads the cache, as ``rotary_and_cache``
+    would have (the same float32 rotation, rounded once)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -69,17 +84,44 @@ def _decode_split_kernel(
     heads = kv_head * num_queries_per_kv + groups
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_size
-    q = tl.load(
-        query_ptr + seq * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
-        mask=group_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
+    q_ptrs = query_ptr + seq * query_stride_t + heads[:, None] * query_stride_h
+    q_mask = group_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptrs + dims[None, :], mask=q_mask, other=0.0)
 
     # Each sequence's own context is split (in whole steps), so a launch sized
     # for a longer bound (a CUDA graph's) still spreads a short one out.
     split_size = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)
+    if ROTARY:
+        # Dim d pairs with d + half (d < half) or d - half: rotate_half.
+        half = head_size // 2
+        pair = tl.where(dims < half, dims + half, dims - half)
+        angle = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * head_size + dims % half
+        cos = tl.load(angle, mask=dim_valid, other=0.0).to(tl.float32)
+        sin = tl.load(angle + half, mask=dim_valid, other=0.0).to(tl.float32)
+        sin = tl.where(dims < half, -sin, sin)
+        q_pair = tl.load(q_ptrs + pair[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * cos[None, :] + q_pair * sin[None, :]).to(q.dtype)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        writes = (start <= q_pos) & (q_pos < end) & (slot >= 0)
+        slot = tl.where(slot >= 0, slot, 0)
+        kv_mask = dim_valid & writes
+        k_ptrs = key_ptr + seq * key_stride_t + kv_head * key_stride_h
+        k = tl.load(k_ptrs + dims, mask=kv_mask, other=0.0).to(tl.float32)
+        k_pair = tl.load(k_ptrs + pair, mask=kv_mask, other=0.0).to(tl.float32)
+        v_ptrs = value_ptr + seq * value_stride_t + kv_head * value_stride_h
+        v = tl.load(v_ptrs + dims, mask=kv_mask)
+        dst = (
+            (slot // BLOCK_SIZE) * cache_stride_b
+            + (slot % BLOCK_SIZE) * cache_stride_s
+            + kv_head * cache_stride_h
+            + dims
+        )
+        key_out = (k * cos + k_pair * sin).to(key_cache_ptr.dtype.element_ty)
+        tl.store(key_cache_ptr + dst, key_out, mask=kv_mask)
+        tl.store(value_cache_ptr + dst, v, mask=kv_mask)
+        tl.debug_barrier()  # the new key and value are read below, by other threads
     if USE_WINDOW:
         first = tl.maximum(q_pos - sliding_window + 1, 0)
         start = tl.maximum(start, (first // BLOCK_N) * BLOCK_N)
@@ -230,6 +272,34 @@ DECODE_MERGE_ELEMENTS = 4096
 DECODE_MERGE_MIN_DIMS = 32
 
 
+class Rotary(NamedTuple):
+    """What ``rotary_and_cache`` takes besides the query and the caches."""
+
+    key: torch.Tensor  # [num_seqs, num_kv_heads, head_size]
+    value: torch.Tensor  # [num_seqs, num_kv_heads, head_size]
+    cos_sin: torch.Tensor  # [max_position, head_size]
+    positions: torch.Tensor  # [num_seqs]
+    slot_mapping: torch.Tensor  # [num_seqs]
+
+    def arguments(self) -> tuple[object, ...]:
+        return (
+            self.key,
+            self.value,
+            self.cos_sin,
+            self.positions,
+            self.slot_mapping,
+            self.key.stride(0),
+            self.key.stride(1),
+            self.value.stride(0),
+            self.value.stride(1),
+        )
+
+
+def _no_rotary(like: torch.Tensor) -> Rotary:
+    """Placeholders for a launch without ``ROTARY`` (never read)."""
+    return Rotary(like, like, like, like, like)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (8 for the CPU interpreter)."""
@@ -257,11 +327,14 @@ def decode(
     sliding_window: int | None,
     softcap: float | None,
     max_seq_len: int,
+    rotary: Rotary | None = None,
 ) -> None:
     """Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` for a batch of
     one-token decodes (``query`` holds one token per sequence), arguments
     checked by the caller; ``max_seq_len`` is an upper bound of ``seq_lens``
-    and sizes the launch."""
+    and sizes the launch. With ``rotary``, the query is rotated first (not
+    in place) and the new tokens' keys, rotated, and values are written to
+    the cache first, as ``rotary_and_cache`` does."""
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = sm_count(query.device)
@@ -297,6 +370,7 @@ def decode(
         num_q_heads,
         num_queries_per_kv,
         num_splits,
+        *(rotary or _no_rotary(query)).arguments(),
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_SIZE=key_cache.shape[1],
@@ -305,6 +379,7 @@ def decode(
         BLOCK_D=block_d,
         EVEN_D=block_d == head_size,
         SPLIT=split,
+        ROTARY=rotary is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

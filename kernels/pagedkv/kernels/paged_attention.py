@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend
-from pagedkv.kernels.checks import check_attention_args
-from pagedkv.kernels.decode_attention import decode
+from pagedkv.kernels.checks import check_attention_args, check_rotary_args
+from pagedkv.kernels.decode_attention import Rotary, decode
 
 
 @triton.jit
@@ -259,5 +259,51 @@ def paged_attention(
         EVEN_D=block_d == head_size,
         num_warps=num_warps,
         num_stages=num_stages,
+    )
+    return out
+
+
+def rotary_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """For a batch of one-token decodes, what ``rotary_and_cache`` and then
+    ``paged_attention`` give, in one launch (the flash-decoding kernel rotates
+    the query and writes the new keys and values itself); ``query`` is left
+    as it is. Oracle: ``reference.rotary_decode_attention``."""
+    check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    check_attention_args(
+        query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap
+    )
+    out = torch.empty_like(query)
+    if not len(query):
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    rotary = Rotary(key, value, cos_sin, positions, slot_mapping)
+    decode(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        out,
+        scale,
+        sliding_window,
+        softcap,
+        max_seq_len,
+        rotary,
     )
     return out

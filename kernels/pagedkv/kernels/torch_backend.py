@@ -278,6 +278,42 @@ def rotary_and_cache(
     reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
 
 
+def rotary_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
+    of one new token per sequence (the two ops of this backend)."""
+    rotated = query.clone()
+    rotary_and_cache(rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
+    return paged_attention(
+        rotated,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        softcap,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+    )
+
+
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (ties to the lowest id) and its float32 log-probability."""
     return reference.greedy_sample(logits)

@@ -11,7 +11,9 @@ with the same weights as four fused kernels and four matmuls per layer:
   norm has no add, the final norm adds the last layer's MLP output);
 - one matmul for Q, K and V, then ``rotary_and_cache``: Q rotated in place,
   K rotated straight into the paged cache, V copied there; paged attention;
-  the output projection;
+  the output projection. A batch of one-token decodes (every CUDA graph's)
+  takes ``rotary_decode_attention`` instead: the flash-decoding kernel
+  rotates Q and writes K and V itself, one launch for the two;
 - one matmul for gate and up, then ``silu_mul``, then the down projection.
 
 The merged Q/K/V and gate/up weights are single tensors, and the modules'
@@ -208,6 +210,25 @@ class FusedDecoder:
         group = meta.layer_groups[layer.index]
         key_cache, value_cache = meta.key_caches[layer.index], meta.value_caches[layer.index]
         slot_mapping = meta.slot_mappings[group]
+        if meta.max_query_len == 1 and num_tokens == len(meta.seq_lens):  # decodes only
+            out = self.backend.rotary_decode_attention(
+                query,
+                key,
+                value,
+                self.cos_sin,
+                positions,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                meta.block_tables[group],
+                meta.seq_lens,
+                layer.scale,
+                sliding_window=meta.group_windows[group],
+                softcap=meta.softcap,
+                max_seq_len=meta.max_seq_len,
+            )
+            result: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
+            return result
         self.backend.rotary_and_cache(
             query, key, value, self.cos_sin, positions, key_cache, value_cache, slot_mapping
         )
@@ -224,8 +245,8 @@ class FusedDecoder:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
-        result: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
-        return result
+        attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
+        return attended
 
 
 def rotary_table(rotary_emb: Any, max_position: int, like: torch.Tensor) -> torch.Tensor:
