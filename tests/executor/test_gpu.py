@@ -101,3 +101,41 @@ def test_runner_without_num_blocks_measures_its_pool_on_cuda(model_dirs: dict[st
     assert runner.limits.num_blocks > 2
     assert runner.forward_inputs.kv is runner.kv
     assert runner.kv.num_bytes == runner.limits.num_blocks * runner.bytes_per_block
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_decode_windows_on_cuda_graphs_give_the_tokens_of_single_steps(
+    model_dirs: dict[str, Path], sampling: str
+) -> None:
+    """A window replays one decode graph after another, each step's samples
+    fed to the next on the device; the tokens are those of single steps,
+    and of eager steps."""
+    from pagedkv.executor.engine import Executor
+    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.v1 import common_pb2
+    from tests.executor.test_launch_order import window_tokens
+
+    params = (
+        common_pb2.SamplingParams(temperature=0.0)
+        if sampling == "greedy"
+        else common_pb2.SamplingParams(temperature=1.0, seed=7)
+    )
+    outputs = []
+    for eager in (False, True):
+        config = RunnerConfig(
+            model=str(model_dirs["llama"]),
+            device="cuda",
+            kernel_backend="triton",
+            num_blocks=64,
+            max_num_rows=4,
+            cuda_graphs=not eager,
+        )
+        runner = ModelRunner(config)
+        runner.warm_up()
+        assert (runner.graphs is not None) == (not eager)
+        executor = Executor(runner, "tiny")
+        one_by_one = window_tokens(executor, params, [1] * 12)
+        assert window_tokens(executor, params, [4, 1, 3, 4]) == one_by_one
+        assert window_tokens(executor, params, [12]) == one_by_one
+        outputs.append(one_by_one)
+    assert outputs[0] == outputs[1]

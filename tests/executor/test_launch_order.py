@@ -137,23 +137,27 @@ def test_a_decode_window_gives_the_tokens_of_its_steps_run_one_by_one(
         if sampling == "greedy"
         else common_pb2.SamplingParams(temperature=1.0, seed=7)
     )
+    one_by_one = window_tokens(executor, params, [1] * 12)
+    assert window_tokens(executor, params, [4, 1, 3, 4]) == one_by_one
+    assert window_tokens(executor, params, [12]) == one_by_one
+
+
+def window_tokens(
+    executor: Executor, params: common_pb2.SamplingParams, windows: list[int]
+) -> list[list[int]]:
+    """Two prompts prefilled, then decoded in windows of the given sizes (1:
+    a single step): each sequence's tokens."""
     prompts = [[5, 9, 2, 7, 11, 3], [4, 4, 8, 1]]
-
-    def generate(windows: list[int]) -> list[list[int]]:
-        fresh(executor)
-        seqs = [Seq(row=r, blocks=[1 + 2 * r, 2 + 2 * r], num_computed=0) for r in range(2)]
-        for seq, prompt in zip(seqs, prompts, strict=True):
-            take_samples([seq], executor.step(prefill(OWNER, seq, f"r{seq.row}", prompt, params)))
-        for num_steps in windows:
-            if num_steps == 1:
-                take_samples(seqs, executor.step(decode(OWNER, seqs)))
-            else:
-                take_window(seqs, executor.step(window(OWNER, seqs, num_steps)), num_steps)
-        return [seq.output for seq in seqs]
-
-    one_by_one = generate([1] * 12)
-    assert generate([4, 1, 3, 4]) == one_by_one
-    assert generate([12]) == one_by_one
+    fresh(executor)
+    seqs = [Seq(row=r, blocks=[1 + 2 * r, 2 + 2 * r], num_computed=0) for r in range(2)]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        take_samples([seq], executor.step(prefill(OWNER, seq, f"r{seq.row}", prompt, params)))
+    for num_steps in windows:
+        if num_steps == 1:
+            take_samples(seqs, executor.step(decode(OWNER, seqs)))
+        else:
+            take_window(seqs, executor.step(window(OWNER, seqs, num_steps)), num_steps)
+    return [seq.output for seq in seqs]
 
 
 def test_a_decode_window_with_a_new_request_or_too_few_blocks_is_refused(

@@ -7,9 +7,10 @@ per layer, and a decode step of a 1B model spends most of its time there.
 and block tables, the slot mappings, the model and its LM head. A step in
 which every entry decodes one token and samples copies its rows and
 positions into the graphs' input buffer and replays the smallest graph that
-holds it. Padding entries read row 0 at position 0 and write no K/V (slot
--1); their logits are dropped. Attention is sized for ``max_model_len``, so
-a graph serves any context.
+holds it; the later steps of a decode window advance those positions on the
+device and replay the same graph (``run_next``). Padding entries read row 0
+at position 0 and write no K/V (slot -1); their logits are dropped.
+Attention is sized for ``max_model_len``, so a graph serves any context.
 
 Only on CUDA with the Triton kernels: the torch backend waits for the host.
 """
@@ -88,6 +89,19 @@ class DecodeGraphs:
         self.inputs.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:count], self.inputs[0, :count]
+
+    def run_next(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replays the last ``run``'s graph for the next token of each of its
+        ``count`` rows (their positions advanced by one on the device: no
+        host copy), after ``append`` writes each row's last sample at its new
+        position; returns the logits and the rows as ``run`` does, and the
+        positions on the device."""
+        size = next(s for s in self.sizes if s >= count)
+        rows, positions = self.inputs[0, :count], self.inputs[1, :count]
+        positions.add_(1)
+        self.runner.rows.append_samples_on_device(rows, positions)
+        self.graphs[size].replay()
+        return self.logits[size][:count], rows, positions
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

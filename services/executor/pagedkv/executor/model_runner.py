@@ -255,12 +255,21 @@ class ModelRunner:
         after step."""
         ones = np.ones(len(rows), dtype=np.int64)
         sample_all = np.ones(len(rows), dtype=bool)
+        replays = self.graphs is not None and self.graphs.fits(ones, sample_all)
         results = []
         for j in range(num_steps):
-            if j:
-                self.rows.append_samples(rows, num_computed + j)
-            result = self.forward(rows, num_computed + j, ones, sample_all)
-            assert result is not None  # every entry samples
+            if j and replays:  # the same graph, its inputs advanced on the device
+                assert self.graphs is not None
+                logits, device_rows, _ = self.graphs.run_next(len(rows))
+                result = self._sample_and_record(
+                    rows, device_rows, logits, num_computed + j + 1, sample_all
+                )
+            else:
+                if j:
+                    self.rows.append_samples(rows, num_computed + j)
+                maybe = self.forward(rows, num_computed + j, ones, sample_all)
+                assert maybe is not None  # every entry samples
+                result = maybe
             results.append(result)
         return SamplerOutput(*(torch.cat(column) for column in zip(*results, strict=True)))
 
@@ -285,6 +294,18 @@ class ModelRunner:
                 return None
             logits, sampled_rows = maybe_logits, inputs.sampled_rows
             sample_positions = inputs.sample_positions
+        return self._sample_and_record(rows, sampled_rows, logits, sample_positions, needs_sample)
+
+    def _sample_and_record(
+        self,
+        rows: np.ndarray,
+        sampled_rows: torch.Tensor,
+        logits: torch.Tensor,
+        sample_positions: np.ndarray,
+        needs_sample: np.ndarray,
+    ) -> SamplerOutput:
+        """Samples the logits of ``rows[needs_sample]`` (``sampled_rows`` on
+        the device), whose samples become those rows' last samples."""
         host_rows = rows[needs_sample]
         params = self._sampling_params(host_rows, sample_positions)
         result = self._sample(logits, params)

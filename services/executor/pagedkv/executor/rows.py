@@ -204,3 +204,7 @@ class Rows:
         if len(rows):
             index = to_device(np.stack([rows, positions]), self.device)
             self.token_ids[index[0], index[1]] = self.last_sampled[index[0]]
+
+    def append_samples_on_device(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """As ``append_samples``, with the rows and positions already on the device."""
+        self.token_ids[rows, positions] = self.last_sampled[rows]
