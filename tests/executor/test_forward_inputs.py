@@ -4,11 +4,15 @@ entries, and its padding entries write no K/V."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
@@ -18,14 +22,14 @@ BLOCKS_PER_ROW = 4
 PROMPT_LEN = 21
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def runner(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> ModelRunner:
     model = Path(tmp_path_factory.mktemp("model"))
     make_tiny_model(model, "llama", seed=5)
     config = RunnerConfig(
         model=str(model),
         device="cpu",
-        kernel_backend="torch",
+        kernel_backend=request.param,
         num_blocks=1 + 3 * BLOCKS_PER_ROW,
         max_num_rows=4,
         max_num_batched_tokens=64,

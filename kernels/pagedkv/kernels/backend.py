@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -131,6 +131,30 @@ class RotaryDecodeAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DecodeInputs(NamedTuple):
+    """A decode step's forward inputs (``decode_inputs``)."""
+
+    input_ids: torch.Tensor  # int64 [num_entries]
+    positions: torch.Tensor  # int64 [num_entries]: clamped at 0
+    seq_lens: torch.Tensor  # int32 [num_entries]: position + 1
+    block_tables: torch.Tensor  # int32 [num_groups, num_entries, num_columns]
+    slot_mappings: torch.Tensor  # int64 [num_groups, num_entries]: -1 for padding
+
+
+class DecodeInputsOp(Protocol):
+    """A decode step's forward inputs from the rows' histories and tables."""
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        raw_positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_columns: int,
+        block_size: int,
+    ) -> DecodeInputs: ...
+
+
 class GreedySample(Protocol):
     """Each row's argmax of float ``logits`` ``[N, vocab]`` (ties to the lowest
     id) as int64, and its float32 log-probability under the row's softmax."""
@@ -145,7 +169,8 @@ class KernelBackend:
     The first four serve any model's attention; the next five are the fused
     decoder-layer ops (``pagedkv.executor.fused_model``; the fifth is the
     fourth and the attention in one, for one-token decodes);
-    ``greedy_sample`` samples an all-greedy batch.
+    ``decode_inputs`` builds a decode graph's inputs; ``greedy_sample``
+    samples an all-greedy batch.
     """
 
     name: str
@@ -158,6 +183,7 @@ class KernelBackend:
     silu_mul: SiluMul
     rotary_and_cache: RotaryAndCache
     rotary_decode_attention: RotaryDecodeAttention
+    decode_inputs: DecodeInputsOp
     greedy_sample: GreedySample
 
 
@@ -168,7 +194,7 @@ def get_backend(name: str) -> KernelBackend:
     any device.
     """
     if name == "triton":
-        from pagedkv.kernels import cache_ops, greedy, norm_act, rotary, slot_mapping
+        from pagedkv.kernels import cache_ops, decode_inputs, greedy, norm_act, rotary, slot_mapping
         from pagedkv.kernels import paged_attention as attention
 
         return KernelBackend(
@@ -182,6 +208,7 @@ def get_backend(name: str) -> KernelBackend:
             silu_mul=norm_act.silu_mul,
             rotary_and_cache=rotary.rotary_and_cache,
             rotary_decode_attention=attention.rotary_decode_attention,
+            decode_inputs=decode_inputs.decode_inputs,
             greedy_sample=greedy.greedy_sample,
         )
     if name == "torch":
@@ -198,6 +225,7 @@ def get_backend(name: str) -> KernelBackend:
             silu_mul=torch_backend.silu_mul,
             rotary_and_cache=torch_backend.rotary_and_cache,
             rotary_decode_attention=torch_backend.rotary_decode_attention,
+            decode_inputs=torch_backend.decode_inputs,
             greedy_sample=torch_backend.greedy_sample,
         )
     raise ValueError(f"kernel backend: {name!r} is not one of {BACKEND_NAMES}")

@@ -212,6 +212,25 @@ def rotary_decode_attention(
     )
 
 
+def decode_inputs(
+    rows: torch.Tensor,  # int64 [num_entries]
+    raw_positions: torch.Tensor,  # int64 [num_entries]: negative for padding
+    token_ids: torch.Tensor,  # int64 [max_rows, max_len]
+    block_tables: torch.Tensor,  # int32 [num_groups, max_rows, max_columns]
+    num_columns: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's inputs (``pagedkv.kernels.decode_inputs.DecodeInputs``'s
+    fields): input ids, clamped positions, int32 sequence lengths, each group's
+    gathered tables and slots (-1 for padding)."""
+    positions = raw_positions.clamp(min=0)
+    tables = block_tables[:, :, :num_columns].index_select(1, rows)
+    blocks = tables.gather(2, (positions // block_size)[None, :, None].expand(len(tables), -1, 1))
+    slots = blocks[:, :, 0].long() * block_size + positions % block_size
+    slots = slots.masked_fill(raw_positions < 0, -1)
+    return token_ids[rows, positions], positions, (positions + 1).to(torch.int32), tables, slots
+
+
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (ties to the lowest id) and its float32 log-probability
     ``max - logsumexp`` of the row, from float32 logits."""

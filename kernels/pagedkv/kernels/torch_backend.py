@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.kernels import reference
+from pagedkv.kernels.backend import DecodeInputs
 from pagedkv.kernels.checks import (
     check_attention_args,
     check_cache,
@@ -311,6 +312,22 @@ def rotary_decode_attention(
         softcap,
         max_query_len=1,
         max_seq_len=max_seq_len,
+    )
+
+
+def decode_inputs(
+    rows: torch.Tensor,
+    raw_positions: torch.Tensor,
+    token_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_columns: int,
+    block_size: int,
+) -> DecodeInputs:
+    """A decode step's inputs, in batched torch ops (the oracle's)."""
+    return DecodeInputs(
+        *reference.decode_inputs(
+            rows, raw_positions, token_ids, block_tables, num_columns, block_size
+        )
     )
 
 

@@ -105,17 +105,11 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner
-        rows, raw_positions = self.inputs[0, :size], self.inputs[1, :size]
-        positions = raw_positions.clamp(min=0)
-        input_ids, meta = runner.forward_inputs.build(
-            rows,
-            rows,
-            positions,
-            (positions + 1).to(torch.int32),
+        input_ids, positions, meta = runner.forward_inputs.build_decode(
+            self.inputs[0, :size],
+            self.inputs[1, :size],
             self.query_start_loc[: size + 1],
             num_columns=runner.max_blocks_per_row,
-            max_query_len=1,
             max_seq_len=runner.spec.max_model_len,
-            padding=raw_positions < 0,
         )
         return runner.run_model(input_ids, positions, meta, None)

@@ -7,9 +7,9 @@ and query starts) into the input token ids, read from the rows' histories,
 and the attention metadata: each group's block tables gathered for the
 entries, the slot mappings, the caches. The eager path (``prepare``)
 computes the index vectors on the host and sends them in one copy; the CUDA
-graphs (cuda_graphs.py) run ``build`` inside their capture on their static
-input buffer, with padding entries whose slots are -1. Reads ``Rows``,
-changes nothing.
+graphs (cuda_graphs.py) run ``build_decode``, the same for one-token decodes
+in one launch, inside their capture on their static input buffer, with
+padding entries whose slots are -1. Reads ``Rows``, changes nothing.
 """
 
 from __future__ import annotations
@@ -69,21 +69,18 @@ class InputBuilder:
         num_columns: int,  # block-table columns to gather (covers max_seq_len)
         max_query_len: int,
         max_seq_len: int,
-        padding: torch.Tensor | None = None,  # bool [num_tokens]: tokens that write no K/V
     ) -> tuple[torch.Tensor, AttentionMetadata]:
         """The input token ids ``[num_tokens]`` and the attention metadata."""
         block_tables = tuple(
             self.rows.block_tables[g, :, :num_columns].index_select(0, rows)
             for g in range(self.num_groups)
         )
-        slot_mappings = []
-        for table in block_tables:
-            mapping = self.backend.compute_slot_mapping(
+        slot_mappings = [
+            self.backend.compute_slot_mapping(
                 query_start_loc, positions, table, self.block_size, max_query_len
             )
-            if padding is not None:
-                mapping.masked_fill_(padding, -1)
-            slot_mappings.append(mapping)
+            for table in block_tables
+        ]
         meta = AttentionMetadata(
             backend=self.backend,
             key_caches=self.kv.key_caches,
@@ -99,6 +96,43 @@ class InputBuilder:
             softcap=self.softcap,
         )
         return self.rows.token_ids[token_rows, positions], meta
+
+    def build_decode(
+        self,
+        rows: torch.Tensor,  # int64 [num_seqs]: each entry's row
+        raw_positions: torch.Tensor,  # int64 [num_seqs]: its new token's (-1: padding)
+        query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]: 0, 1, 2, ...
+        *,
+        num_columns: int,
+        max_seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``build`` for one-token decodes, padding entries reading row 0's
+        first token and writing no K/V, in the backend's one launch
+        (``decode_inputs``); the input ids, the (clamped) positions and the
+        metadata."""
+        inputs = self.backend.decode_inputs(
+            rows,
+            raw_positions,
+            self.rows.token_ids,
+            self.rows.block_tables,
+            num_columns,
+            self.block_size,
+        )
+        meta = AttentionMetadata(
+            backend=self.backend,
+            key_caches=self.kv.key_caches,
+            value_caches=self.kv.value_caches,
+            layer_groups=tuple(self.kv.layer_groups),
+            group_windows=self.group_windows,
+            block_tables=tuple(inputs.block_tables.unbind(0)),
+            slot_mappings=tuple(inputs.slot_mappings.unbind(0)),
+            seq_lens=inputs.seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            softcap=self.softcap,
+        )
+        return inputs.input_ids, inputs.positions, meta
 
     def prepare(
         self,
