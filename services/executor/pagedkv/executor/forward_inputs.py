@@ -81,19 +81,13 @@ class InputBuilder:
             )
             for table in block_tables
         ]
-        meta = AttentionMetadata(
-            backend=self.backend,
-            key_caches=self.kv.key_caches,
-            value_caches=self.kv.value_caches,
-            layer_groups=tuple(self.kv.layer_groups),
-            group_windows=self.group_windows,
-            block_tables=block_tables,
-            slot_mappings=tuple(slot_mappings),
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            softcap=self.softcap,
+        meta = self._metadata(
+            block_tables,
+            tuple(slot_mappings),
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            max_seq_len,
         )
         return self.rows.token_ids[token_rows, positions], meta
 
@@ -118,21 +112,39 @@ class InputBuilder:
             num_columns,
             self.block_size,
         )
-        meta = AttentionMetadata(
+        meta = self._metadata(
+            tuple(inputs.block_tables.unbind(0)),
+            tuple(inputs.slot_mappings.unbind(0)),
+            inputs.seq_lens,
+            query_start_loc,
+            1,
+            max_seq_len,
+        )
+        return inputs.input_ids, inputs.positions, meta
+
+    def _metadata(
+        self,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: tuple[torch.Tensor, ...],
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
             backend=self.backend,
             key_caches=self.kv.key_caches,
             value_caches=self.kv.value_caches,
             layer_groups=tuple(self.kv.layer_groups),
             group_windows=self.group_windows,
-            block_tables=tuple(inputs.block_tables.unbind(0)),
-            slot_mappings=tuple(inputs.slot_mappings.unbind(0)),
-            seq_lens=inputs.seq_lens,
+            block_tables=block_tables,
+            slot_mappings=slot_mappings,
+            seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            max_query_len=1,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             softcap=self.softcap,
         )
-        return inputs.input_ids, inputs.positions, meta
 
     def prepare(
         self,

@@ -109,15 +109,12 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         elif cat in GPU_CATEGORIES and "correlation" in event.get("args", {}):
             gpu.append((int(event["args"]["correlation"]), ts, ts + dur))
     steps.sort()
-    starts = [start for start, _ in steps]
     per_step: dict[int, list[tuple[float, float]]] = {}
     in_steps: list[tuple[int, float, float]] = []
     for correlation, start, end in gpu:
         launch = launches.get(correlation)
-        if launch is None:
-            continue
-        i = bisect.bisect_right(starts, launch) - 1
-        if i >= 0 and launch <= steps[i][1]:
+        i = None if launch is None else _step_of(steps, launch)
+        if i is not None:
             per_step.setdefault(i, []).append((start, end))
             in_steps.append((correlation, start, end))
     assert per_step, "no GPU work launched inside a profiled step"
@@ -201,23 +198,25 @@ NAME_LENGTH = 96
 
 def _launched_in_steps(events: Sequence[Mapping[str, Any]], step_name: str) -> set[int]:
     """The correlation ids of the launches made inside a ``step_name`` range."""
-    steps = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == step_name
-    )
-    starts = [start for start, _ in steps]
-    inside = set()
+    steps: list[tuple[float, float]] = []
+    launches: dict[int, float] = {}
     for event in events:
-        if event.get("ph") != "X" or event.get("cat", "") not in LAUNCH_CATEGORIES:
+        if event.get("ph") != "X":
             continue
-        if "correlation" not in event.get("args", {}):
-            continue
-        ts = float(event["ts"])
-        i = bisect.bisect_right(starts, ts) - 1
-        if i >= 0 and ts <= steps[i][1]:
-            inside.add(int(event["args"]["correlation"]))
-    return inside
+        cat = event.get("cat", "")
+        ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
+        if cat == "user_annotation" and event.get("name") == step_name:
+            steps.append((ts, ts + dur))
+        elif cat in LAUNCH_CATEGORIES and "correlation" in event.get("args", {}):
+            launches[int(event["args"]["correlation"])] = ts
+    steps.sort()
+    return {c for c, ts in launches.items() if _step_of(steps, ts) is not None}
+
+
+def _step_of(steps: Sequence[tuple[float, float]], ts: float) -> int | None:
+    """The index of the (sorted, disjoint) step range holding ``ts``, or None."""
+    i = bisect.bisect_right(steps, (ts, float("inf"))) - 1
+    return i if i >= 0 and ts <= steps[i][1] else None
 
 
 def gpu_time_by_name(
