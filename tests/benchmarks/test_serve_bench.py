@@ -208,7 +208,7 @@ def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     argv = ["--model", str(model), "--rates", "8,inf", "--num-requests", "4"]
     argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
     argv += ["--warmup-requests", "1", "--fixed-batch", "3x12x5", "--num-blocks", "128"]
-    argv += ["--hf-repeat", "1", "--step-trace", "--output", str(output)]
+    argv += ["--hf-repeat", "1", "--step-trace", "--decode-window", "1", "--output", str(output)]
     assert main(_args(argv)) == 0
     report = json.loads(output.read_text())
     assert output.with_suffix(".md").read_text().startswith("# Serving benchmark")

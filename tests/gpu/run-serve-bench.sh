@@ -16,7 +16,7 @@
 #                                            # alone (no rates, no HF; a minute)
 #   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.kernels.bench_gemm
 #
-# WINDOW and DEPTH (default 1 and 2) are the --decode-window and
+# WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
 # best, read from its results); SWEEP (default 1:2,4:2,8:2,8:3,16:2,16:3)
 # the settings of the sweep. Within one 10-minute device call:
@@ -56,7 +56,7 @@ if [[ "${WINDOW:-1}" == best ]]; then
   read -r WINDOW DEPTH <<<"$best"
   echo "run-serve-bench: the sweep's best setting: --decode-window $WINDOW --pipeline-depth $DEPTH"
 fi
-tuned=(--decode-window "${WINDOW:-1}" --pipeline-depth "${DEPTH:-2}")
+tuned=(--decode-window "${WINDOW:-8}" --pipeline-depth "${DEPTH:-2}")
 case "${1:-1b}" in
   1b)
     bench --preset llama-1.1b --rates 4,16,64,inf --num-requests 160 \

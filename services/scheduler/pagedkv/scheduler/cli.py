@@ -15,6 +15,10 @@ from pagedkv.common.cli import (
 )
 
 MAX_DECODE_WINDOW = 64  # the executor's limit on StepRequest.num_decode_steps
+# The scheduler's default --decode-window: on the H200 windows of 8 serve a
+# 64 x (512 -> 256) batch 1.9 times and a 256 one 1.8 times as fast as
+# single steps, 16 no faster (tests/benchmarks/results/serve-sweep-h200.md).
+DEFAULT_DECODE_WINDOW = 8
 MAX_PIPELINE_DEPTH = 8
 
 
@@ -49,10 +53,10 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-window",
         type=_int_in(1, MAX_DECODE_WINDOW),
-        default=1,
+        default=DEFAULT_DECODE_WINDOW,
         help="most decode steps one step message asks an executor for, when every running "
-        f"request is a plain decode and none waits (1: one step a message; at most "
-        f"{MAX_DECODE_WINDOW})",
+        f"request is a plain decode and none waits (default {DEFAULT_DECODE_WINDOW}; 1: one "
+        f"step a message; at most {MAX_DECODE_WINDOW})",
     )
     parser.add_argument(
         "--pipeline-depth",

@@ -7,6 +7,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv.scheduler.cli import DEFAULT_DECODE_WINDOW
+
 PRESETS = ("tiny", "llama-1.1b", "llama-8b")
 
 
@@ -61,7 +63,10 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
     model.add_argument(
-        "--decode-window", type=int, default=1, help="the scheduler's --decode-window"
+        "--decode-window",
+        type=int,
+        default=DEFAULT_DECODE_WINDOW,
+        help="the scheduler's --decode-window (default its default)",
     )
     model.add_argument(
         "--pipeline-depth", type=int, default=2, help="the scheduler's --pipeline-depth"
