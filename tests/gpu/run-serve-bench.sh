@@ -19,7 +19,7 @@
 # WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
 # best, read from its results); SWEEP (default 1:2,4:2,8:2,8:3,16:2,16:3)
-# the settings of the sweep. Within one 10-minute device call:
+# the settings of the sweep. Within ten minutes:
 #   bash tests/gpu/run-serve-bench.sh sweep && WINDOW=best bash tests/gpu/run-serve-bench.sh 256
 #   WINDOW=best bash tests/gpu/run-serve-bench.sh 1b  (with the sweep's file in OUT or results)
 #
