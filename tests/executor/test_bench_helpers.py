@@ -38,6 +38,8 @@ def test_decode_requests_step_and_a_kernel_measure_without_a_gpu_is_an_error(
     step_id = bench._prefill(executor, prompts, 1)
     response = executor.step(bench._decode_request(executor, step_id))
     assert list(response.sampled_rows) == [0, 1, 2, 3]
-    measured, next_id = kernel_times(executor, step_id + 1, steps=2)
+    window = executor.step(bench._decode_request(executor, step_id + 1, num_steps=3))
+    assert len(window.sampled_token_ids) == 3 * 4  # three rounds of the four rows
+    measured, next_id = kernel_times(executor, step_id + 2, steps=2)
     assert measured["steps"] == 2 and "error" in measured
-    assert next_id == step_id + 1  # the profiler did not start: no step ran
+    assert next_id == step_id + 2  # the profiler did not start: no step ran

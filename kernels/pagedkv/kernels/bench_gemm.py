@@ -1,9 +1,10 @@
 """``python -m pagedkv.kernels.bench_gemm``: a decode step's projections on
 a GPU, cuBLAS against the skinny Triton linear (``skinny_linear``).
 
-For the ~1.1B llama of the executor bench (and the Llama-3-8B shape at 64
-rows), each projection of a decode step — fused q/k/v, o, fused gate/up,
-down, the LM head — at 64 and 256 rows, timed as ``pagedkv bench kernels``
+For the ~1.1B llama of the executor bench (hidden 2048, intermediate
+8192; and the Llama-3-8B shape at 64 rows), each projection of a decode
+step — fused q/k/v, o, fused gate/up, down, the LM head — at 64 and 256
+rows, timed as ``pagedkv bench kernels``
 times (median of CUDA events, the L2 flushed by a read before each call):
 ``torch.nn.functional.linear`` (cuBLAS, the weight as transformers stores
 it), the same with a zero bias (cuBLASLt's epilogue path), a matmul against
@@ -36,8 +37,8 @@ from pagedkv.kernels.skinny_linear import LinearTile, skinny_linear, skinny_line
 PROJECTIONS = [
     ("llama-1.1b", "qkv", 3072, 2048),
     ("llama-1.1b", "o", 2048, 2048),
-    ("llama-1.1b", "gate_up", 11264, 2048),
-    ("llama-1.1b", "down", 2048, 5632),
+    ("llama-1.1b", "gate_up", 16384, 2048),
+    ("llama-1.1b", "down", 2048, 8192),
     ("llama-1.1b", "lm_head", 32000, 2048),
     ("llama-8b", "qkv", 6144, 4096),
     ("llama-8b", "o", 4096, 4096),

@@ -44,6 +44,7 @@ LLAMA_1B: dict[str, Any] = dict(
     max_position_embeddings=2048,
 )
 BATCH, CONTEXT, PREFILL_CHUNK = 64, 768, 8192
+WINDOW = 8  # the decode window measured beside single steps (the scheduler's default)
 
 
 def _model_dir(root: Path) -> Path:
@@ -89,7 +90,9 @@ def _prefill(executor: Any, prompts: np.ndarray, step_id: int) -> int:
     return step_id
 
 
-def _decode_request(executor: Any, step_id: int) -> Any:
+def _decode_request(executor: Any, step_id: int, num_steps: int = 1) -> Any:
+    """A decode step of every live row at CONTEXT (``num_steps`` > 1: a
+    decode window of that many steps; the prefill left blocks for it)."""
     from pagedkv.v1 import executor_pb2
 
     rows = executor.runner.rows
@@ -108,6 +111,7 @@ def _decode_request(executor: Any, step_id: int) -> Any:
         needs_sample=[True] * len(live),
         block_table_starts=rows.num_blocks[0, live].tolist(),
         new_block_counts=[0] * len(live),
+        num_decode_steps=num_steps if num_steps > 1 else 0,
     )
 
 
@@ -169,7 +173,6 @@ def check_logits(executor: Any, prompts: np.ndarray, num_decodes: int = 4) -> di
 
 def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str, Any], int]:
     """Phases of one decode step over every live row at CONTEXT, host and GPU."""
-    from pagedkv.executor.sampler import sample
     from pagedkv.executor.step_plan import plan_message
 
     runner = executor.runner
@@ -209,7 +212,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         t3 = time.perf_counter()
         host_rows = plan.rows[plan.needs_sample]
         params = runner._sampling_params(host_rows, inputs.sample_positions)
-        result = sample(logits, params, runner.generator)
+        result = runner._sample(logits, params)
         runner.rows.record_samples(host_rows, inputs.sampled_rows, result.token_ids)
         t4 = time.perf_counter()
         result.token_ids.tolist()
@@ -217,20 +220,23 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             phases[key].append(value * 1e6)
     runner.graphs = graphs
-    gpu = []
-    for _ in range(iters):  # GPU time with every launch queued before the GPU starts
-        request = _decode_request(executor, step_id)
-        step_id += 1
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)  # ~50 ms: longer than the host needs to enqueue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        plan = plan_message(request, runner.rows, runner.limits)
-        runner.rows.apply(plan)
-        runner.run(plan)
-        end.record()
-        end.synchronize()
-        gpu.append(begin.elapsed_time(end) * 1000)
+    gpu: list[float] = []
+    window_gpu: list[float] = []
+    for num_steps, times in ((1, gpu), (WINDOW, window_gpu)):
+        for _ in range(iters):  # GPU time with every launch queued before the GPU starts
+            request = _decode_request(executor, step_id, num_steps)
+            step_id += 1
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # ~50 ms: longer than the host needs to enqueue
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            plan = plan_message(request, runner.rows, runner.limits)
+            runner.rows.apply(plan)
+            runner.run(plan)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) * 1000 / num_steps)
     median = statistics.median
     return {
         "batch": int(runner.rows.live.sum()),
@@ -241,6 +247,8 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         "step_host_time_us": median(host_us),
         "step_device_time_us": median(device_us),
         "gpu_only_us": median(gpu),
+        "window_steps": WINDOW,
+        "window_gpu_only_us_per_step": median(window_gpu),
         "eager_host_phases_us": {k: median(v) for k, v in phases.items()},
     }, step_id
 
@@ -410,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         f"  gRPC StepStream on 127.0.0.1, two steps in flight: "
         f"{decode['grpc_stream_step_us']:.0f} us a step "
         f"(device events {decode['grpc_stream_device_time_us']:.0f})",
-        f"  GPU time with the host out of the way: {decode['gpu_only_us']:.0f} us",
+        f"  GPU time with the host out of the way: {decode['gpu_only_us']:.0f} us; "
+        f"per step of a window of {decode['window_steps']}: "
+        f"{decode['window_gpu_only_us_per_step']:.0f} us",
         "  host phases without graphs (us): "
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
     ]
