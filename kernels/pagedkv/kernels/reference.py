@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.kernels.backend import DecodeInputs
+
 
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -219,16 +221,16 @@ def decode_inputs(
     block_tables: torch.Tensor,  # int32 [num_groups, max_rows, max_columns]
     num_columns: int,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decode step's inputs (``pagedkv.kernels.decode_inputs.DecodeInputs``'s
-    fields): input ids, clamped positions, int32 sequence lengths, each group's
-    gathered tables and slots (-1 for padding)."""
+) -> DecodeInputs:
+    """A decode step's inputs: input ids, clamped positions, int32 sequence
+    lengths, each group's gathered tables and slots (-1 for padding)."""
     positions = raw_positions.clamp(min=0)
     tables = block_tables[:, :, :num_columns].index_select(1, rows)
     blocks = tables.gather(2, (positions // block_size)[None, :, None].expand(len(tables), -1, 1))
     slots = blocks[:, :, 0].long() * block_size + positions % block_size
     slots = slots.masked_fill(raw_positions < 0, -1)
-    return token_ids[rows, positions], positions, (positions + 1).to(torch.int32), tables, slots
+    seq_lens = (positions + 1).to(torch.int32)
+    return DecodeInputs(token_ids[rows, positions], positions, seq_lens, tables, slots)
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -323,11 +323,9 @@ def decode_inputs(
     num_columns: int,
     block_size: int,
 ) -> DecodeInputs:
-    """A decode step's inputs, in batched torch ops (the oracle's)."""
-    return DecodeInputs(
-        *reference.decode_inputs(
-            rows, raw_positions, token_ids, block_tables, num_columns, block_size
-        )
+    """A decode step's inputs (the oracle's ops: they are batched)."""
+    return reference.decode_inputs(
+        rows, raw_positions, token_ids, block_tables, num_columns, block_size
     )
 
 

@@ -90,7 +90,7 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.logits[size][:count], self.inputs[0, :count]
 
-    def run_next(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_next(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the last ``run``'s graph for the next token of each of its
         ``count`` rows (their positions advanced by one on the device: no
         host copy), after ``append`` writes each row's last sample at its new
@@ -101,7 +101,7 @@ class DecodeGraphs:
         positions.add_(1)
         self.runner.rows.append_samples_on_device(rows, positions)
         self.graphs[size].replay()
-        return self.logits[size][:count], rows, positions
+        return self.logits[size][:count], rows
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

@@ -255,12 +255,13 @@ class ModelRunner:
         after step."""
         ones = np.ones(len(rows), dtype=np.int64)
         sample_all = np.ones(len(rows), dtype=bool)
-        replays = self.graphs is not None and self.graphs.fits(ones, sample_all)
+        graphs = self.graphs
+        if graphs is not None and not graphs.fits(ones, sample_all):
+            graphs = None
         results = []
         for j in range(num_steps):
-            if j and replays:  # the same graph, its inputs advanced on the device
-                assert self.graphs is not None
-                logits, device_rows, _ = self.graphs.run_next(len(rows))
+            if j and graphs is not None:  # the same graph, its inputs advanced on the device
+                logits, device_rows = graphs.run_next(len(rows))
                 result = self._sample_and_record(
                     rows, device_rows, logits, num_computed + j + 1, sample_all
                 )
