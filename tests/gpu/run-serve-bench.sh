@@ -15,6 +15,9 @@
 #   bash tests/gpu/run-serve-bench.sh timeline   # ~1.1B: the GPU timeline of 64 x (512 -> 256)
 #                                            # alone (no rates, no HF; a minute)
 #   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.kernels.bench_gemm
+#   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
+#                                            # request per decode step (no executor;
+#                                            # single steps and windows of 8)
 #
 # WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
@@ -27,8 +30,8 @@
 # device's output folder), else tests/benchmarks/results, as
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
-# (timeline), executor-fused-h200 / executor-256-h200 (executor) and
-# gemm-h200.{json,md} (gemm); set
+# (timeline), executor-fused-h200 / executor-256-h200 (executor),
+# gemm-h200.{json,md} (gemm) and scheduler-steps-h200.txt (steps); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
 
@@ -88,8 +91,14 @@ case "${1:-1b}" in
     "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
+  steps)
+    { "$PYTHON" -m pagedkv.scheduler.bench.steps --requests 64 256 &&
+      "$PYTHON" -m pagedkv.scheduler.bench.steps --requests 64 256 --decode-window 8 |
+      tail -n +2; } >"$RESULTS/scheduler-steps-$NAME.txt"
+    cat "$RESULTS/scheduler-steps-$NAME.txt"
+    ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm or executor, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor or steps, not $1" >&2
     exit 2
     ;;
 esac
