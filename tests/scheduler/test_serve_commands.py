@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.common.cli import build_parser, main
-from pagedkv.scheduler.serve import executor_commands
+from pagedkv.scheduler.children import executor_commands
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.processes import ServedProcess
 

@@ -28,7 +28,7 @@ from pagedkv.router.bench.report import GOAL_RATIO, goal, plot, summarize, table
 from pagedkv.router.bench.trace import TraceConfig, TraceRequest, generate, prefix_weights
 from pagedkv.router.scoring import RoutingWeights
 from pagedkv.scheduler.bench.service import _machine
-from pagedkv.scheduler.serve import _model_dir
+from pagedkv.scheduler.children import model_dir
 
 PACKAGES = ("pagedkv-router", "pagedkv-scheduler", "pagedkv-executor", "pagedkv-client")
 
@@ -112,7 +112,7 @@ def _versions() -> dict[str, str]:
 
 def main(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    with _model_dir(args.model) as model:
+    with model_dir(args.model) as model:
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         config = trace_config(args, vocab_size)
         requests = generate(config)

@@ -40,13 +40,13 @@ import numpy as np
 
 from pagedkv.cluster.connection import connect_sync
 from pagedkv.scheduler.bench.service import _drain, _machine, _summary
-from pagedkv.scheduler.cluster import ClusterConfig
-from pagedkv.scheduler.serve import (
+from pagedkv.scheduler.children import (
     ExecutorProcesses,
     PrivateRedis,
-    _model_dir,
     executor_commands,
+    model_dir,
 )
+from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -278,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
     args.enforce_eager = False
     args.log_format = getattr(args, "log_format", "console")
     args.log_level = getattr(args, "log_level", "warning")
-    with _model_dir(args.model) as model:
+    with model_dir(args.model) as model:
         args.model = model
         binary = shutil.which("redis-server")
         if binary is None:

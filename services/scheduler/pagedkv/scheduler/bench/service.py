@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.scheduler.serve import ExecutorProcesses, _model_dir, executor_commands
+from pagedkv.scheduler.children import ExecutorProcesses, executor_commands, model_dir
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService, StepTiming
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
@@ -128,7 +128,7 @@ def _machine(device: str) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     args.max_num_seqs = args.requests
-    with _model_dir(args.model) as model:
+    with model_dir(args.model) as model:
         args.model = model
         executors = ExecutorProcesses(executor_commands(args, model))
         try:

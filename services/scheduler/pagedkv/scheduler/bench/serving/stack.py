@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pagedkv.scheduler.serve import (
+from pagedkv.scheduler import children
+from pagedkv.scheduler.children import (
     SCHEDULER_READY,
     ChildProcesses,
     ExecutorProcesses,
-    _model_dir,
     executor_commands,
 )
 
@@ -59,7 +59,7 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
     """``args.model``, or the preset's directory (removed on exit); a llama
     preset sets ``args.load_format`` to dummy (it has no weights)."""
     if args.model is not None or args.preset == "tiny":
-        with _model_dir(args.model) as model:
+        with children.model_dir(args.model) as model:
             yield model
         return
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as root:

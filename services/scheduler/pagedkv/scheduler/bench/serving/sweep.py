@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pagedkv.scheduler.bench.serving import step_trace
 from pagedkv.scheduler.bench.serving.metrics import Slo
 from pagedkv.scheduler.bench.serving.stack import start_scheduler
-from pagedkv.scheduler.serve import ExecutorProcesses, executor_commands
+from pagedkv.scheduler.children import ExecutorProcesses, executor_commands
 
 if TYPE_CHECKING:  # run.py imports this module (through report.py)
     from pagedkv.scheduler.bench.serving.run import FixedBatch
