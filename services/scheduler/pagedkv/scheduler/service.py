@@ -23,7 +23,6 @@ from typing import NamedTuple
 from pagedkv.common.errors import (
     AlreadyExists,
     InvalidArgument,
-    ResourceExhausted,
     ServiceError,
     Unavailable,
 )
@@ -35,9 +34,10 @@ from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig, TakenOver
 from pagedkv.scheduler.metrics import SchedulerMetrics
-from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
-from pagedkv.scheduler.validation import prompt_token_ids, resumed_token_ids, validate_sampling
+from pagedkv.scheduler.placement import new_generation, place
+from pagedkv.scheduler.sequence import FinishReason, Generation
+from pagedkv.scheduler.text import TextTokenizer
+from pagedkv.scheduler.validation import prompt_token_ids
 from pagedkv.v1 import scheduler_pb2
 
 __all__ = ["SchedulerConfig", "SchedulerService", "StepTiming"]
@@ -225,8 +225,11 @@ class SchedulerService(ExecutorFailover):
                 f"{MAX_REQUEST_ID_BYTES}"
             )
         prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
-        generation = self._generation(request_id, prompt, request)
-        executor, hint = self._place(generation, request.preferred_executor)
+        tokenizer = None if request.skip_text else self.tokenizer  # skip_text: no text made
+        generation = new_generation(
+            request_id, prompt, request, self.info, tokenizer, self.schedulers, next(self._keys)
+        )
+        executor, hint = place(self.schedulers, generation, request.preferred_executor)
         generation.placement = scheduler_pb2.Placement(executor=executor, hint=hint)
         if self.metrics is not None:
             self.metrics.count_placement_hint(hint)
@@ -246,92 +249,6 @@ class SchedulerService(ExecutorFailover):
             beam_width=generation.beam.width if generation.beam else 0,
         )
         return generation
-
-    def _generation(
-        self, request_id: str, prompt: list[int], request: scheduler_pb2.GenerateRequest
-    ) -> Generation:
-        """The generation of a validated call, its sequences' requests made.
-
-        A resumed call (``resumed_token_ids``) gets one sequence whose token
-        history is the prompt plus the resumed tokens, counted as outputs
-        (max_tokens, usage); its detokenizer has skipped their text.
-        """
-        sampling = request.sampling
-        info = self.info
-        valid = validate_sampling(sampling, len(prompt), info)
-        resumed = resumed_token_ids(request, valid, len(prompt), info)
-        n, max_tokens = valid.n, valid.max_tokens
-        tokenizer = None if request.skip_text else self.tokenizer  # skip_text: no text made
-        generation = Generation(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            n=n,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            eos_token_ids=frozenset() if sampling.ignore_eos else frozenset(info.eos_token_ids),
-            stop_token_ids=frozenset(sampling.stop_token_ids),
-            beam=valid.beam,
-            tokenizer=tokenizer,
-            key=next(self._keys),
-        )
-        block_size = info.block_size
-        kv = next(iter(self.schedulers.values())).kv  # every executor serves one model
-        for index in range(n):
-            seq_request = kv.make_request(
-                generation.new_seq_id(),
-                prompt + resumed,
-                cache_salt=request.cache_salt or None,
-                max_tokens=max_tokens,
-                priority=request.priority,
-            )
-            seq_request.num_prompt_tokens = len(prompt)  # the resumed tokens are outputs
-            detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
-            if detokenizer is not None:
-                detokenizer.skip(resumed)
-            generation.sequences.append(
-                Sequence(generation, index, seq_request, detokenizer=detokenizer)
-            )
-        history = len(prompt) + len(resumed)
-        needed = -(-(history + 1) // block_size) + n
-        if all(needed > s.info.num_blocks - 1 for s in self.schedulers.values()):
-            raise ResourceExhausted(
-                f"prompt: {history} tokens need {needed} blocks; executors have at most "
-                f"{max(s.info.num_blocks - 1 for s in self.schedulers.values())}"
-            )
-        return generation
-
-    def _place(
-        self, generation: Generation, preferred: str
-    ) -> tuple[str, scheduler_pb2.PlacementHint]:
-        """The executor for a new generation and what became of the
-        ``preferred`` executor (a router's hint): honoured when this replica
-        holds it, healthy and not draining; otherwise the longest cached
-        prefix, then the most free blocks."""
-        Hint = scheduler_pb2.PlacementHint
-        open_ = [a for a, s in self.schedulers.items() if not s.draining]
-        if preferred:
-            if preferred in open_:
-                return preferred, Hint.PLACEMENT_HINT_HONOURED
-            draining = preferred in self.schedulers
-            hint = Hint.PLACEMENT_HINT_DRAINING if draining else Hint.PLACEMENT_HINT_NOT_HELD
-            log.info(
-                "placement hint not honoured",
-                request_id=generation.request_id,
-                preferred_executor=preferred,
-                why="draining" if draining else "not held",
-            )
-        else:
-            hint = Hint.PLACEMENT_HINT_NONE
-        request = generation.sequences[0].request
-
-        def score(address: str) -> tuple[int, int]:
-            kv = self.schedulers[address].kv
-            hit = kv.get_computed_blocks(request, count=False).num_tokens
-            return hit, kv.pool.get_num_free_blocks()
-
-        return max(open_ or self.schedulers, key=score), hint
 
     def abort(self, request_id: str) -> bool:
         """Ends a live generation with FINISH_REASON_ABORT and frees its blocks."""
