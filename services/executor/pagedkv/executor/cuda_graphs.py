@@ -94,8 +94,7 @@ class DecodeGraphs:
         """Replays the last ``run``'s graph for the next token of each of its
         ``count`` rows (their positions advanced by one on the device: no
         host copy), after ``append`` writes each row's last sample at its new
-        position; returns the logits and the rows as ``run`` does, and the
-        positions on the device."""
+        position; returns the logits and the rows as ``run`` does."""
         size = next(s for s in self.sizes if s >= count)
         rows, positions = self.inputs[0, :count], self.inputs[1, :count]
         positions.add_(1)

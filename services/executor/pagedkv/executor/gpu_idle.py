@@ -83,20 +83,15 @@ def _inside_launches_idle(gpu: Iterable[tuple[int, float, float]]) -> float:
     )
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATION) -> GpuIdle:
-    """The idle measures of the module docstring over ``events`` (a Chrome
-    trace's ``traceEvents``). AssertionError when no step has GPU work."""
+def _scan(
+    events: Iterable[Mapping[str, Any]], step_name: str
+) -> tuple[list[tuple[float, float]], dict[int, float], list[tuple[int, float, float]]]:
+    """From a trace's complete events: the ``step_name`` ranges (sorted), the
+    launches' start times by correlation id, and the GPU events as
+    (correlation, start, end)."""
     steps: list[tuple[float, float]] = []
     launches: dict[int, float] = {}
-    gpu: list[tuple[int, float, float]] = []  # correlation, start, end
+    gpu: list[tuple[int, float, float]] = []
     for event in events:
         if event.get("ph") != "X":
             continue
@@ -109,6 +104,21 @@ def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATI
         elif cat in GPU_CATEGORIES and "correlation" in event.get("args", {}):
             gpu.append((int(event["args"]["correlation"]), ts, ts + dur))
     steps.sort()
+    return steps, launches, gpu
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def gpu_idle(events: Iterable[Mapping[str, Any]], step_name: str = STEP_ANNOTATION) -> GpuIdle:
+    """The idle measures of the module docstring over ``events`` (a Chrome
+    trace's ``traceEvents``). AssertionError when no step has GPU work."""
+    steps, launches, gpu = _scan(events, step_name)
     per_step: dict[int, list[tuple[float, float]]] = {}
     in_steps: list[tuple[int, float, float]] = []
     for correlation, start, end in gpu:
@@ -198,18 +208,7 @@ NAME_LENGTH = 96
 
 def _launched_in_steps(events: Sequence[Mapping[str, Any]], step_name: str) -> set[int]:
     """The correlation ids of the launches made inside a ``step_name`` range."""
-    steps: list[tuple[float, float]] = []
-    launches: dict[int, float] = {}
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        cat = event.get("cat", "")
-        ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
-        if cat == "user_annotation" and event.get("name") == step_name:
-            steps.append((ts, ts + dur))
-        elif cat in LAUNCH_CATEGORIES and "correlation" in event.get("args", {}):
-            launches[int(event["args"]["correlation"])] = ts
-    steps.sort()
+    steps, launches, _ = _scan(events, step_name)
     return {c for c, ts in launches.items() if _step_of(steps, ts) is not None}
 
 
