@@ -12,6 +12,7 @@ import asyncio
 import re
 import secrets
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -178,6 +179,54 @@ def test_a_router_without_a_token_of_its_own_passes_the_callers_on(
         with pytest.raises(grpc.RpcError) as refused:
             list(router.stub.Generate(request, timeout=60))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_router_with_a_token_of_its_own_presents_it_on_every_call(
+    closed_cluster: ClosedCluster, pki: Pki, cluster_secrets: Secrets, tmp_path: Path
+) -> None:
+    # Issue 26: the caller's token opens this router but not the scheduler;
+    # the router's own opens the scheduler. GetStats, Generate (a stream)
+    # and Abort through the router all reach the scheduler, so every call
+    # the router makes carries its own token, never the caller's.
+    caller_token = f"caller-{secrets.token_hex(16)}"
+    tokens = tmp_path / "router-tokens"
+    tokens.write_text(f"{caller_token}\n")
+    url = closed_cluster.redis.url
+    password = ("--redis-password-file", str(cluster_secrets.redis_password_file))
+    with RouterProcess(
+        url,
+        *password,
+        "--auth-token-file",
+        str(tokens),
+        *client_tls_args("scheduler-", pki),
+        "--scheduler-token-file",
+        str(cluster_secrets.router_token_file),
+    ) as router:
+        metadata = bearer_metadata(caller_token)
+        assert calls(closed_cluster.scheduler.target, pki, metadata) == (
+            [grpc.StatusCode.UNAUTHENTICATED] * 3
+        )
+
+        def answered() -> bool:
+            stats = router.stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=30, metadata=metadata
+            )
+            return bool(stats.executors) and not stats.router.unreachable_scheduler_ids
+
+        wait_until(answered, what="the scheduler answers the router's GetStats")
+        request = scheduler_pb2.GenerateRequest(
+            request_id="long",
+            token_ids=scheduler_pb2.TokenIds(ids=list(range(20))),
+            sampling=common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+        )
+        stream = router.stub.Generate(request, timeout=120, metadata=metadata)
+        assert next(stream).request_id == "long"
+        aborted = router.stub.Abort(
+            scheduler_pb2.AbortRequest(request_id="long"), timeout=30, metadata=metadata
+        )
+        assert aborted.aborted
+        final = list(stream)[-1]
+        assert final.outputs[-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
 
 
 def test_greedy_output_through_the_closed_cluster_equals_hugging_face(

@@ -4,7 +4,7 @@ One place turns PEM files into gRPC credentials (servers: TLS, or mutual TLS
 with a CA; clients: the CA to verify the server and an optional client
 certificate) and reads token files. ``BearerTokenInterceptor`` closes a
 grpc.aio server to calls without ``authorization: Bearer <token>``;
-``TokenClientInterceptor`` presents a token on every call of a grpc.aio
+``token_interceptors`` present a token on every call of a grpc.aio
 channel. Nothing here ever puts a token, a key or a password in a message,
 a log line or a metric label: errors name the flag and the path only.
 
@@ -366,13 +366,10 @@ def _refusing(handler: Any, details: str) -> Any:
     return handler
 
 
-class TokenClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
-):
+class _TokenInterceptor:
     """Presents ``token()`` (called per call, so a rotated token file is
-    picked up) as the ``authorization`` of every call, replacing any the
-    call carried."""
+    picked up) as the ``authorization`` of a call, replacing any the call
+    carried."""
 
     def __init__(self, token: Callable[[], str]) -> None:
         self.token = token
@@ -390,15 +387,48 @@ class TokenClientInterceptor(
             details.wait_for_ready,
         )
 
+
+class _UnaryUnaryToken(_TokenInterceptor, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamToken(_TokenInterceptor, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._details(client_call_details), request)
+
+
+class _StreamUnaryToken(_TokenInterceptor, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self._details(client_call_details), requests)
+
+
+class _StreamStreamToken(_TokenInterceptor, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self._details(client_call_details), requests)
+
+
+def token_interceptors(token: Callable[[], str]) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for a grpc.aio channel that present ``token()`` on every
+    call of every kind, replacing the ``authorization`` a call carried.
+
+    One per kind of call: a grpc.aio channel files each interceptor under
+    the first kind it is an instance of, so one object declared for several
+    kinds would see only the first kind's calls."""
+    return [
+        _UnaryUnaryToken(token),
+        _UnaryStreamToken(token),
+        _StreamUnaryToken(token),
+        _StreamStreamToken(token),
+    ]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
-from pagedkv.common.security import TlsConfig, TokenClientInterceptor, TokenFile, open_aio_channel
+from pagedkv.common.security import TlsConfig, TokenFile, open_aio_channel, token_interceptors
 from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.router.metrics import RouterMetrics
@@ -330,7 +330,7 @@ class RouterService:
             channel = open_aio_channel(
                 address,
                 self.config.scheduler_tls,
-                interceptors=[TokenClientInterceptor(token.first)] if token else [],
+                interceptors=token_interceptors(token.first) if token else [],
             )
             self._channels[address] = channel
         return scheduler_pb2_grpc.SchedulerStub(channel)
