@@ -73,16 +73,26 @@ def _token_id_list(value: str) -> list[int]:
 
 TARGET_HELP = f"HOST[:PORT] (default port: {DEFAULT_SCHEDULER_PORT}, where pagedkv serve listens)"
 
+DEFAULT_TARGET = f"localhost:{DEFAULT_SCHEDULER_PORT}"
+"""The Scheduler that ``generate`` and ``stats`` call without ``--target``:
+where ``pagedkv serve`` listens by default."""
+
+DEFAULT_MAX_TOKENS = 16
+"""``generate``'s tokens per sequence without ``--max-tokens`` (as in the
+usual completions APIs); the SDK leaves max_tokens to the scheduler, which
+generates up to the model's length."""
+
 
 def _add_target(parser: argparse.ArgumentParser, several: str) -> None:
     parser.add_argument(
         "--target",
-        required=True,
         action="append",
         help=f"the Scheduler's address, {TARGET_HELP}; several replicas: repeat the flag "
-        f"or separate them with commas (a,b:50052); {several}",
+        f"or separate them with commas (a,b:50052); {several} (default: {DEFAULT_TARGET})",
     )
-    parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    parser.add_argument(
+        "--timeout", type=float, help="deadline of the call in seconds (default: none)"
+    )
 
 
 TOKEN_ENV = "PAGEDKV_TOKEN"
@@ -117,7 +127,8 @@ def _targets(args: argparse.Namespace) -> list[str]:
     """Every --target, comma-separated ones split."""
     from pagedkv.client.resume import parse_targets
 
-    return [target for value in args.target for target in parse_targets(value)]
+    values = args.target or [DEFAULT_TARGET]
+    return [target for value in values for target in parse_targets(value)]
 
 
 def register_generate(subparsers: Any, name: str) -> None:
@@ -138,16 +149,26 @@ def register_generate(subparsers: Any, name: str) -> None:
     prompt.add_argument(
         "--token-ids", type=_token_id_list, help="already-tokenized prompt, e.g. 1,2,3"
     )
-    parser.add_argument("--max-tokens", type=int, required=True, help="tokens per sequence")
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per sequence"
+    )
     parser.add_argument("--n", type=int, default=1, help="independent samples")
     parser.add_argument("--temperature", type=float, help="0: greedy (default: 1.0)")
-    parser.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]")
+    parser.add_argument(
+        "--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1.0, disabled)"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="0: disabled (default)")
-    parser.add_argument("--seed", type=int, help="for reproducible sampling")
+    parser.add_argument(
+        "--seed", type=int, help="for reproducible sampling (default: none, nondeterministic)"
+    )
     parser.add_argument("--beam-width", type=int, default=0, help=">= 2: beam search")
-    parser.add_argument("--stop-token-ids", type=_token_id_list, default=[], help="e.g. 13,198")
+    parser.add_argument(
+        "--stop-token-ids", type=_token_id_list, default=[], help="e.g. 13,198 (default: none)"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    parser.add_argument("--logprobs", type=int, help="top-K logprobs per token (--json)")
+    parser.add_argument(
+        "--logprobs", type=int, help="top-K logprobs per token (--json) (default: none)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
     parser.add_argument(
         "--skip-text", action="store_true", help="token ids only, no text (needs --json)"
@@ -185,7 +206,11 @@ def register_demo(subparsers: Any, name: str) -> None:
         "--target",
         help=f"an already running Scheduler, {TARGET_HELP}; without it, one is started",
     )
-    parser.add_argument("--model", help="without --target: model directory (default: tiny llama)")
+    parser.add_argument(
+        "--model",
+        help="without --target: a model directory or the id of a model in the local Hugging "
+        "Face cache (default: a tiny random llama)",
+    )
     parser.add_argument(
         "--executors", type=int, default=2, help="without --target: executor processes"
     )

@@ -31,7 +31,12 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
-from pagedkv.client.errors import IncompleteStreamError, PagedkvError, error_from_rpc
+from pagedkv.client.errors import (
+    IncompleteStreamError,
+    NotConnectedError,
+    PagedkvError,
+    error_from_rpc,
+)
 from pagedkv.client.resume import (
     Attempt,
     ResumePolicy,
@@ -136,7 +141,10 @@ def _with_request_id(request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.Ge
     return request
 
 
-def _log_resume(attempt: Attempt, error: PagedkvError, target: str) -> None:
+def _log_attempt(attempt: Attempt, error: PagedkvError, target: str) -> None:
+    if not attempt.resumes:
+        log.info("%s; trying %s", error.details, target)
+        return
     log.warning(
         "Generate stream of %s broke (%s); resuming on %s with %d tokens received",
         attempt.request.request_id,
@@ -153,6 +161,16 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     if not token or not token.isascii() or not token.isprintable() or " " in token:
         raise ValueError("token: must be printable ASCII without spaces (not shown)")
     return bearer_metadata(token)
+
+
+def _next_attempt(resume: StreamResume, error: PagedkvError) -> Attempt | None:
+    """The stream's next call after ``error``; None: ``error`` is final (a
+    note then says how many resumed calls preceded it)."""
+    connected = not isinstance(error, NotConnectedError)
+    attempt = resume.after_error(error.code, error.details, connected=connected)
+    if attempt is None and resume.num_resumes:
+        error.add_note(f"after {resume.num_resumes} resumed call(s)")
+    return attempt
 
 
 def _target_index(targets: tuple[str, ...], target: str | None) -> int:
@@ -202,6 +220,7 @@ class Client:
         self.resume = resume if resume is not None else ResumePolicy()
         self.num_resumes = 0
         self._metadata = _metadata(token)
+        self._tls = tls is not None
         self._channels = [open_channel(t, tls) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
         self._health = TargetHealth(len(self.targets))
@@ -222,6 +241,10 @@ class Client:
         """Closes the channels; calls in flight are cancelled."""
         for channel in self._channels:
             channel.close()
+
+    def _error(self, exc: grpc.RpcError, target_index: int) -> PagedkvError:
+        """The typed error of a call to ``targets[target_index]`` that failed."""
+        return error_from_rpc(exc, target=self.targets[target_index], tls=self._tls)
 
     def generate(
         self,
@@ -302,17 +325,16 @@ class Client:
                     yield chunk
                 break
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                attempt = resume.after_error(error.code, error.details)
+                error = self._error(exc, resume.target_index)
+                attempt = _next_attempt(resume, error)
                 if attempt is None:
-                    if resume.num_resumes:
-                        error.add_note(f"after {resume.num_resumes} resumed call(s)")
                     raise error from exc
-                _log_resume(attempt, error, self.targets[attempt.target_index])
+                _log_attempt(attempt, error, self.targets[attempt.target_index])
             finally:
                 call.cancel()  # a no-op once the call has ended
-            with self._lock:
-                self.num_resumes += 1
+            if attempt.resumes:
+                with self._lock:
+                    self.num_resumes += 1
             time.sleep(attempt.delay_s)
         if not final:
             raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
@@ -378,13 +400,14 @@ class Client:
                 continue
             aborted = aborted or response.aborted
         if len(errors) == len(self._stubs):
-            raise error_from_rpc(errors[0]) from errors[0]
+            raise self._error(errors[0], 0) from errors[0]
         return aborted
 
     def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
         """A snapshot of one replica's load, executors and block-pool
         integrity: ``target`` (one of ``targets``; default: the first)."""
-        stub = self._stubs[_target_index(self.targets, target)]
+        index = _target_index(self.targets, target)
+        stub = self._stubs[index]
         try:
             response = stub.GetStats(
                 scheduler_pb2.GetStatsRequest(),
@@ -392,7 +415,7 @@ class Client:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise self._error(exc, index) from exc
         return stats_from_proto(response)
 
 
@@ -421,6 +444,7 @@ class AsyncClient:
         self.resume = resume if resume is not None else ResumePolicy()
         self.num_resumes = 0
         self._metadata = _metadata(token)
+        self._tls = tls is not None
         self._channels = [open_aio_channel(t, tls) for t in self.targets]
         self._stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self._channels]
         self._health = TargetHealth(len(self.targets))
@@ -440,6 +464,10 @@ class AsyncClient:
         """Closes the channels; calls in flight are cancelled."""
         for channel in self._channels:
             await channel.close()
+
+    def _error(self, exc: grpc.RpcError, target_index: int) -> PagedkvError:
+        """The typed error of a call to ``targets[target_index]`` that failed."""
+        return error_from_rpc(exc, target=self.targets[target_index], tls=self._tls)
 
     def generate(
         self,
@@ -511,16 +539,15 @@ class AsyncClient:
                     yield chunk
                 break
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                attempt = resume.after_error(error.code, error.details)
+                error = self._error(exc, resume.target_index)
+                attempt = _next_attempt(resume, error)
                 if attempt is None:
-                    if resume.num_resumes:
-                        error.add_note(f"after {resume.num_resumes} resumed call(s)")
                     raise error from exc
-                _log_resume(attempt, error, self.targets[attempt.target_index])
+                _log_attempt(attempt, error, self.targets[attempt.target_index])
             finally:
                 call.cancel()  # a no-op once the call has ended
-            self.num_resumes += 1
+            if attempt.resumes:
+                self.num_resumes += 1
             await asyncio.sleep(attempt.delay_s)
         if not final:
             raise IncompleteStreamError(grpc.StatusCode.UNKNOWN, "stream ended without usage")
@@ -582,12 +609,13 @@ class AsyncClient:
                 continue
             aborted = aborted or response.aborted
         if len(errors) == len(self._stubs):
-            raise error_from_rpc(errors[0]) from errors[0]
+            raise self._error(errors[0], 0) from errors[0]
         return aborted
 
     async def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
         """As ``Client.stats``."""
-        stub = self._stubs[_target_index(self.targets, target)]
+        index = _target_index(self.targets, target)
+        stub = self._stubs[index]
         try:
             response = await stub.GetStats(
                 scheduler_pb2.GetStatsRequest(),
@@ -595,5 +623,5 @@ class AsyncClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise self._error(exc, index) from exc
         return stats_from_proto(response)

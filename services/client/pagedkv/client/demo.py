@@ -330,6 +330,7 @@ async def run_workload(
     the client's ``tls`` and ``token`` (``client_security``)."""
     start = time.perf_counter()
     async with AsyncClient(target, timeout=300, **(security or {})) as client:
+        await client.stats()  # a target with no server fails here, before any progress bar
         chats = await chat_phase(client, args)
         shared = await sharing_phase(client, args)
         stats = await client.stats()

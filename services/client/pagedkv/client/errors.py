@@ -37,6 +37,16 @@ class UnavailableError(PagedkvError):
     """No executor (or no scheduler) is reachable; retrying later may work."""
 
 
+class NotConnectedError(UnavailableError):
+    """No connection to ``target`` could be made, so nothing was asked: no
+    server listens there, its name does not resolve, or one side speaks TLS
+    and the other plaintext. The details say which, with a hint."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, target: str) -> None:
+        super().__init__(code, details)
+        self.target = target
+
+
 class AlreadyExistsError(PagedkvError):
     """The request_id is already live on this replica."""
 
@@ -94,11 +104,44 @@ _ERRORS: dict[grpc.StatusCode, type[PagedkvError]] = {
 }
 
 
-def error_from_rpc(exc: grpc.RpcError) -> PagedkvError:
+_NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "dns resolution")
+"""Lower-case fragments of gRPC's details for a call that found no connection
+(before any byte of the call was sent)."""
+
+
+def not_connected_details(details: str, target: str, *, tls: bool) -> str | None:
+    """What gRPC's ``details`` of an UNAVAILABLE call mean for a user when no
+    connection to ``target`` was made (``tls``: the client spoke TLS); None
+    when the call had a connection."""
+    lowered = details.lower()
+    if not any(fragment in lowered for fragment in _NOT_CONNECTED):
+        return None
+    if "connection refused" in lowered:
+        return f"no server at {target} (connection refused)"
+    if "resolving" in lowered or "dns" in lowered:
+        return f"no server at {target}: its host name does not resolve"
+    if not tls and "socket closed" in lowered:
+        return (
+            f"{target} closed the connection before answering: if it serves TLS, give the CA "
+            "of its certificate (--tls-ca PATH; in the SDK, tls=TlsConfig(ca=...))"
+        )
+    if tls and "wrong_version_number" in lowered:
+        return (
+            f"no TLS server at {target} (the handshake failed): if it serves plaintext, "
+            f"leave TLS off (no --tls-ca)"
+        )
+    return f"could not connect to {target}: {details}"
+
+
+def error_from_rpc(
+    exc: grpc.RpcError, *, target: str | None = None, tls: bool = False
+) -> PagedkvError:
     """The typed error for a failed call (sync or ``grpc.aio``).
 
     Codes without a class of their own (UNKNOWN, ABORTED, OUT_OF_RANGE,
-    DATA_LOSS) give a plain ``PagedkvError`` carrying the code.
+    DATA_LOSS) give a plain ``PagedkvError`` carrying the code. Given the
+    ``target`` dialled (and whether the channel is ``tls``), a call that
+    found no connection gives a ``NotConnectedError`` saying why.
     """
     code_method = getattr(exc, "code", None)
     code = code_method() if callable(code_method) else None
@@ -106,5 +149,9 @@ def error_from_rpc(exc: grpc.RpcError) -> PagedkvError:
         code = grpc.StatusCode.UNKNOWN
     details_method = getattr(exc, "details", None)
     details = details_method() if callable(details_method) else None
-    cls = _ERRORS.get(code, PagedkvError)
-    return cls(code, details if isinstance(details, str) else str(exc))
+    text = details if isinstance(details, str) else str(exc)
+    if target is not None and code is grpc.StatusCode.UNAVAILABLE:
+        why = not_connected_details(text, target, tls=tls)
+        if why is not None:
+            return NotConnectedError(code, why, target)
+    return _ERRORS.get(code, PagedkvError)(code, text)

@@ -15,6 +15,11 @@ n > 1 or beam search (their sequences cannot be resumed), nor a stream that
 already had its final chunk: a scheduler that ends a request itself (its last
 executor lost: a final chunk finished ERROR, then UNAVAILABLE) has said how it
 ended, and its text was flushed.
+
+A stream that has not had any answer yet and finds no connection to its
+target (nothing listening, a TLS mismatch: ``NotConnectedError``) has not
+broken: it moves at once, without a wait, to a target it has not tried, and
+fails as soon as none is left ("no server at HOST:PORT").
 """
 
 from __future__ import annotations
@@ -150,23 +155,28 @@ class TargetHealth:
 
 
 class Attempt(NamedTuple):
-    """The next call of a stream: where, after how long a wait, with what."""
+    """The next call of a stream: where, after how long a wait, with what;
+    ``resumes``: whether it continues a broken stream (False: the stream's
+    first call moves on from a target it could not reach)."""
 
     target_index: int
     delay_s: float
     request: scheduler_pb2.GenerateRequest
+    resumes: bool = True
 
 
 class StreamResume:
     """One Generate stream's progress over its calls.
 
-    Owns the tokens received (sequence 0), the target in use and the count of
-    failed attempts since the last token; ``received`` and ``after_error``
-    are the only writers. ``timeout`` (seconds, None: none) is the whole
-    stream's deadline, kept over every call.
+    Owns the tokens received (sequence 0), the target in use, the count of
+    failed attempts since the last token and the targets found unreachable
+    before any answer; ``received`` and ``after_error`` are the only writers.
+    ``timeout`` (seconds, None: none) is the whole stream's deadline, kept
+    over every call.
     """
 
     __slots__ = (
+        "_answered",
         "_deadline",
         "_failures",
         "_final",
@@ -175,6 +185,7 @@ class StreamResume:
         "_policy",
         "_request",
         "_token_ids",
+        "_unreached",
         "num_resumes",
         "resumable",
         "target_index",
@@ -199,6 +210,8 @@ class StreamResume:
         self._token_ids: list[int] = list(request.resumed_token_ids)
         self._failures = 0
         self._final = False
+        self._answered = False
+        self._unreached: set[int] = set()
         self.target_index = first_target
         self.num_resumes = 0
         self.resumable = sampling.n <= 1 and sampling.beam_width < 2
@@ -224,6 +237,7 @@ class StreamResume:
     def received(self, chunk: GenerateChunk) -> None:
         """Records the tokens of a chunk delivered to the caller."""
         self._final = self._final or chunk.is_final
+        self._answered = True
         if self._health is not None:
             self._health.answered(self.target_index)
         for seq in chunk.sequences:
@@ -231,12 +245,17 @@ class StreamResume:
                 self._token_ids.extend(seq.token_ids)
                 self._failures = 0
 
-    def after_error(self, code: grpc.StatusCode, details: str) -> Attempt | None:
+    def after_error(
+        self, code: grpc.StatusCode, details: str, *, connected: bool = True
+    ) -> Attempt | None:
         """The call to make after the current one failed with ``code``; None
         when the failure is final (raise it): not a break (ALREADY_EXISTS
         counts as one on a resumed call: the old replica has not yet seen
         its stream end), not resumable, after the final chunk, out of
-        attempts, or out of time."""
+        attempts, or out of time. ``connected=False``: the call found no
+        connection; before any answer that is no break (see the module)."""
+        if not connected and not self._answered:
+            return self._after_no_connection()
         resuming = self.num_resumes > 0
         lost = is_stream_break(code, details)
         if lost and self._health is not None:
@@ -257,3 +276,19 @@ class StreamResume:
         else:
             self.target_index = (self.target_index + 1) % self._num_targets
         return Attempt(self.target_index, delay, self.request)
+
+    def _after_no_connection(self) -> Attempt | None:
+        """The next target not yet tried, at once; None when every target was."""
+        self._unreached.add(self.target_index)
+        if self._health is not None:
+            self._health.broke(self.target_index)
+        untried = [
+            index
+            for offset in range(1, self._num_targets)
+            if (index := (self.target_index + offset) % self._num_targets) not in self._unreached
+        ]
+        remaining = self.timeout()
+        if not untried or (remaining is not None and remaining <= 0):
+            return None
+        self.target_index = untried[0]
+        return Attempt(self.target_index, 0.0, self.request, resumes=False)
