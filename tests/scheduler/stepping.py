@@ -46,9 +46,11 @@ def add_generation(
     beam: BeamSearch | None = None,
     eos_token_ids: Iterable[int] = (),
     stop_token_ids: Iterable[int] = (),
+    priority: int = 0,
+    arrival: float | None = None,
 ) -> Generation:
     """A generation of one first sequence, queued (its forks or beams come
-    as the scheduler makes them)."""
+    as the scheduler makes them); ``arrival`` defaults to now."""
     sampling = sampling or common_pb2.SamplingParams(temperature=0.0)
     generation = Generation(
         request_id=request_id,
@@ -56,13 +58,15 @@ def add_generation(
         sampling=sampling,
         max_tokens=max_tokens,
         n=sampling.n or 1,
-        priority=0,
+        priority=priority,
         cache_salt="",
         eos_token_ids=frozenset(eos_token_ids),
         stop_token_ids=frozenset(stop_token_ids),
         beam=beam,
         key=key,
     )
+    if arrival is not None:
+        generation.arrival = arrival
     request = scheduler.kv.make_request(generation.new_seq_id(), prompt, max_tokens=max_tokens)
     generation.sequences.append(Sequence(generation, 0, request))
     scheduler.add(generation.sequences[0])

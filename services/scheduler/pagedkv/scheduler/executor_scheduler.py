@@ -2,14 +2,15 @@
 and running sequences, and its steps.
 
 A step, in order: ``schedule()`` decides it (the policy: running sequences
-first, a decode token each or the next chunk of their prompt, preempting by
-recompute when one cannot get a block, the least important, newest running
-sequence first, its full blocks staying in the prefix cache; then admission
-from the waiting queue in (priority, arrival) order with a prefix-cache
-lookup, all within a token budget), makes the step's state changes and
-records them in a ``StepPlan``, which ``encode_step`` turns into messages
-(step_message.py, no state changes there). ``process()`` applies the
-executor's samples (step_outputs.py); forks and beams are in groups.py.
+first, in (priority, arrival) order, a decode token each or the next chunk
+of their prompt, preempting by recompute when one cannot get a block, the
+least important, newest running sequence first, its full blocks staying in
+the prefix cache; then admission from the waiting queue in (priority,
+arrival) order with a prefix-cache lookup, all within a token budget),
+makes the step's state changes and records them in a ``StepPlan``, which
+``encode_step`` turns into messages (step_message.py, no state changes
+there). ``process()`` applies the executor's samples (step_outputs.py);
+forks and beams are in groups.py.
 
 Decode entries of consecutive running sequences get their slots in one
 ``KVCacheManager.allocate_decode_slots`` call, the block core's decode path.
@@ -115,6 +116,8 @@ class ExecutorScheduler:
         self.token_budget = min(max_num_batched_tokens, info.max_num_batched_tokens)
         self.free_rows = list(range(info.max_num_rows - 1, -1, -1))  # pop() gives row 0 first
         self.waiting: list[Sequence] = []  # sorted by _order
+        # Sorted by _order too: the most important is scheduled first, so a
+        # sequence that misses a block only ever preempts less important ones.
         self.running: list[Sequence] = []
         self.freed_rows: list[int] = []  # rows to free in the next step
         self.step_id = 0  # the next step's id
@@ -146,7 +149,7 @@ class ExecutorScheduler:
         self._join(seq)
         seq.state = SequenceState.RUNNING
         seq.placed = ExecutorRow(self._take_row(seq.generation))
-        self.running.append(seq)
+        bisect.insort_right(self.running, seq, key=_order)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -299,7 +302,7 @@ class ExecutorScheduler:
             seq.placed = ExecutorRow(self._take_row(generation))
             for _ in range(rows_needed - 1):  # for the forks to come
                 generation.reserved_rows.append(self.free_rows.pop())
-            self.running.append(seq)
+            bisect.insort_right(self.running, seq, key=_order)
             decisions.append((seq, num_new, None))
             budget -= num_new
         self.current = None
