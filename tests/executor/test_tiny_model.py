@@ -1,6 +1,6 @@
 """`pagedkv make-tiny-model`: random tiny models with a byte-level tokenizer.
 
-The CLI runs once per arch as a subprocess (all three at once); the other tests
+The CLI runs once per arch as a subprocess (all at once); the other tests
 read what it wrote, or call `make_tiny_model` in-process to compare seeds.
 """
 
@@ -22,6 +22,7 @@ from pagedkv.executor.tiny_model import (
     ARCHS,
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
+    GEMMA_SLIDING_WINDOW,
     MISTRAL_SLIDING_WINDOW,
     NUM_TOKENIZER_TOKENS,
     PAD_TOKEN_ID,
@@ -44,6 +45,7 @@ TEXTS = (
     "emoji 😀🚀 family 👨‍👩‍👧 flag 🇩🇪 skin 👍🏽",
     "\x00\x01\x7f control <bo s> <eos",
 )
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # arch -> config.model_type, where they differ
 NON_NFC_TEXT = "cafe\u0301 A\u030a \ufb01"  # decomposed é, Å and the ﬁ ligature
 
 
@@ -122,7 +124,7 @@ def test_config_is_tiny_gqa_float32_with_the_tokenizer_ids(
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(model_dirs[arch])
-    assert config.model_type == arch
+    assert config.model_type == MODEL_TYPES.get(arch, arch)
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (64, 128, 2)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.hidden_size // config.num_attention_heads == 16
@@ -144,6 +146,9 @@ def test_config_is_tiny_gqa_float32_with_the_tokenizer_ids(
     if arch == "qwen2":
         assert not config.use_sliding_window
         assert config.layer_types == ["full_attention"] * 2
+    if arch in ("gemma2", "gemma3"):  # two KV cache groups
+        assert config.layer_types == ["sliding_attention", "full_attention"]
+        assert config.sliding_window == GEMMA_SLIDING_WINDOW == 24
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -154,9 +159,14 @@ def test_model_has_gqa_projections_and_qwen2_bias_and_tying(
 
     model = models[arch]
     attn = model.model.layers[0].self_attn
-    assert (attn.q_proj.out_features, attn.k_proj.out_features) == (4 * 16, 2 * 16)
-    assert (attn.q_proj.bias is not None) == (arch == "qwen2")
-    assert (attn.k_proj.bias is not None) == (arch == "qwen2")
+    if arch == "phi3":  # one fused projection: Q, then K, then V
+        assert attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+        assert attn.qkv_proj.bias is None
+    else:
+        assert (attn.q_proj.out_features, attn.k_proj.out_features) == (4 * 16, 2 * 16)
+        assert (attn.q_proj.bias is not None) == (arch == "qwen2")
+        assert (attn.k_proj.bias is not None) == (arch == "qwen2")
+    assert hasattr(attn, "q_norm") == (arch in ("qwen3", "gemma3"))
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch == "qwen2")
     assert model.model.embed_tokens.weight.shape == (VOCAB_SIZE, 64)
     assert {p.dtype for p in model.parameters()} == {torch.float32}

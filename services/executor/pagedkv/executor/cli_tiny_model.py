@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 # Kept in step with tiny_model.ARCHS, which this module must not import.
-_ARCHS = ("llama", "qwen2", "mistral")
+_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 def register(subparsers: Any, name: str) -> None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-Arch = Literal["llama", "qwen2", "mistral"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 
 NUM_BYTE_TOKENS = 256
@@ -55,6 +55,10 @@ HEAD_DIM = HIDDEN_SIZE // NUM_ATTENTION_HEADS
 MAX_POSITION_EMBEDDINGS = 1024
 INITIALIZER_RANGE = 0.2
 MISTRAL_SLIDING_WINDOW = 24
+# gemma2 and gemma3: a sliding-window layer, then a full-attention one (two KV
+# cache groups), the window as short as mistral's.
+GEMMA_SLIDING_WINDOW = 24
+GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_NUM_LAYERS = 2
 
 
@@ -63,9 +67,26 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
 
     qwen2 has its built-in qkv bias and tied embeddings and no sliding window;
     llama and mistral are untied without bias; mistral attends within a sliding
-    window of ``MISTRAL_SLIDING_WINDOW`` tokens.
+    window of ``MISTRAL_SLIDING_WINDOW`` tokens. qwen3 normalises queries and
+    keys per head; phi3 has one fused qkv and one gate/up projection. gemma2
+    and gemma3 (model type ``gemma3_text``) alternate a layer of sliding
+    window ``GEMMA_SLIDING_WINDOW`` and a full one, with their own norms
+    around each sublayer, GELU and a scaled embedding; gemma2
+    soft-caps attention and final logits, gemma3 normalises queries and keys
+    and gives the two layer types rotaries of different bases. With more than
+    two layers the gemma layer types repeat. Gemmas' ``head_dim`` is set to
+    16 (their default is 256). Only qwen2 ties its embeddings: tied, a tiny
+    random gemma or qwen3 soon repeats one token.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
@@ -94,6 +115,25 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
         # Qwen2Config has no head_dim: it is hidden_size // num_attention_heads.
         return Qwen2Config(
             **common, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None
+        )
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=False)
+    if arch == "phi3":
+        return Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        )
+    if arch in ("gemma2", "gemma3"):
+        gemma = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
+        layer_types = [GEMMA_LAYER_TYPES[i % 2] for i in range(num_layers)]
+        return gemma(
+            **common,
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            tie_word_embeddings=False,
+            sliding_window=GEMMA_SLIDING_WINDOW,
+            layer_types=layer_types,
         )
     raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
 
