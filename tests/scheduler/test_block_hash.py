@@ -8,9 +8,11 @@ import sys
 from array import array
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from xxhash import xxh3_128_digest
 
-from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash
+from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash, root_key
 from pagedkv.scheduler.request import Request
 
 # The first block hash of tokens 0..15 under model "m", block size 16, no salt.
@@ -74,6 +76,10 @@ def test_incremental_hashing_equals_hashing_all_at_once() -> None:
         (("m", 4, None), ("m", 8, None)),
         (("m", 4, None), ("m", 4, "tenant-a")),
         (("m", 4, "tenant-a"), ("m", 4, "tenant-b")),
+        # Concatenated, these would read alike: the lengths keep them apart.
+        (("ab", 4, "c"), ("a", 4, "bc")),
+        (("ms", 4, None), ("m", 4, "s")),
+        (("m\x01\x00\x00\x00s", 4, None), ("m", 4, "s")),
     ],
 )
 def test_root_is_keyed_by_model_block_size_and_salt(
@@ -84,6 +90,25 @@ def test_root_is_keyed_by_model_block_size_and_salt(
 
 def test_empty_salt_is_no_salt() -> None:
     assert root_hash("m", 4, "") == root_hash("m", 4, None)
+
+
+_keys = st.tuples(st.text(max_size=6), st.integers(1, 2**32 - 1), st.text(max_size=6))
+
+
+@given(_keys, _keys)
+def test_different_keys_never_give_the_same_root_bytes(
+    a: tuple[str, int, str], b: tuple[str, int, str]
+) -> None:
+    assert (root_key(*a) == root_key(*b)) == (a == b)
+
+
+def test_different_salts_never_share_a_block() -> None:
+    tokens = array("I", range(32))
+    seen: dict[bytes, str | None] = {}
+    for salt in (None, "a", "ab", "b", "\x00"):
+        for block_hash in hash_full_blocks(root_hash("m", 4, salt), tokens, 4, 0, 8):
+            assert seen.setdefault(block_hash, salt) == salt
+    assert len(seen) == 5 * 8
 
 
 def test_request_hashes_only_blocks_that_became_full() -> None:

@@ -1,15 +1,19 @@
 """Stable, chained 128-bit block hashes for the prefix cache.
 
-A full block's hash is ``xxh3_128(parent_hash || token_bytes || extra_keys)``,
-where ``token_bytes`` are the block's token ids as little-endian uint32 and the
+A full block's hash is ``xxh3_128(parent_hash || token_bytes)``, where
+``token_bytes`` are the block's token ids as little-endian uint32 and the
 first block's parent is a root hash keyed by the model id, the block size and
 an optional cache salt. The same tokens give the same 16 bytes in every
 process, replica and run (never Python's salted ``hash()``), so hashes can be
 mirrored across processes and compared there.
 
-Tokens of one block have a fixed byte length (the block size is in the root),
-so ``extra_keys`` (e.g. adapter or media ids) appended after them cannot be
-confused with tokens.
+Every key is in the root, each field length-prefixed after a versioned
+domain string (``root_key``), so two different key lists never give the same
+bytes. A key of the whole request (a LoRA adapter's id, say) belongs there
+as one more such field. Tokens of one block have a fixed byte length (the
+block size is in the root); a key that differs from block to block (an
+image's, at its positions) would need a typed field after them and a new
+domain version: nothing needs one yet, so there is none.
 """
 
 from __future__ import annotations
@@ -32,15 +36,14 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _ROOT_DOMAIN = b"pagedkv/block-hash/v1\x00"
 
 
-def root_hash(model_id: str, block_size: int, cache_salt: str | None = None) -> BlockHash:
-    """The parent hash of a request's first block.
-
-    Requests share cached blocks only when their model id, block size and cache
-    salt are all equal; an empty salt is the same as no salt.
-    """
+def root_key(model_id: str, block_size: int, cache_salt: str | None = None) -> bytes:
+    """The bytes the root hash is taken of: the domain, then the model id
+    (uint32 little-endian byte length, UTF-8), the block size (uint32) and
+    the cache salt (length, UTF-8). Different keys give different bytes; an
+    empty salt is the same as no salt."""
     model = model_id.encode()
     salt = (cache_salt or "").encode()
-    data = b"".join(
+    return b"".join(
         (
             _ROOT_DOMAIN,
             len(model).to_bytes(4, "little"),
@@ -50,7 +53,15 @@ def root_hash(model_id: str, block_size: int, cache_salt: str | None = None) -> 
             salt,
         )
     )
-    return BlockHash(xxh3_128_digest(data))
+
+
+def root_hash(model_id: str, block_size: int, cache_salt: str | None = None) -> BlockHash:
+    """The parent hash of a request's first block.
+
+    Requests share cached blocks only when their model id, block size and cache
+    salt are all equal; an empty salt is the same as no salt.
+    """
+    return BlockHash(xxh3_128_digest(root_key(model_id, block_size, cache_salt)))
 
 
 def token_bytes(token_ids: array[int]) -> bytes:
@@ -62,11 +73,9 @@ def token_bytes(token_ids: array[int]) -> bytes:
     return swapped.tobytes()  # pragma: no cover
 
 
-def hash_block_tokens(
-    parent: BlockHash, block_token_bytes: bytes, extra_keys: bytes = b""
-) -> BlockHash:
+def hash_block_tokens(parent: BlockHash, block_token_bytes: bytes) -> BlockHash:
     """The hash of one full block given its parent's hash."""
-    return BlockHash(xxh3_128_digest(parent + block_token_bytes + extra_keys))
+    return BlockHash(xxh3_128_digest(parent + block_token_bytes))
 
 
 def hash_full_blocks(
