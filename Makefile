@@ -47,7 +47,8 @@ lint: setup
 
 # Runs the images' install steps (deploy/install.sh) in fresh temporary venvs,
 # since no container daemon builds the images here: the scheduler set must
-# give working `pagedkv scheduler` and `pagedkv router` commands and no torch,
+# give working `pagedkv scheduler` and `pagedkv router` commands, list none
+# that needs the executor part (serve, executor, make-tiny-model) and no torch,
 # the executor set a `pagedkv executor` command (torch as pip finds it: CPU
 # here, CUDA in the image).
 image-install-check:
@@ -57,6 +58,8 @@ image-install-check:
 		{ cat "$$tmp/scheduler.log"; exit 1; }; \
 	"$$tmp/scheduler/bin/pagedkv" scheduler --help >/dev/null && \
 	"$$tmp/scheduler/bin/pagedkv" router --help >/dev/null && \
+	if "$$tmp/scheduler/bin/pagedkv" --help | grep -Eq '^    (serve|executor|make-tiny-model) '; then \
+		echo "image-install-check: the scheduler set lists commands it cannot run"; exit 1; fi && \
 	if "$$tmp/scheduler/bin/python" -c "import torch" 2>/dev/null; then \
 		echo "image-install-check: torch is importable in the scheduler set"; exit 1; fi && \
 	echo "image-install-check: the executor image's parts" && \

@@ -7,7 +7,9 @@
 #   deploy/install.sh scheduler|executor VENV
 #
 # scheduler: the torch-free side (shared, scheduler, router, client): the
-#   `pagedkv scheduler`, `router`, `generate` and `stats` commands, no torch;
+#   `pagedkv scheduler`, `router`, `generate`, `stats`, `demo --target` and
+#   `bench blocks|cluster-sim` commands (those that start executors are not
+#   listed), no torch;
 # executor: every part, torch and the Triton kernels included.
 #
 # Run it from the repository root (the images' build context). PYTHON picks

@@ -11,14 +11,22 @@ function of the parsed namespace returning an exit code) with
 the command's own module is imported only when it runs. Every option's
 default is stated in --help (``show_defaults``), so help texts need not
 repeat it.
+
+A command that runs only where some other part is installed (``pagedkv
+serve`` starts executors) says so with ``@requires("pagedkv.executor")`` on
+its register function; ``available_commands`` leaves out such commands, and
+those whose register function does not import, so a scheduler image lists
+only what it can run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import sys
-from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,53 @@ DEFAULT_SCHEDULER_PORT = 50051
 says otherwise, and so the port of a client target that names none."""
 
 Handler = Callable[[argparse.Namespace], int]
+Register = Callable[[Any, str], None]
+
+_REQUIRED_MODULES = "required_modules"
+"""The attribute ``requires`` sets on a register function."""
+
+
+def requires(*modules: str) -> Callable[[Register], Register]:
+    """Marks a register function whose command runs only where every one of
+    ``modules`` (a part of pagedkv, a library) is installed; elsewhere the
+    command is not offered (see ``available_commands``)."""
+
+    def mark(register: Register) -> Register:
+        setattr(register, _REQUIRED_MODULES, modules)
+        return register
+
+    return mark
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it (its
+    parent packages are imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_commands(points: Iterable[EntryPoint]) -> list[tuple[tuple[str, ...], Register]]:
+    """The commands of ``points`` (entry points of ``ENTRY_POINT_GROUP``) that
+    can run here, as (command path, register function), by name: those
+    whose register function imports and whose ``requires`` modules are all
+    installed. What is left out is logged at DEBUG."""
+    found = []
+    for point in sorted(points, key=lambda p: p.name):
+        try:
+            register = point.load()
+        except ImportError as exc:
+            logging.getLogger(__name__).debug("command %s left out: %s", point.name, exc)
+            continue
+        missing = [m for m in getattr(register, _REQUIRED_MODULES, ()) if not installed(m)]
+        if missing:
+            logging.getLogger(__name__).debug(
+                "command %s left out: %s not installed", point.name, ", ".join(missing)
+            )
+            continue
+        found.append((tuple(point.name.split(".")), register))
+    return found
 
 
 def target_with_port(target: str) -> str:
@@ -183,20 +238,19 @@ def check_model_argument(model: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every installed subcommand."""
+    """The argument parser with every subcommand that can run here
+    (``available_commands``)."""
     parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv: paged-KV LLM serving.")
     add_logging_arguments(parser)
     groups: dict[tuple[str, ...], Any] = {
         (): parser.add_subparsers(dest="command", metavar="COMMAND")
     }
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        path = tuple(ep.name.split("."))
+    for path, register in available_commands(entry_points(group=ENTRY_POINT_GROUP)):
         for depth in range(1, len(path)):
             prefix = path[:depth]
             if prefix not in groups:
                 sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
                 groups[prefix] = sub.add_subparsers(dest="_".join(prefix), metavar="COMMAND")
-        register = ep.load()
         register(groups[path[:-1]], path[-1])
     show_defaults(parser)
     return parser

@@ -44,6 +44,7 @@ from pagedkv.client.cli import (
 from pagedkv.client.client import AsyncClient
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.types import Completion, GenerateChunk, Stats
+from pagedkv.common.cli import installed
 
 READY = re.compile(r"pagedkv serve ready on (\S+:\d+)")
 STARTUP_TIMEOUT_S = 300.0
@@ -364,6 +365,13 @@ def run_demo(args: argparse.Namespace) -> int:
         security = client_security(args)
     except ValueError as exc:
         print(f"pagedkv demo: {exc}", file=sys.stderr)
+        return 2
+    if not args.target and not installed("pagedkv.executor"):
+        print(
+            "pagedkv demo: without --target it starts pagedkv serve, whose executors are not "
+            "installed here (pagedkv-executor); give --target HOST[:PORT]",
+            file=sys.stderr,
+        )
         return 2
     try:
         with contextlib.ExitStack() as stack:

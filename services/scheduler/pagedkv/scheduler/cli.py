@@ -12,6 +12,7 @@ from pagedkv.common.cli import (
     add_client_tls_arguments,
     add_redis_secret_arguments,
     add_server_tls_arguments,
+    requires,
 )
 
 MAX_DECODE_WINDOW = 64  # the executor's limit on StepRequest.num_decode_steps
@@ -128,6 +129,7 @@ def register_scheduler(subparsers: Any, name: str) -> None:
     parser.set_defaults(handler=_run_scheduler)
 
 
+@requires("pagedkv.executor")  # it starts executors
 def register_serve(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,

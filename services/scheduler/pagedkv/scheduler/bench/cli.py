@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedkv.common.cli import requires
+
 
 def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -35,6 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     return main(args)
 
 
+@requires("pagedkv.executor")  # it starts executors
 def register_scheduler_bench(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
@@ -70,6 +73,7 @@ def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="write the results as JSON to this file")
 
 
+@requires("pagedkv.executor")  # it starts executors
 def register_cluster_bench(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,

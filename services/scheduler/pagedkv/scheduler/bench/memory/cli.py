@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedkv.common.cli import requires
 
+
+@requires("pagedkv.executor")  # it starts executors
 def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,

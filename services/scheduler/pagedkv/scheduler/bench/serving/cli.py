@@ -7,6 +7,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv.common.cli import requires
 from pagedkv.scheduler.cli import DEFAULT_DECODE_WINDOW
 
 PRESETS = ("tiny", "llama-1.1b", "llama-8b")
@@ -31,6 +32,7 @@ def _checked(module: str, parser: str) -> Callable[[str], str]:
     return check
 
 
+@requires("pagedkv.executor")  # it starts executors
 def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
