@@ -21,11 +21,12 @@ def build_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     head_size: int = HEAD_SIZE,
+    block_size: int = BLOCK_SIZE,
 ) -> dict[str, object]:
     """Random sequences written into a paged cache through shuffled block tables."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + 3  # block 0 is the null block
     block_ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = max(blocks_per_seq)
@@ -34,13 +35,13 @@ def build_batch(
         block_table[seq, :n] = torch.tensor([block_ids.pop() for _ in range(n)])
     keys = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
     values = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
-    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype)
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     value_cache = torch.zeros_like(key_cache)
     for seq, n in enumerate(seq_lens):
         for pos in range(n):
-            block = int(block_table[seq, pos // BLOCK_SIZE])
-            key_cache[block, pos % BLOCK_SIZE] = keys[seq][pos]
-            value_cache[block, pos % BLOCK_SIZE] = values[seq][pos]
+            block = int(block_table[seq, pos // block_size])
+            key_cache[block, pos % block_size] = keys[seq][pos]
+            value_cache[block, pos % block_size] = values[seq][pos]
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     query = torch.randn(sum(query_lens), num_q_heads, head_size, generator=gen).to(dtype)
     return {

@@ -21,6 +21,7 @@ def decode_case(
     pad_last: bool = False,
     num_q_heads: int = 4,
     head_size: int = HEAD_SIZE,
+    block_size: int = BLOCK_SIZE,
 ) -> dict[str, torch.Tensor]:
     """A batch of one-token decodes whose new keys and values are given
     apart (the cache holds stale values at their slots)."""
@@ -31,6 +32,7 @@ def decode_case(
         num_kv_heads,
         dtype=dtype,
         head_size=head_size,
+        block_size=block_size,
     )
     gen = torch.Generator().manual_seed(5)
     seq_lens = batch["seq_lens"]
@@ -38,8 +40,8 @@ def decode_case(
     positions = seq_lens - 1
     table = batch["block_table"]
     assert isinstance(table, torch.Tensor)
-    blocks = table[torch.arange(len(positions)), positions // BLOCK_SIZE].long()
-    slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+    blocks = table[torch.arange(len(positions)), positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
     if pad_last:  # as a CUDA graph's padding row: no slot
         slots[-1] = -1
     shape = (len(positions), num_kv_heads, head_size)
