@@ -29,8 +29,9 @@ class InvalidArgumentError(PagedkvError):
 
 
 class ResourceExhaustedError(PagedkvError):
-    """The request can never fit (prompt plus max_tokens over max_model_len, or
-    more blocks than an executor has)."""
+    """The request can never fit: its prompt needs more KV blocks than any
+    executor has. (A prompt plus max_tokens over max_model_len is
+    INVALID_ARGUMENT, naming ``sampling.max_tokens``.)"""
 
 
 class UnavailableError(PagedkvError):
