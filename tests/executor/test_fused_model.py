@@ -25,7 +25,7 @@ BLOCKS_PER_ROW = 4
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fused-models")
     dirs = {}
-    for arch in ("llama", "qwen2", "mistral"):
+    for arch in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
         dirs[arch] = root / arch
         make_tiny_model(dirs[arch], arch, seed=3)
     return dirs
@@ -75,7 +75,14 @@ def step_logits(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "backend"), [("llama", "torch"), ("qwen2", "torch"), ("mistral", "triton")]
+    ("arch", "backend"),
+    [
+        ("llama", "torch"),
+        ("qwen2", "torch"),
+        ("mistral", "triton"),
+        ("qwen3", "triton"),  # query and key norms
+        ("phi3", "torch"),  # merged projections, read as they are
+    ],
 )
 def test_fused_logits_match_transformers_modules(
     model_dirs: dict[str, Path], arch: str, backend: str
@@ -93,6 +100,15 @@ def test_fused_logits_match_transformers_modules(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemmas_keep_transformers_modules(arch: str) -> None:
+    # Norms after each sublayer as well as before, a scaled embedding, GELU.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))  # type: ignore[arg-type]
+    assert "is not one of" in (unsupported_reason(model) or "")
+
+
 def test_models_of_other_shapes_keep_transformers_modules() -> None:
     from transformers import AutoModelForCausalLM
 
@@ -104,3 +120,12 @@ def test_models_of_other_shapes_keep_transformers_modules() -> None:
     assert unsupported_reason(model) is None
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     assert "depends on the sequence length" in (unsupported_reason(model) or "")
+    # phi3 may rotate a part of each head only.
+    phi3 = AutoModelForCausalLM.from_config(tiny_config("phi3"))
+    assert unsupported_reason(phi3) is None
+    phi3.config.rope_parameters = {**phi3.config.rope_parameters, "partial_rotary_factor": 0.5}
+    assert "rotates part of each head" in (unsupported_reason(phi3) or "")
+    # Query and key norms are qwen3's only.
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    llama.model.layers[1].self_attn.q_norm = torch.nn.Identity()
+    assert "normalises queries or keys" in (unsupported_reason(llama) or "")

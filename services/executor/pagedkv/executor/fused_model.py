@@ -1,6 +1,6 @@
 """The decoder stack of Llama-shaped models on fused kernels.
 
-transformers' Llama, Qwen2 and Mistral layers launch some twenty small
+transformers' Llama, Qwen2, Qwen3, Mistral and Phi3 layers launch some twenty small
 kernels per layer besides their matmuls (the RMSNorm's casts, power, mean,
 rsqrt and products, the rotary's halves, negation and concatenations, the
 residual adds, SiLU and its product). ``FusedDecoder`` runs the same layers
@@ -9,7 +9,9 @@ with the same weights as four fused kernels and four matmuls per layer:
 - ``rms_norm`` / ``add_rms_norm``: the residual add fused with the next
   RMSNorm, the residual carried from layer to layer (the first layer's input
   norm has no add, the final norm adds the last layer's MLP output);
-- one matmul for Q, K and V, then ``rotary_and_cache``: Q rotated in place,
+- one matmul for Q, K and V (qwen3: then each head of Q and of K through
+  its ``rms_norm``, two more launches on copies of Q and K), then
+  ``rotary_and_cache``: Q rotated in place,
   K rotated straight into the paged cache, V copied there; paged attention;
   the output projection. A batch of one-token decodes (every CUDA graph's)
   takes ``rotary_decode_attention`` instead: the flash-decoding kernel
@@ -18,14 +20,19 @@ with the same weights as four fused kernels and four matmuls per layer:
 
 The merged Q/K/V and gate/up weights are single tensors, and the modules'
 own weights become views into them, so the model keeps working unfused and
-memory does not grow. ``cos_sin`` holds the model's rotary module's cosines
-and sines for every position below ``max_model_len``, computed once, in the
-model's dtype as transformers rounds them. The LM head runs at the sampled
+memory does not grow (phi3's projections are merged already: its
+``qkv_proj`` and ``gate_up_proj`` are read as they are). ``cos_sin`` holds
+the model's rotary module's cosines and sines for every position below
+``max_model_len``, computed once, in the model's dtype as transformers
+rounds them. The LM head runs at the sampled
 tokens only, whose final norm is the only one computed.
 
 ``unsupported_reason`` says why a model cannot run here (another model type
-or activation, a rotary whose angles depend on the sequence length, a layer
-of another shape); the runner then keeps transformers' modules.
+or activation, a rotary whose angles depend on the sequence length or that
+rotates part of each head, a layer of another shape); the runner then keeps
+transformers' modules. Gemma2 and Gemma3 are such models: their layers norm
+each sublayer's output as well as its input, scale the embedding, take GELU
+and (Gemma3) two rotaries.
 """
 
 from __future__ import annotations
@@ -40,20 +47,29 @@ from torch import nn
 from pagedkv.executor.attention import AttentionMetadata
 from pagedkv.kernels.backend import KernelBackend
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 # transformers recomputes these rotaries' frequencies from the sequence length.
 LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 LAYER_MODULES = (
     "input_layernorm",
     "post_attention_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
     "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
     "mlp.down_proj",
 )
+# Each layer has one of each pair: separate projections, or phi3's merged one.
+QKV_MODULES = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.qkv_proj",),
+)
+GATE_UP_MODULES = (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",))
+
+
+def _has(layer: Any, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -68,23 +84,31 @@ def unsupported_reason(model: Any) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
         return f"rope_type {rope_type!r} depends on the sequence length"
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None and float(partial) != 1.0:
+        return f"partial_rotary_factor {partial} rotates part of each head"
     base = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, name):
             return f"the model has no model.{name}"
     for layer in base.layers:  # type: ignore[union-attr]
         for name in LAYER_MODULES:
-            try:
-                layer.get_submodule(name)
-            except AttributeError:
+            if not _has(layer, name):
                 return f"a layer has no {name}"
-        if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
-            return "the attention normalises queries and keys"
+        for choices in (QKV_MODULES, GATE_UP_MODULES):
+            if not any(all(_has(layer, name) for name in names) for names in choices):
+                return f"a layer has no {' or '.join('+'.join(n) for n in choices)}"
+        norms = [getattr(layer.self_attn, name, None) is not None for name in ("q_norm", "k_norm")]
+        if any(norms) and not (model_type == "qwen3" and all(norms)):
+            return "the attention normalises queries or keys other than qwen3's way"
     return None
 
 
 def _merge(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for ``linears`` stacked by output; theirs become views."""
+    if len(linears) == 1:  # merged already
+        only = linears[0]
+        return only.weight.data, None if only.bias is None else only.bias.data
     weight = torch.cat([lin.weight.data for lin in linears])
     has_bias = [lin.bias is not None for lin in linears]
     if any(has_bias) and not all(has_bias):
@@ -110,6 +134,9 @@ class FusedLayer:
     eps: float
     qkv_weight: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D]: qwen3's RMSNorm of each query head
+    k_norm: torch.Tensor | None  # [D]: and of each key head
+    head_norm_eps: float
     o_proj: nn.Module
     gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
@@ -122,9 +149,17 @@ class FusedLayer:
     @classmethod
     def from_module(cls, index: int, layer: Any, num_q_heads: int, num_kv_heads: int) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight, qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up_weight, gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
-        head_size = attn.q_proj.out_features // num_q_heads
+        if hasattr(attn, "qkv_proj"):
+            qkv = [attn.qkv_proj]
+        else:
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = (
+            [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        )
+        qkv_weight, qkv_bias = _merge(qkv)
+        gate_up_weight, gate_up_bias = _merge(gate_up)
+        head_size = len(qkv_weight) // (num_q_heads + 2 * num_kv_heads)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return cls(
             index=index,
             input_norm=layer.input_layernorm.weight.data,
@@ -132,6 +167,9 @@ class FusedLayer:
             eps=float(layer.input_layernorm.variance_epsilon),
             qkv_weight=qkv_weight,
             qkv_bias=qkv_bias,
+            q_norm=None if q_norm is None else q_norm.weight.data,
+            k_norm=None if k_norm is None else k_norm.weight.data,
+            head_norm_eps=float(getattr(q_norm, "variance_epsilon", 0.0)),
             o_proj=attn.o_proj,
             gate_up_weight=gate_up_weight,
             gate_up_bias=gate_up_bias,
@@ -207,6 +245,9 @@ class FusedDecoder:
         heads = qkv.view(num_tokens, -1, layer.head_size)
         sizes = [layer.num_q_heads, layer.num_kv_heads, layer.num_kv_heads]
         query, key, value = torch.split(heads, sizes, dim=1)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            query = self._head_norm(query, layer.q_norm, layer.head_norm_eps)
+            key = self._head_norm(key, layer.k_norm, layer.head_norm_eps)
         group = meta.layer_groups[layer.index]
         key_cache, value_cache = meta.key_caches[layer.index], meta.value_caches[layer.index]
         slot_mapping = meta.slot_mappings[group]
@@ -247,6 +288,12 @@ class FusedDecoder:
         )
         attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
         return attended
+
+    def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``heads`` ``[num_tokens, num_heads, D]`` (a view) normalised per head, a new tensor."""
+        num_tokens, num_heads, head_size = heads.shape
+        flat = heads.reshape(num_tokens * num_heads, head_size)
+        return self.backend.rms_norm(flat, weight, eps).view(num_tokens, num_heads, head_size)
 
 
 def rotary_table(rotary_emb: Any, max_position: int, like: torch.Tensor) -> torch.Tensor:
