@@ -1,5 +1,6 @@
 """The scheduler service: generations in, steps out to every executor, chunks
-back to the Generate streams. One asyncio loop; no threads.
+back to the Generate streams. One asyncio loop; text prompts are encoded on
+worker threads (``text_prompts.py``) so that no prompt can stall it.
 
 Each executor has a step loop (a task) that schedules, sends one step on its
 stream, applies the samples and queues chunks; the executors' loops run
@@ -37,6 +38,7 @@ from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.placement import new_generation, place
 from pagedkv.scheduler.sequence import FinishReason, Generation
 from pagedkv.scheduler.text import TextTokenizer
+from pagedkv.scheduler.text_prompts import PromptEncoder
 from pagedkv.scheduler.validation import prompt_token_ids
 from pagedkv.v1 import scheduler_pb2
 
@@ -80,6 +82,7 @@ class SchedulerService(ExecutorFailover):
     def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
         super().__init__(config, metrics)
         self.tokenizer: TextTokenizer | None = None
+        self.prompts = PromptEncoder()  # text prompts, encoded off the loop
         self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
         self.trace = step_trace("scheduler", TRACE_FIELDS)  # None unless measuring
@@ -190,26 +193,51 @@ class SchedulerService(ExecutorFailover):
             _, pending = await asyncio.wait(pending, timeout=1.0)
         for client in self.clients.values():
             await client.close()
+        self.prompts.close()
         if self.cluster is not None and not self.cluster.leaving:
             await self.cluster.close()
 
     # -- requests -------------------------------------------------------------
 
-    def submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
-        """Validates a Generate call and queues it; raises the service errors
-        (an error in the scheduler's own code: INTERNAL, nothing queued)."""
+    async def encode_text(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
+        """The token ids of a text prompt, encoded off the event loop (text
+        too long to fit the model is refused before: ``text_prompts.py``);
+        None for token ids, or when the model has no tokenizer (``submit``
+        refuses that). Raises the service errors ``submit`` would raise first."""
+        if request.WhichOneof("prompt") != "text" or self.tokenizer is None:
+            return None
+        self._check_open()
         try:
-            return self._submit(request)
+            return await self.prompts.encode(request.text, self.tokenizer, self.info.max_model_len)
+        except ServiceError:
+            raise
+        except Exception as exc:
+            raise self._internal_error(exc, "encode", request_id=request.request_id) from exc
+
+    def submit(
+        self, request: scheduler_pb2.GenerateRequest, text_ids: list[int] | None = None
+    ) -> Generation:
+        """Validates a Generate call and queues it; raises the service errors
+        (an error in the scheduler's own code: INTERNAL, nothing queued). A
+        text prompt's ids are ``text_ids``, from ``encode_text``."""
+        try:
+            return self._submit(request, text_ids)
         except ServiceError:
             raise
         except Exception as exc:
             raise self._internal_error(exc, "submit", request_id=request.request_id) from exc
 
-    def _submit(self, request: scheduler_pb2.GenerateRequest) -> Generation:
+    def _check_open(self) -> None:
+        """Unavailable while draining or with no executor in service."""
         if self.draining:
             raise Unavailable("the scheduler is stopping; send the request to another replica")
         if not self.schedulers:
             raise Unavailable("no executor is available: " + "; ".join(self.down.values()))
+
+    def _submit(
+        self, request: scheduler_pb2.GenerateRequest, text_ids: list[int] | None
+    ) -> Generation:
+        self._check_open()
         request_id = request.request_id or uuid.uuid4().hex
         size = len(request_id.encode())
         if size > MAX_REQUEST_ID_BYTES:
@@ -224,7 +252,7 @@ class SchedulerService(ExecutorFailover):
                 f"preferred_executor: {size} bytes; an executor address has at most "
                 f"{MAX_REQUEST_ID_BYTES}"
             )
-        prompt = prompt_token_ids(request, self.tokenizer, self.info.vocab_size)
+        prompt = prompt_token_ids(request, text_ids, self.info.vocab_size)
         tokenizer = None if request.skip_text else self.tokenizer  # skip_text: no text made
         generation = new_generation(
             request_id, prompt, request, self.info, tokenizer, self.schedulers, next(self._keys)

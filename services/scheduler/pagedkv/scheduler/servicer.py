@@ -34,7 +34,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Streams a generation's chunks. Cancelling the call (client gone,
         deadline passed) aborts the generation and frees its blocks."""
         try:
-            generation = self.service.submit(request)
+            text_ids = await self.service.encode_text(request)
+            generation = self.service.submit(request, text_ids)
         except ServiceError as exc:
             await context.abort(exc.code, str(exc))
             return

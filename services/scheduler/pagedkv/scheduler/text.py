@@ -47,10 +47,17 @@ class TextTokenizer:
     requests; the wrapped ``tokenizers.Tokenizer`` is owned by this object.
     """
 
-    __slots__ = ("_tokenizer",)
+    __slots__ = ("_tokenizer", "longest_token_chars")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.longest_token_chars = max((len(token) for token in vocab), default=1)
+        """Characters of the longest string in the vocabulary (added tokens
+        included): no token covers more characters of a text than this
+        (byte-level strings have one character per byte, at least one per
+        character they cover; SentencePiece's byte tokens are longer than
+        the byte they stand for)."""
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> TextTokenizer | None:
@@ -73,8 +80,11 @@ class TextTokenizer:
         """Token ids of ``text``, without added special tokens.
 
         Text that spells an added token (``"<eos>"``) encodes to that token.
+        Runs without the GIL (``encode_batch`` releases it; ``encode`` does
+        not), so a worker thread can encode while the event loop runs.
         """
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens skipped; invalid UTF-8 becomes U+FFFD."""

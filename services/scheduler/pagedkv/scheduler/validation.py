@@ -9,7 +9,6 @@ from typing import NamedTuple
 
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.text import TextTokenizer
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 
 MAX_N = 64
@@ -24,16 +23,18 @@ class ValidSampling(NamedTuple):
 
 
 def prompt_token_ids(
-    request: scheduler_pb2.GenerateRequest, tokenizer: TextTokenizer | None, vocab_size: int
+    request: scheduler_pb2.GenerateRequest, text_ids: list[int] | None, vocab_size: int
 ) -> list[int]:
-    """The prompt's token ids (text goes through the model's tokenizer)."""
+    """The prompt's token ids: ``text_ids`` for a text prompt (its encoding,
+    made beforehand off the event loop; None: the model has no tokenizer),
+    else the request's ids."""
     which = request.WhichOneof("prompt")
     if which is None:
         raise InvalidArgument("prompt: set text or token_ids")
     if which == "text":
-        if tokenizer is None:
+        if text_ids is None:
             raise InvalidArgument("prompt.text: the model has no tokenizer; send token_ids")
-        prompt = tokenizer.encode(request.text)
+        prompt = text_ids
     else:
         prompt = list(request.token_ids.ids)
     if not prompt:
