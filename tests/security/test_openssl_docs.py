@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.client import Client, ResumePolicy, TlsConfig, UnavailableError
-from tests.docs_blocks import DOCS, code_blocks, run_sh, tool_path
+from tests.docs_blocks import DOCS, code_blocks, run_sh
 from tests.executor.driver import ExecutorProcess
 from tests.service.stack import Process
 
@@ -74,7 +74,7 @@ def test_a_scheduler_serves_what_the_steps_made_to_the_documented_clients(
             port = scheduler.target.rsplit(":", 1)[1]
             # The page's stats command line, as written but for the port.
             stats = shlex.join(stats_line).replace("localhost:50051", f"localhost:{port}")
-            shown = run_sh(stats, made, env={"PATH": tool_path()}).stdout
+            shown = run_sh(stats, made).stdout
             assert executor.target in shown
             # The page's SDK example, dialling localhost (a name the certificate has).
             code = example.replace("router.example:50051", f"localhost:{port}")
