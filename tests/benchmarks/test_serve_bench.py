@@ -16,6 +16,7 @@ from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_t
 from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.load import RequestResult
 from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
+from pagedkv.scheduler.bench.serving.report import markdown, plot
 from pagedkv.scheduler.bench.serving.run import main, parse_fixed_batches
 from pagedkv.scheduler.bench.serving.step_trace import analyze as analyze_trace
 from pagedkv.scheduler.bench.serving.sweep import Setting, best_setting, parse_settings
@@ -79,6 +80,48 @@ def test_ttft_tpot_itl_and_goodput_of_known_requests() -> None:
     assert summary["num_meeting_slo"] == 1  # slow misses TTFT, short is wrong
     assert summary["goodput_requests_per_s"] == pytest.approx(0.5)
     assert summary["output_tokens"] == 7
+
+
+def _failed(sent: float, error: str) -> RequestResult:
+    return RequestResult("f", 10, 0, 4, 0, 0.0, sent, (), (), sent + 0.1, error)
+
+
+def test_failed_requests_are_counted_with_the_first_ones_error() -> None:
+    ok = _result((1.1, 1.2), (1, 1), 2)
+    late = _failed(1.5, "UNAVAILABLE: gone")
+    early = _failed(0.5, "INVALID_ARGUMENT: prompt_token_ids: too long")
+    summary = summarize([ok, late, early], 2.0, Slo(ttft_ms=500, tpot_ms=150))
+    assert (summary["num_ok"], summary["num_failed"]) == (1, 2)
+    assert summary["first_error"] == "INVALID_ARGUMENT: prompt_token_ids: too long"
+    none = summarize([late, early], 2.0, Slo(ttft_ms=500, tpot_ms=150))
+    assert none["num_ok"] == 0 and none["ttft_ms"]["p50"] is None
+    assert none["output_tokens_per_s"] == 0.0
+    clean = summarize([ok], 2.0, Slo(ttft_ms=500, tpot_ms=150))
+    assert clean["num_failed"] == 0 and clean["first_error"] is None
+
+
+def test_the_report_of_runs_without_a_finished_request_says_why(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=500, tpot_ms=150)
+    error = "INVALID_ARGUMENT: prompt_token_ids: too long"
+    half = summarize([_result((1.1, 1.2), (1, 1), 2), _failed(1.0, error)], 2.0, slo)
+    nothing = summarize([_failed(0.0, error), _failed(0.1, error)], 1.0, slo)
+    report = {
+        "settings": {
+            "model": "m", "device": "cpu", "num_requests": 2, "slo_ttft_ms": 500,
+            "slo_tpot_ms": 150,
+        },
+        "machine": {},
+        "model_shape": "tiny",
+        "rates": [{"rate": "inf", "summary": half, "requests": []}],
+        "fixed_batches": [{"batch": 2, "prompt_len": 2000, "max_tokens": 3, "pagedkv": nothing}],
+    }  # fmt: skip
+    text = markdown(report)
+    assert "| inf | 1/2 | 1 |" in text
+    assert "| pagedkv serve | 2 x (2000 -> 3) | 0/2 | 0 | 1.00 | - / - | - / - |" in text
+    assert f"- rate inf: 1 of 2 requests failed (first error: {error})" in text
+    assert f"- fixed batch 2 x (2000 -> 3): 2 of 2 requests failed (first error: {error})" in text
+    plot(report, tmp_path / "report.png")
+    assert (tmp_path / "report.png").stat().st_size > 0
 
 
 def _span(cat: str, ts: float, dur: float, **args: object) -> dict[str, object]:
@@ -237,6 +280,50 @@ def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     assert trace["cpu_use"]["scheduler"] > 0 and trace["cpu_use"]["executor"] > 0
     out = capsys.readouterr().out
     assert "Fixed batch" in out and "Where the step time went" in out
+
+
+def test_a_run_whose_requests_are_refused_reports_them_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagedkv.executor.tiny_model import MAX_POSITION_EMBEDDINGS, make_tiny_model
+
+    model = tmp_path / "model"
+    make_tiny_model(model, "llama", seed=7)
+    output = tmp_path / "serve-bench-refused.json"
+    # The mix is made for a longer context than the model's: some of its
+    # requests do not fit and are refused. The fixed batch's prompts are
+    # longer than the model: none of them finishes.
+    too_long = MAX_POSITION_EMBEDDINGS + 8
+    argv = ["--model", str(model), "--rates", "inf", "--num-requests", "4", "--seed", "3"]
+    argv += ["--max-model-len", str(4 * MAX_POSITION_EMBEDDINGS), "--sigma", "0.6"]
+    argv += ["--mean-prompt-len", str(MAX_POSITION_EMBEDDINGS), "--mean-output-len", "3"]
+    argv += ["--system-prompt-fraction", "0", "--warmup-requests", "0", "--no-hf"]
+    argv += ["--fixed-batch", f"2x{too_long}x3", "--num-blocks", "256", "--decode-window", "1"]
+    argv += ["--output", str(output)]
+    assert main(_args(argv)) == 1
+    report = json.loads(output.read_text())
+    (run,) = report["rates"]
+    summary = run["summary"]
+    refused = [
+        r for r in run["requests"] if r["prompt"] + r["max_tokens"] > MAX_POSITION_EMBEDDINGS
+    ]
+    assert 0 < len(refused) < 4  # the seed's mix has both kinds
+    assert summary["num_failed"] == len(refused) == 4 - summary["num_ok"]
+    first = min(refused, key=lambda r: r["sent_s"])
+    assert summary["first_error"] == first["error"]
+    assert summary["first_error"].startswith("INVALID_ARGUMENT: ")
+    assert f"max_model_len {MAX_POSITION_EMBEDDINGS}" in summary["first_error"]
+    (batch,) = report["fixed_batches"]
+    s = batch["pagedkv"]
+    assert (s["num_ok"], s["num_failed"], s["output_tokens"]) == (0, 2, 0)
+    assert s["first_error"].startswith("INVALID_ARGUMENT: prompt")
+    assert s["ttft_ms"]["p50"] is None
+    text = output.with_suffix(".md").read_text()
+    assert (
+        f"- rate inf: {len(refused)} of 4 requests failed (first error: {first['error']})" in text
+    )
+    assert f"- fixed batch 2 x ({too_long} -> 3): 2 of 2 requests failed" in text
+    assert text in capsys.readouterr().out
 
 
 def test_an_executor_shared_by_schedulers_in_turn_has_each_step_matched_to_its_own_record(

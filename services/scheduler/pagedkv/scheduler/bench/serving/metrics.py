@@ -12,6 +12,10 @@ both limits (TTFT <= ``ttft_ms`` and TPOT <= ``tpot_ms``; a one-token
 request has no TPOT and is judged on TTFT alone).
 Concurrency: requests in flight, averaged over the run (sum of latencies /
 duration).
+Failed requests (an error, or a stream that ended without usage) are counted
+with the first one's error (the earliest sent). Output tokens count every
+token received, a failed request's included; the latencies are of the
+finished requests only, None when none finished.
 """
 
 from __future__ import annotations
@@ -81,9 +85,12 @@ def summarize(results: Sequence[RequestResult], seconds: float, slo: Slo) -> dic
     itls = [gap for r in ok for gap in itl_s(r)]
     output = sum(r.output_tokens for r in results)
     good = sum(1 for r in results if meets(r, slo))
+    failed = sorted((r for r in results if r.error), key=lambda r: r.sent_s)
     return {
         "num_requests": len(results),
         "num_ok": len(ok),
+        "num_failed": len(failed),
+        "first_error": failed[0].error if failed else None,
         "errors": sorted({r.error for r in results if r.error}),
         "num_wrong_token_counts": sum(
             1 for r in results if not r.error and r.output_tokens != r.max_tokens
@@ -103,6 +110,30 @@ def summarize(results: Sequence[RequestResult], seconds: float, slo: Slo) -> dic
         "num_meeting_slo": good,
         "goodput_requests_per_s": good / seconds,
     }
+
+
+def ms_cell(values: dict[str, float | None], quantiles: Sequence[str], digits: int) -> str:
+    """Percentiles of a summary as a table cell, "-" for none."""
+    return " / ".join("-" if values[q] is None else f"{values[q]:.{digits}f}" for q in quantiles)
+
+
+def failure_note(label: str, summary: dict[str, Any]) -> list[str]:
+    """A report line for a run with failed or short requests; none without."""
+    failed, short = summary["num_failed"], summary["num_wrong_token_counts"]
+    if not failed and not short:
+        return []
+    parts = []
+    if failed:
+        parts.append(
+            f"{failed} of {summary['num_requests']} requests failed "
+            f"(first error: {summary['first_error']})"
+        )
+    if short:
+        parts.append(f"{short} ended without all their tokens")
+    return [
+        f"- {label}: {'; '.join(parts)}. Its output tok/s counts the tokens received, "
+        "its latencies only the finished requests."
+    ]
 
 
 def request_rows(results: Sequence[RequestResult]) -> list[dict[str, Any]]:

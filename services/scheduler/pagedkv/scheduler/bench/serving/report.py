@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pagedkv.scheduler.bench.serving.metrics import failure_note, ms_cell
 from pagedkv.scheduler.bench.serving.sweep import markdown_lines as sweep_lines
 
 
@@ -22,10 +23,8 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _ms(values: Mapping[str, float | None]) -> str:
-    return " / ".join(
-        "-" if values[q] is None else f"{values[q]:.1f}" for q in ("p50", "p90", "p99")
-    )
+def _ms(values: dict[str, float | None]) -> str:
+    return ms_cell(values, ("p50", "p90", "p99"), 1)
 
 
 def _rate_lines(report: Mapping[str, Any]) -> list[str]:
@@ -36,21 +35,23 @@ def _rate_lines(report: Mapping[str, Any]) -> list[str]:
         f"ShareGPT-like mix; SLO: TTFT <= {settings['slo_ttft_ms']:g} ms and TPOT <= "
         f"{settings['slo_tpot_ms']:g} ms)",
         "",
-        "| rate (req/s) | finished | req/s | output tok/s | concurrency | "
+        "| rate (req/s) | finished | failed | req/s | output tok/s | concurrency | "
         "TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) | "
         "goodput (req/s) | within SLO |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for run in report["rates"]:
         s = run["summary"]
+        notes += failure_note(f"rate {run['rate']}", s)
         lines.append(
-            f"| {run['rate']} | {s['num_ok']}/{s['num_requests']} | "
+            f"| {run['rate']} | {s['num_ok']}/{s['num_requests']} | {s['num_failed']} | "
             f"{s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.0f} | "
             f"{s['mean_concurrency']:.1f} | {_ms(s['ttft_ms'])} | {_ms(s['tpot_ms'])} | "
             f"{_ms(s['itl_ms'])} | {s['goodput_requests_per_s']:.2f} | "
             f"{100 * s['num_meeting_slo'] / s['num_requests']:.0f}% |"
         )
-    return lines
+    return lines + (["", *notes] if notes else [])
 
 
 def markdown(report: Mapping[str, Any]) -> str:
@@ -67,24 +68,29 @@ def markdown(report: Mapping[str, Any]) -> str:
             "",
             "## Fixed batch (all requests at once), same device",
             "",
-            "| engine | requests x (prompt -> output) | output tok/s | seconds | "
+            "| engine | requests x (prompt -> output) | finished | output tok/s | seconds | "
             "TTFT p50/p99 (ms) | TPOT p50/p99 (ms) |",
-            "|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|",
         ]
+        notes: list[str] = []
         for run in report["fixed_batches"]:
             shape = f"{run['batch']} x ({run['prompt_len']} -> {run['max_tokens']})"
             s = run["pagedkv"]
+            notes += failure_note(f"fixed batch {shape}", s)
             lines.append(
-                f"| pagedkv serve | {shape} | {s['output_tokens_per_s']:.0f} | "
-                f"{s['seconds']:.2f} | {s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
-                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} |"
+                f"| pagedkv serve | {shape} | {s['num_ok']}/{s['num_requests']} | "
+                f"{s['output_tokens_per_s']:.0f} | {s['seconds']:.2f} | "
+                f"{ms_cell(s['ttft_ms'], ('p50', 'p99'), 0)} | "
+                f"{ms_cell(s['tpot_ms'], ('p50', 'p99'), 2)} |"
             )
             hf = run.get("hf")
             if hf:
                 lines.append(
-                    f"| HF generate ({hf['mode']}) | {shape} | "
+                    f"| HF generate ({hf['mode']}) | {shape} | {run['batch']}/{run['batch']} | "
                     f"{hf['output_tokens_per_s']:.0f} | {hf['seconds']:.2f} | - | - |"
                 )
+        if notes:
+            lines += ["", *notes]
     timeline = report.get("timeline")
     if timeline and "error" in timeline:
         lines += ["", f"GPU timeline: not measured ({timeline['error']})."]

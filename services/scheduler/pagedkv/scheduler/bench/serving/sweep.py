@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.scheduler.bench.serving import step_trace
-from pagedkv.scheduler.bench.serving.metrics import Slo
+from pagedkv.scheduler.bench.serving.metrics import Slo, failure_note, ms_cell
 from pagedkv.scheduler.bench.serving.stack import start_scheduler
 from pagedkv.scheduler.children import ExecutorProcesses, executor_commands
 
@@ -114,6 +114,7 @@ def markdown_lines(sweep: dict[str, Any]) -> list[str]:
         "CPU scheduler / executor |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for run in sweep["runs"]:
         setting = run["setting"]
         for row in run["fixed_batches"]:
@@ -128,10 +129,15 @@ def markdown_lines(sweep: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {setting['decode_window']} | {setting['pipeline_depth']} | "
                 f"{row['batch']} x ({row['prompt_len']} -> {row['max_tokens']}) | "
-                f"{s['output_tokens_per_s']:.0f} | {s['ttft_ms']['p50']:.1f} | "
-                f"{s['tpot_ms']['p50']:.2f} / {s['tpot_ms']['p99']:.2f} | {traced}"
+                f"{s['output_tokens_per_s']:.0f} | {ms_cell(s['ttft_ms'], ('p50',), 1)} | "
+                f"{ms_cell(s['tpot_ms'], ('p50', 'p99'), 2)} | {traced}"
             )
-    return lines
+            notes += failure_note(
+                f"{setting['decode_window']}:{setting['pipeline_depth']}, "
+                f"{row['batch']} x ({row['prompt_len']} -> {row['max_tokens']})",
+                s,
+            )
+    return lines + (["", *notes] if notes else [])
 
 
 def best_setting(sweep: dict[str, Any], targets: dict[int, float]) -> Setting:
