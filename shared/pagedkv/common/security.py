@@ -27,6 +27,7 @@ import grpc
 import grpc.aio
 
 from pagedkv.common.logging import get_logger
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS, add_port
 
 log = get_logger("pagedkv.security")
 
@@ -164,30 +165,35 @@ def open_aio_channel(
     )
 
 
-def bind(server: grpc.Server | grpc.aio.Server, address: str, security: ServerSecurity) -> int:
+def bind(
+    server: grpc.Server | grpc.aio.Server,
+    address: str,
+    security: ServerSecurity,
+    flag: str = "--port",
+) -> int:
     """Adds a port for ``address`` to ``server`` (TLS when ``security`` has
-    a certificate); returns the bound port, OSError if it cannot bind."""
-    if security.tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, server_credentials(security.tls))
-    if not port:
-        raise OSError(f"cannot bind {address}")
-    return int(port)
+    a certificate); returns the bound port. ``server`` is made with
+    ``GRPC_SERVER_OPTIONS`` (no port sharing); ListenError naming ``flag``
+    when the port cannot be had."""
+    credentials = None if security.tls is None else server_credentials(security.tls)
+    return add_port(server, address, flag, credentials)
 
 
 def start_health_server(health_servicer: Any, address: str, main: grpc.Server) -> grpc.Server:
     """A plaintext server of ``health_servicer`` alone on ``address``, for
     Kubernetes' gRPC probes (they speak neither TLS nor tokens); stopped
     when ``main`` stops. The health service tells only SERVING or
-    NOT_SERVING, so it may stay plaintext beside a TLS port."""
+    NOT_SERVING, so it may stay plaintext beside a TLS port. ListenError
+    (``--health-port``) when the port cannot be had."""
     from concurrent import futures
 
     from grpc_health.v1 import health_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), options=list(GRPC_SERVER_OPTIONS)
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bind(server, address, ServerSecurity())
+    bind(server, address, ServerSecurity(), "--health-port")
     server.start()
 
     def stop_with_main() -> None:
@@ -201,16 +207,20 @@ def start_health_server(health_servicer: Any, address: str, main: grpc.Server) -
 _health_tasks: set[asyncio.Task[None]] = set()
 
 
-async def start_aio_health_server(
-    health_servicer: Any, address: str, main: grpc.aio.Server
-) -> grpc.aio.Server:
-    """``start_health_server`` for grpc.aio servers (the same health
-    servicer object serves both ports, so draining shows on both)."""
+def aio_health_server(health_servicer: Any, address: str) -> grpc.aio.Server:
+    """A grpc.aio server of ``health_servicer`` alone, its port on
+    ``address`` bound but not serving yet (``serve_aio_health`` starts it);
+    ListenError (``--health-port``) when the port cannot be had."""
     from grpc_health.v1 import health_pb2_grpc
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bind(server, address, ServerSecurity())
+    bind(server, address, ServerSecurity(), "--health-port")
+    return server
+
+
+async def serve_aio_health(server: grpc.aio.Server, main: grpc.aio.Server) -> None:
+    """Starts the health ``server``; it stops when ``main`` stops."""
     await server.start()
 
     async def stop_with_main() -> None:
@@ -220,6 +230,15 @@ async def start_aio_health_server(
     task = asyncio.create_task(stop_with_main())
     _health_tasks.add(task)
     task.add_done_callback(_health_tasks.discard)
+
+
+async def start_aio_health_server(
+    health_servicer: Any, address: str, main: grpc.aio.Server
+) -> grpc.aio.Server:
+    """``start_health_server`` for grpc.aio servers (the same health
+    servicer object serves both ports, so draining shows on both)."""
+    server = aio_health_server(health_servicer, address)
+    await serve_aio_health(server, main)
     return server
 
 

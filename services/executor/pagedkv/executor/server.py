@@ -44,6 +44,7 @@ def serve(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from pagedkv.common.logging import get_logger
+    from pagedkv.common.ports import ListenError, check_free
     from pagedkv.executor.engine import Executor
     from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
     from pagedkv.executor.servicer import build_server
@@ -68,7 +69,10 @@ def serve(args: argparse.Namespace) -> int:
             cuda_graphs=not args.enforce_eager,
             fused_ops=args.fused_ops == "on",
         )
-    except ValueError as exc:
+        # Refused before the model loads; the server's own bind still decides.
+        check_free("--port", args.host, args.port)
+        check_free("--health-port", args.host, getattr(args, "health_port", None))
+    except (ValueError, ListenError) as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
         return 2
     # No progress bars (ours or transformers') among JSON log lines, or under
@@ -89,7 +93,11 @@ def serve(args: argparse.Namespace) -> int:
     # finished step should not wait the default 5 ms for a busy one to yield.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     security = getattr(args, "security", None)
-    server, port = build_server(executor, f"{args.host}:{args.port}", security)
+    try:
+        server, port = build_server(executor, f"{args.host}:{args.port}", security)
+    except ListenError as exc:
+        print(f"pagedkv executor: {exc}", file=sys.stderr)
+        return 2
     kv_mib = runner.kv.num_bytes / 2**20
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_health_server
 from pagedkv.executor.engine import Executor
@@ -109,13 +110,15 @@ def build_server(
 ) -> tuple[grpc.Server, int]:
     """A started server for ``executor`` on ``address`` (port 0: any free
     port), with ``security``'s TLS (mutual: only the cluster CA's clients);
-    returns it and the bound port."""
+    returns it and the bound port. ListenError naming the flag when its port
+    or its health port cannot be had."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
         interceptors=[RequestDecodingInterceptor(), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *GRPC_SERVER_OPTIONS,
         ],
     )
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor), server)

@@ -39,6 +39,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedkv.common.ports import listening
+
 _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -156,8 +158,10 @@ class RouterMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves ``/metrics`` on ``host:port`` (0: any free port) in a daemon
-        thread; returns the port bound."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        thread; returns the port bound. ListenError (``--metrics-port``) if the
+        port cannot be had."""
+        with listening("--metrics-port", host, port):
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
         self._servers.append((server, thread))
         return int(server.server_port)
 

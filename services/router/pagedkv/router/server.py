@@ -10,6 +10,7 @@ import time
 
 from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.logging import get_logger
+from pagedkv.common.ports import ListenError, check_free
 from pagedkv.common.security import (
     ServerSecurity,
     TokenFile,
@@ -93,17 +94,25 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         security = server_security_from_args(args, require_ca=False)
-    except ValueError as exc:
+        # Refused before Redis is dialled; the servers' own binds still decide.
+        check_free("--port", args.host, args.port)
+        check_free("--health-port", args.host, args.health_port)
+        check_free("--metrics-port", args.host, args.metrics_port)
+    except (ValueError, ListenError) as exc:
         print(f"pagedkv router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(
-        serve_router(
-            config,
-            args.host,
-            args.port,
-            args.metrics_port,
-            args.drain_timeout,
-            security=security,
+    try:
+        asyncio.run(
+            serve_router(
+                config,
+                args.host,
+                args.port,
+                args.metrics_port,
+                args.drain_timeout,
+                security=security,
+            )
         )
-    )
+    except ListenError as exc:
+        print(f"pagedkv router: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -38,6 +38,7 @@ from pagedkv.router.placements import Placements, now_ms
 from pagedkv.router.scoring import Choice, RoutingWeights, make_policy
 from pagedkv.router.view import ClusterSnapshot, candidates_of, read_cluster
 from pagedkv.scheduler.text import TextTokenizer
+from pagedkv.scheduler.text_prompts import PromptEncoder
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)
@@ -96,6 +97,8 @@ class RouterService:
         self.degraded: str | None = "not read yet"
         self.tokenizer: TextTokenizer | None = None
         self._tokenizer_for: str | None = None
+        self.prompts = PromptEncoder()  # text prompts, encoded off the loop
+        self.max_model_len = 0  # the executors' longest, as last read (0: none read yet)
         self.live: dict[str, str] = {}  # request id -> scheduler address
         self.num_open_streams = 0
         self._avoid: dict[str, float] = {}  # member id -> monotonic until
@@ -123,6 +126,7 @@ class RouterService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
+        self.prompts.close()
         await self.redis.aclose()
 
     async def _refresh(self) -> None:
@@ -176,6 +180,7 @@ class RouterService:
         records = self.snapshot.records
         if not records:
             return
+        self.max_model_len = max(r.max_model_len for r in records.values())
         source = self.config.model_dir or next(iter(records.values())).model_id
         if source == self._tokenizer_for:
             return
@@ -201,25 +206,28 @@ class RouterService:
             del self._avoid[member_id]
         return set(self._avoid)
 
-    def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
+    async def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
+        """The prompt's ids with the resumed ones; a text prompt is encoded
+        off the event loop, and refused first when it cannot fit the longest
+        max_model_len of the executors (None: no tokenizer, route by load)."""
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt: set text or token_ids")
         if which == "text":
-            if self.tokenizer is None:
+            if self.tokenizer is None or not self.max_model_len:
                 return None
-            ids = self.tokenizer.encode(request.text)
+            ids = await self.prompts.encode(request.text, self.tokenizer, self.max_model_len)
         else:
             ids = list(request.token_ids.ids)
         return ids + list(request.resumed_token_ids)
 
-    def route(self, request: scheduler_pb2.GenerateRequest) -> list[Route]:
+    async def route(self, request: scheduler_pb2.GenerateRequest) -> list[Route]:
         """The schedulers to try for ``request``, best first: the owner of the
         best-ranked executor (with it as the hint), then the best executor of
         each other member. With no executor to rank, the live members in turn,
         without a hint. Unavailable when no member is live."""
+        tokens = await self._prompt(request)
         snapshot, avoided = self.snapshot, self._avoided()
-        tokens = self._prompt(request)
         candidates = candidates_of(snapshot, avoided, self.placements.correction)
         cached: dict[str, int] = {}
         hashes_of: dict[str, list[BlockHash]] = {}  # incarnation -> the prompt's hashes

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedkv.client.resume import is_stream_break
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
 from pagedkv.router.service import RouterService, forwarded_metadata
@@ -47,7 +48,7 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
         forward.CopyFrom(request)
         forward.request_id = request.request_id or uuid.uuid4().hex
         try:
-            routes = service.route(forward)
+            routes = await service.route(forward)
         except ServiceError as exc:
             await context.abort(exc.code, str(exc))
             return
@@ -124,10 +125,12 @@ async def start_server(
     service: RouterService, address: str, security: ServerSecurity | None = None
 ) -> RouterServer:
     """A started server for ``service`` on ``address`` (port 0: any free
-    port), closed as ``security`` says (TLS, tokens)."""
+    port), closed as ``security`` says (TLS, tokens); ListenError naming
+    the flag when its port or its health port cannot be had."""
     security = security or ServerSecurity()
     server = grpc.aio.server(
-        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()]
+        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()],
+        options=list(GRPC_SERVER_OPTIONS),
     )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(RouterServicer(service), server)
     health_servicer = health.aio.HealthServicer()

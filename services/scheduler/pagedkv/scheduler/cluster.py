@@ -68,7 +68,7 @@ class ClusterMember:
         self.service = service
         self.config = config
         self.member_id = service.scheduler_id
-        self.address = config.address  # set once the server is bound, when its port was 0
+        self.address = config.address  # the port bound, also for --port 0 (never 0)
         self.redis = connect(config.redis_url)
         self.keys = Keys(config.prefix)
         self.leases = LeaseTable(self.redis, self.keys)

@@ -50,6 +50,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedkv.common.ports import listening
 from pagedkv.scheduler.histogram import BulkHistogram
 from pagedkv.v1 import scheduler_pb2
 
@@ -356,9 +357,11 @@ class SchedulerMetrics:
         Port 0 picks a free port. Returns the port bound (prometheus_client
         >= 0.17 returns its server, which knows it). Scrape ``/metrics``.
         The server runs until
-        ``close`` or the process ends; raises ``OSError`` if the port is taken.
+        ``close`` or the process ends; ListenError (``--metrics-port``) if
+        the port cannot be had.
         """
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        with listening("--metrics-port", host, port):
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
         self._servers.append((server, thread))
         return int(server.server_port)
 

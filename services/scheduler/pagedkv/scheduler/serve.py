@@ -38,6 +38,7 @@ from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.cli import ModelArgumentError, check_model_argument
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.common.ports import ListenError, check_free
 from pagedkv.scheduler.children import (
     ROUTER_READY,
     SCHEDULER_READY,
@@ -247,6 +248,9 @@ def run_serve(args: argparse.Namespace) -> int:
                         drain_timeout=args.drain_timeout,
                     )
                 )
+    except ListenError as exc:  # taken since the check, by a race
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
     except (StartError, ServiceError) as exc:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 1
@@ -310,4 +314,23 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             check_redis_url(args.redis_url)
         except ValueError as exc:
             return f"--redis-url: {exc}"
+    return _port_in_use(args)
+
+
+def _port_in_use(args: argparse.Namespace) -> str | None:
+    """The first port this command's servers would listen on that another
+    process holds, in one line: ``--port``.. (the routers', then the
+    schedulers'), the metrics and health ports likewise; None when none is."""
+    num = args.routers + args.schedulers
+    bases = {
+        "--port": args.port,
+        "--metrics-port": args.metrics_port,
+        "--health-port": getattr(args, "health_port", None),
+    }
+    for flag, base in bases.items():
+        for port in range(base, base + num) if base else ():
+            try:
+                check_free(flag, args.host, port)
+            except ListenError as exc:
+                return str(exc)
     return None

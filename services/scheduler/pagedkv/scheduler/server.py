@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import signal
 import sys
@@ -11,11 +12,12 @@ import sys
 from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.common.ports import ListenError
 from pagedkv.common.security import ServerSecurity, client_tls_from_args, server_security_from_args
 from pagedkv.scheduler.cluster import ClusterConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
-from pagedkv.scheduler.servicer import start_server
+from pagedkv.scheduler.servicer import bind_server, start_server
 
 log = get_logger(__name__)
 
@@ -70,14 +72,19 @@ async def serve_scheduler(
     plaintext and open (it holds no secret). ``security``: TLS and tokens of
     the gRPC server (default: plaintext, open)."""
     metrics = SchedulerMetrics()
-    service = SchedulerService(config, metrics)
-    await service.start()
-    server, bound = await start_server(service, f"{host}:{port}", security)
-    if service.cluster is not None and not port:
-        service.cluster.address = f"{host}:{bound}"
+    # Every port first: one in use stops the scheduler (ListenError) before
+    # it takes anything over, and a member registers the port it holds.
+    bound_server = bind_server(f"{host}:{port}", security)
+    server, bound = bound_server.server, bound_server.port
+    if config.cluster is not None and not port:
+        cluster = dataclasses.replace(config.cluster, address=f"{host}:{bound}")
+        config = dataclasses.replace(config, cluster=cluster)
     extra = ""
     if metrics_port is not None:
         extra = f", metrics on :{metrics.serve(metrics_port, host)}"
+    service = SchedulerService(config, metrics)
+    await service.start()
+    await start_server(bound_server, service)
     # What start-up made (modules, the tokenizer) lives as long as the
     # process: out of the collector's way, its full collections stay short.
     gc.freeze()
@@ -126,6 +133,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                 security=security,
             )
         )
+    except ListenError as exc:
+        print(f"pagedkv scheduler: {exc}", file=sys.stderr)
+        return 2
     except ServiceError as exc:
         print(f"pagedkv scheduler: {exc}", file=sys.stderr)
         return 1

@@ -5,15 +5,16 @@ INVALID_ARGUMENT)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
+from pagedkv.common.security import ServerSecurity, aio_health_server, bind, serve_aio_health
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -79,20 +80,43 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.service.stats()
 
 
-async def start_server(
-    service: SchedulerService, address: str, security: ServerSecurity | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """A started grpc.aio server for ``service`` on ``address`` (port 0: any
-    free port), closed as ``security`` says (TLS, tokens); returns it and the
-    bound port. Its health is SERVING until the service starts draining,
-    NOT_SERVING from then on."""
+class BoundServer(NamedTuple):
+    """A scheduler's servers with their ports bound, not serving yet
+    (``bind_server``; ``start_server`` serves them)."""
+
+    server: grpc.aio.Server
+    port: int  # bound (the one chosen for port 0)
+    health: Any  # the health servicer, shared by the main and the health port
+    health_server: grpc.aio.Server | None  # on --health-port
+
+
+def bind_server(address: str, security: ServerSecurity | None = None) -> BoundServer:
+    """A grpc.aio server holding ``address``'s port (port 0: any free port)
+    and the health port's, closed as ``security`` says (TLS, tokens); no
+    call is served until ``start_server``. ListenError naming the flag when a
+    port cannot be had. Binding first lets the scheduler refuse a port in
+    use before it takes anything over, and register the port it holds."""
     security = security or ServerSecurity()
     server = grpc.aio.server(
-        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()]
+        interceptors=[*security.interceptors(), AsyncRequestDecodingInterceptor()],
+        options=list(GRPC_SERVER_OPTIONS),
     )
+    port = bind(server, address, security)
+    health_servicer = health.aio.HealthServicer()
+    health_address = security.health_address(address)
+    health_server = None
+    if health_address is not None:
+        health_server = aio_health_server(health_servicer, health_address)
+    return BoundServer(server, port, health_servicer, health_server)
+
+
+async def start_server(bound: BoundServer, service: SchedulerService) -> None:
+    """Serves ``service`` on the ``bound`` server (and health on its health
+    port). Its health is SERVING until the service starts draining,
+    NOT_SERVING from then on."""
+    server, health_servicer = bound.server, bound.health
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -105,9 +129,6 @@ async def start_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = bind(server, address, security)
     await server.start()
-    health_address = security.health_address(address)
-    if health_address is not None:
-        await start_aio_health_server(health_servicer, health_address, server)
-    return server, port
+    if bound.health_server is not None:
+        await serve_aio_health(bound.health_server, server)
