@@ -15,8 +15,9 @@ the scripts never turn an epoch into a number: they compare decimal strings
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import redis
 import redis.asyncio
 
 from pagedkv.cluster.connection import text
@@ -141,6 +142,37 @@ def _check(owner_id: str, ttl_ms: int) -> None:
         raise ValueError(f"ttl_ms: {ttl_ms} is not positive")
 
 
+def _renew_call(keys: Keys, lease: Lease, ttl_ms: int) -> tuple[list[str], list[str]]:
+    """The renew script's KEYS and ARGV."""
+    _check(lease.owner_id, ttl_ms)
+    return (
+        [keys.lease(lease.address), keys.epoch(lease.address)],
+        [lease.owner_id, str(lease.epoch), lease.incarnation_id, str(ttl_ms)],
+    )
+
+
+def _renew_result(reply: Any) -> RenewResult:
+    if reply[0] == 1:
+        return Renewed(recreated=reply[1] == 1)
+    holder = text(reply[1])
+    return LeaseLost(holder or None, int(reply[2]))
+
+
+class LeaseRenewer:
+    """``LeaseTable.renew`` through a synchronous client, for a thread that
+    renews while the event loop is busy (one atomic script a call; a Redis
+    error propagates)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys | None = None) -> None:
+        self.keys = keys or Keys()
+        self._renew = client.register_script(_RENEW)
+
+    def renew(self, lease: Lease, ttl_ms: int) -> RenewResult:
+        """As ``LeaseTable.renew``."""
+        keys, args = _renew_call(self.keys, lease, ttl_ms)
+        return _renew_result(self._renew(keys=keys, args=args))
+
+
 class LeaseTable:
     """The leases of one cluster (``keys``) through one asyncio client. Each
     call is one atomic script; a Redis error propagates (the caller decides
@@ -175,15 +207,9 @@ class LeaseTable:
         """Extends ``lease`` by ``ttl_ms``. When its key is gone, writes it back
         (and raises the counter to ``lease.epoch``) unless a higher epoch was
         issued meanwhile; a lease another owner or epoch holds is lost."""
-        _check(lease.owner_id, ttl_ms)
-        reply = await self._renew(
-            keys=[self.keys.lease(lease.address), self.keys.epoch(lease.address)],
-            args=[lease.owner_id, str(lease.epoch), lease.incarnation_id, str(ttl_ms)],
-        )
-        if reply[0] == 1:
-            return Renewed(recreated=reply[1] == 1)
-        holder = text(reply[1])
-        return LeaseLost(holder or None, int(reply[2]))
+        keys, args = _renew_call(self.keys, lease, ttl_ms)
+        reply = await self._renew(keys=keys, args=args)
+        return _renew_result(reply)
 
     async def release(self, lease: Lease) -> bool:
         """Deletes the lease if it is still ``lease`` (owner and epoch); True if so.

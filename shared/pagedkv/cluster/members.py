@@ -17,6 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
+import redis
 import redis.asyncio
 
 from pagedkv.cluster.connection import live_records, text
@@ -69,6 +70,17 @@ local created_ms = tostring(now[1]) .. string.format('%03d', math.floor(tonumber
 redis.call('HSET', KEYS[1], 'boot_id', ARGV[1], 'created_ms', created_ms)
 return {ARGV[1], created_ms, 1}
 """
+
+
+def heartbeat_sync(client: redis.Redis, keys: Keys, record: MemberRecord, ttl_ms: int) -> None:
+    """``Members.heartbeat`` through a synchronous client (for a thread that
+    beats while the event loop is busy)."""
+    if ttl_ms <= 0:
+        raise ValueError(f"ttl_ms: {ttl_ms} is not positive")
+    with client.pipeline(transaction=True) as pipe:
+        pipe.set(keys.scheduler(record.member_id), record.to_json(), px=ttl_ms)
+        pipe.sadd(keys.schedulers(), record.member_id)
+        pipe.execute()
 
 
 class Members:

@@ -2,11 +2,13 @@
 (``--redis-url``; see docs/cluster.md).
 
 ``ClusterMember`` runs one background task that, every ``lease_ttl / 4``
-seconds: heartbeats the member record, renews the leases it holds, reads the
-registry, the members and the leases, claims unleased executors up to its
-share, and gives one executor up (draining it first) when it holds more than
-its share while another member holds fewer. The step loops never await
-Redis: they only ask ``may_step``, which is a dict lookup.
+seconds: reads the registry, the members and the leases, claims unleased
+executors up to its share, and gives one executor up (draining it first)
+when it holds more than its share while another member holds fewer. The
+member record's heartbeat and the renewals of the leases it holds run on a
+thread of their own at the same pace (``lease_keeper.py``), so that a busy
+event loop cannot let them lapse. The step loops never await Redis: they
+only ask ``may_step``, which is a dict lookup.
 
 Leases and fencing: every takeover gets its epoch from the executor's lease
 (``epoch_for``), so an executor is only ever Reset with an epoch Redis
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 
-from pagedkv.cluster.connection import connect, redacted
+from pagedkv.cluster.connection import connect, connect_sync, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
 from pagedkv.cluster.leases import EpochsExhausted, Lease, LeaseHeld, LeaseTable, Renewed
@@ -42,6 +44,7 @@ from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.lease_keeper import LeaseKeeper, Renewal
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -50,6 +53,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+MAX_LOOP_STALL_TTLS = 4
+"""Lease TTLs the event loop may not run before the leases are left to
+expire (``lease_keeper.py``): a hung scheduler gives its executors up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +101,26 @@ class ClusterMember:
         self._registered_at_ms = int(time.time() * 1000)
         self.num_rounds = 0
         self.num_redis_errors = 0
+        self.keeper = LeaseKeeper(
+            connect_sync(config.redis_url),
+            self.keys,
+            member=self._member_record,
+            held=self.held,
+            ttl_ms=self.ttl_ms,
+            beat=self.beat,
+            max_loop_stall=MAX_LOOP_STALL_TTLS * config.lease_ttl,
+            on_renewed=self._renewed,
+            on_error=self._renewals_failed,
+        )
 
     # -- life -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Runs a first round (claims included) and starts the member task."""
+        """Starts the lease keeper, runs a first round (claims included) and
+        starts the member task."""
         self.mirror.start()
         self.load.start()
+        self.keeper.start()
         await self._guarded_round()
         self._task = asyncio.create_task(self._run())
 
@@ -118,10 +138,12 @@ class ClusterMember:
         await self.close()
 
     async def close(self) -> None:
-        """Stops the member task and leaves the member set (leases left to expire)."""
+        """Stops the member task and the lease keeper, and leaves the member
+        set (leases left to expire)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.keeper.stop)
         await self.mirror.close()
         await self.load.close()
         with contextlib.suppress(*REDIS_ERRORS):
@@ -146,8 +168,12 @@ class ClusterMember:
             self.service._internal_error(exc, "cluster round")
         finally:
             self.num_rounds += 1
-            self._round_done.set()
-            self._round_done = asyncio.Event()
+            self._wake_steps()
+
+    def _wake_steps(self) -> None:
+        """Step loops waiting in ``lease_renewed`` look at their lease again."""
+        self._round_done.set()
+        self._round_done = asyncio.Event()
 
     # -- the step loops' view ---------------------------------------------------
 
@@ -157,7 +183,8 @@ class ClusterMember:
         return self.degraded is not None or time.monotonic() < self.valid_until.get(address, 0.0)
 
     async def lease_renewed(self, address: str) -> None:
-        """Waits for the next member round (its renewal, or the loss of the lease)."""
+        """Waits for the next renewals or member round (the lease renewed or
+        lost, or Redis found unreachable)."""
         await self._round_done.wait()
 
     async def epoch_for(self, address: str, info: executor_pb2.GetInfoResponse) -> int:
@@ -246,9 +273,6 @@ class ClusterMember:
             log.warning("redis lost its data; restoring the cluster state")
             self.mirror.resync()
         self._boot_id = boot.boot_id
-        record = MemberRecord(self.member_id, self.address, self._registered_at_ms)
-        await self.members.heartbeat(record, self.ttl_ms)
-        await self._renew()
         records = await list_executors(self.redis, self.keys)
         members = await self.members.live()
         leases = await self.leases.read([r.address for r in records])
@@ -263,12 +287,16 @@ class ClusterMember:
         await self._claim(records, members, leases)
         self._balance(records, members, leases)
 
-    async def _renew(self) -> None:
-        for address, lease in list(self.held.items()):
-            sent = time.monotonic()
-            result = await self.leases.renew(lease, self.ttl_ms)
+    def _member_record(self) -> MemberRecord:
+        return MemberRecord(self.member_id, self.address, self._registered_at_ms)
+
+    def _renewed(self, renewals: list[Renewal]) -> None:
+        """Applies a beat's renewals (``lease_keeper.py``, on the loop): a
+        renewed lease is valid for 3/4 of a TTL from when it was sent; a
+        lost one puts its executor out of service here at once."""
+        for address, lease, sent, result in renewals:
             if self.held.get(address) is not lease:
-                continue  # re-acquired meanwhile
+                continue  # released or re-acquired meanwhile
             if isinstance(result, Renewed):
                 self.valid_until[address] = sent + 0.75 * self.config.lease_ttl
                 if result.recreated:
@@ -278,6 +306,12 @@ class ClusterMember:
             log.warning("lease lost", executor=address, holder=result.holder_id, epoch=result.epoch)
             self.lost(address)
             self.service.lose_executor(address, why)
+        self._wake_steps()
+
+    def _renewals_failed(self, exc: Exception) -> None:
+        """A beat could not reach Redis: the member round says whether the
+        member is degraded; the steps wait for it."""
+        log.debug("lease renewals failed", error=str(exc))
 
     def _update_view(
         self, records: list[ExecutorRecord], members: list[MemberRecord], leases: dict[str, Lease]
