@@ -15,8 +15,10 @@ Names (``_total`` on counters as exposed):
   (calls moved to another scheduler before any chunk),
   ``pagedkv_router_index_reloads_total{reason}`` (new, gap, restarted),
   ``pagedkv_router_redis_errors_total``;
-* histogram: ``pagedkv_router_kv_event_lag_seconds`` (the age of each KV
-  event when the router applied it: its clock minus Redis' at XADD);
+* histograms: ``pagedkv_router_kv_event_lag_seconds`` (the age of each KV
+  event when the router applied it: its clock minus Redis' at XADD),
+  ``pagedkv_router_event_loop_lag_seconds`` (how late the event loop woke a
+  task that asked to wake every 0.1 s: ``pagedkv.common.loop_lag``);
 * read at scrape time: ``pagedkv_router_indexed_blocks``,
   ``pagedkv_router_followed_executors``, ``pagedkv_router_open_streams``,
   ``pagedkv_router_degraded`` (1 while Redis cannot be read).
@@ -39,6 +41,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedkv.common.loop_lag import LAG_BUCKETS
 from pagedkv.common.ports import listening
 
 _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -125,6 +128,12 @@ class RouterMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self._event_loop_lag = Histogram(
+            "pagedkv_router_event_loop_lag_seconds",
+            "How late the event loop ran a task due every 0.1 s.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         self._servers: list[tuple[WSGIServer, Thread]] = []
 
     def watch(self, source: RouterSource) -> None:
@@ -152,6 +161,9 @@ class RouterMetrics:
 
     def observe_lag(self, seconds: float) -> None:
         self._lag.observe(seconds)
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self._event_loop_lag.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
+from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.security import TlsConfig, TokenFile, open_aio_channel, token_interceptors
 from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
@@ -106,6 +107,7 @@ class RouterService:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop_errors: set[str] = set()
+        self.loop_lag = LoopLag(metrics.observe_loop_lag) if metrics is not None else None
         if metrics is not None:
             metrics.watch(self)
 
@@ -114,6 +116,8 @@ class RouterService:
     async def start(self) -> None:
         """Reads the cluster once (a Redis that does not answer yet is retried
         in the background) and starts the refresh and follow tasks."""
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         await self._refresh()
         self._tasks = [
             asyncio.create_task(self._refresh_loop()),
@@ -124,6 +128,8 @@ class RouterService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
         for channel in self._channels.values():
             await channel.close()
         self.prompts.close()

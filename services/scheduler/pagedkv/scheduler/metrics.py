@@ -18,7 +18,9 @@ Metric names (``_total`` on counters as exposed):
   ``pagedkv_executor_recoveries_total{executor}``,
   ``pagedkv_placement_hints_total{outcome}`` (honoured, not_held, draining);
 * histograms (seconds): ``pagedkv_step_seconds{executor}``,
-  ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``;
+  ``pagedkv_time_to_first_token_seconds``, ``pagedkv_inter_token_latency_seconds``,
+  ``pagedkv_event_loop_lag_seconds`` (how late the event loop woke a task
+  that asked to wake every 0.1 s: ``pagedkv.common.loop_lag``);
 * with a cluster (``watch_cluster``), read at scrape time:
   ``pagedkv_cluster_degraded`` (1 while Redis cannot be reached),
   ``pagedkv_cluster_leases_held``, and counters
@@ -50,6 +52,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedkv.common.loop_lag import LAG_BUCKETS
 from pagedkv.common.ports import listening
 from pagedkv.scheduler.histogram import BulkHistogram
 from pagedkv.v1 import scheduler_pb2
@@ -236,6 +239,12 @@ class SchedulerMetrics:
             ["executor"],
             registry=r,
         )
+        self._event_loop_lag = Histogram(
+            "pagedkv_event_loop_lag_seconds",
+            "How late the event loop ran a task due every 0.1 s.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         # Observed per generation per step, k at once from a decode window.
         self._inter_token_latency = BulkHistogram(
             "pagedkv_inter_token_latency_seconds",
@@ -340,6 +349,10 @@ class SchedulerMetrics:
         request; ``count`` tokens that came together after ``seconds`` (a
         decode window's) are ``count`` gaps of ``seconds / count``."""
         self._inter_token_latency.observe(seconds / count, count)
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        """Record how late the event loop ran a task that was due."""
+        self._event_loop_lag.observe(seconds)
 
     def watch_cluster(self, source: ClusterSource) -> None:
         """Exposes the cluster member's state (read at each scrape)."""

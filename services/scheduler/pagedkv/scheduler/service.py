@@ -29,6 +29,7 @@ from pagedkv.common.errors import (
 )
 from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
+from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.step_trace import step_trace
 from pagedkv.scheduler.cluster import ClusterMember
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
@@ -83,6 +84,7 @@ class SchedulerService(ExecutorFailover):
         super().__init__(config, metrics)
         self.tokenizer: TextTokenizer | None = None
         self.prompts = PromptEncoder()  # text prompts, encoded off the loop
+        self.loop_lag = LoopLag(metrics.observe_loop_lag) if metrics is not None else None
         self._keys = itertools.count(1)  # generations' serial numbers
         self.step_timings: deque[StepTiming] = deque(maxlen=100_000)
         self.trace = step_trace("scheduler", TRACE_FIELDS)  # None unless measuring
@@ -96,7 +98,9 @@ class SchedulerService(ExecutorFailover):
         """Takes over every executor that answers (the others are probed
         until they do); raises Unavailable if none does. In a cluster, joins
         it instead and claims its share of the registered executors (maybe
-        none yet)."""
+        none yet). Measures the event loop's lag into the metrics, if any."""
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         if self.config.cluster is not None:
             self.cluster = ClusterMember(self, self.config.cluster)
             if self.metrics is not None:
@@ -194,6 +198,8 @@ class SchedulerService(ExecutorFailover):
         for client in self.clients.values():
             await client.close()
         self.prompts.close()
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
         if self.cluster is not None and not self.cluster.leaving:
             await self.cluster.close()
 
