@@ -11,8 +11,9 @@ import torch
 from tests.executor.driver import Driver, ExecutorProcess
 from tests.executor.test_fused_model import make_runner, step_logits
 from tests.executor.test_generation import NEW_TOKENS, PROMPTS, model_dirs
+from tests.service.test_model_families import family_dirs
 
-__all__ = ["model_dirs"]  # the session fixture, shared with the CPU tests
+__all__ = ["family_dirs", "model_dirs"]  # the session fixtures, shared with the CPU tests
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,9 +65,9 @@ def test_executor_process_on_cuda_matches_hugging_face(
         assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
 def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cuda(
-    model_dirs: dict[str, Path], arch: str
+    model_dirs: dict[str, Path], family_dirs: dict[str, Path], arch: str
 ) -> None:
     """In bf16 the fused stack rounds differently from transformers' modules
     (fewer intermediate roundings), so the two differ by bf16 noise (a
@@ -74,9 +75,10 @@ def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cu
     stack is no further from the float32 result than transformers' modules
     are, on the whole: the mean error, as the largest of a few hundred
     logits swings either way by 2x between two equally good bf16 stacks."""
-    exact = make_runner(model_dirs[arch], "triton", False, device="cuda", dtype="float32")
-    fused = make_runner(model_dirs[arch], "triton", True, device="cuda", dtype="bfloat16")
-    unfused = make_runner(model_dirs[arch], "triton", False, device="cuda", dtype="bfloat16")
+    model_dir = {**model_dirs, **family_dirs}[arch]
+    exact = make_runner(model_dir, "triton", False, device="cuda", dtype="float32")
+    fused = make_runner(model_dir, "triton", True, device="cuda", dtype="bfloat16")
+    unfused = make_runner(model_dir, "triton", False, device="cuda", dtype="bfloat16")
     for want, got, theirs in zip(
         step_logits(exact), step_logits(fused), step_logits(unfused), strict=True
     ):
