@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import queue
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -22,6 +24,7 @@ import redis
 
 from pagedkv.cluster.connection import connect_sync
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.lifetime import Reaper, dying_with_parent
 
 READY = re.compile(r"executor ready on ([\w.\-]+:\d+)")
 SCHEDULER_READY = re.compile(r"scheduler ready on ([\w.\-]+:\d+)")
@@ -35,10 +38,6 @@ log = get_logger(__name__)
 class StartError(Exception):
     """A child exited, or did not say it was ready in time, while ``pagedkv
     serve`` started (or Redis did not answer); the message is one line."""
-
-
-class Interrupted(Exception):
-    """SIGTERM while ``pagedkv serve`` started (the children are stopped)."""
 
 
 class ChildProcesses:
@@ -62,7 +61,8 @@ class ChildProcesses:
         self.what, self.labels, self.grace = what, labels, grace
         self.start = time.perf_counter()
         self.processes = [
-            subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for command in commands
+            subprocess.Popen(dying_with_parent(command), stdout=subprocess.PIPE, text=True)
+            for command in commands
         ]
         self.addresses: list[str] = []
         self.details: dict[int, str] = {}  # child -> the rest of its ready line
@@ -111,12 +111,22 @@ class ChildProcesses:
         self.addresses = [found[i] for i in range(num)]
         return self.addresses
 
-    def stop(self) -> None:
-        """SIGTERM to every child still running; SIGKILL to those still
-        running ``grace`` seconds later."""
+    def terminate(self) -> None:
+        """SIGTERM to every child still running (returns at once)."""
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL to every child still running (returns at once)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+
+    def stop(self) -> None:
+        """SIGTERM to every child still running; SIGKILL to those still
+        running ``grace`` seconds later."""
+        self.terminate()
         deadline = time.monotonic() + self.grace
         for process in self.processes:
             try:
@@ -141,17 +151,31 @@ class ExecutorProcesses(ChildProcesses):
 
 class PrivateRedis:
     """``--redis``: a ``redis-server`` on a free port of 127.0.0.1 in a
-    temporary directory, without persistence; ``url`` once it answers PING."""
+    temporary directory (mode 0700), without persistence, ready once it
+    answers PING.
 
-    def __init__(self, binary: str, timeout: float = 30.0) -> None:
+    With ``password``, it requires a generated one, kept in
+    ``password_file`` (mode 0600, for ``--redis-password-file``) and in its
+    configuration file beside it, never on a command line. ``url`` carries
+    the password (for this process's clients; log it only ``redacted``);
+    ``public_url`` does not (for the children's command lines)."""
+
+    def __init__(self, binary: str, timeout: float = 30.0, password: bool = False) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.public_url = self.url = f"redis://127.0.0.1:{port}/0"
         self.dir = tempfile.mkdtemp(prefix="pagedkv-redis-")
-        command = [binary, "--port", str(port), "--bind", "127.0.0.1"]
+        self.password_file: str | None = None
+        command = [binary]
+        if password:
+            secret = secrets.token_urlsafe(32)
+            self.password_file = _private_file(self.dir, "password", secret + "\n")
+            command.append(_private_file(self.dir, "redis.conf", f"requirepass {secret}\n"))
+            self.url = f"redis://:{secret}@127.0.0.1:{port}/0"
+        command += ["--port", str(port), "--bind", "127.0.0.1"]
         command += ["--save", "", "--appendonly", "no", "--dir", self.dir]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        self.process = subprocess.Popen(dying_with_parent(command), stdout=subprocess.DEVNULL)
         client = connect_sync(self.url)
         deadline = time.monotonic() + timeout
         try:
@@ -168,7 +192,12 @@ class PrivateRedis:
             raise
         finally:
             client.close()
-        log.info("private redis ready", url=self.url)
+        log.info("private redis ready", url=self.public_url, password=password)
+
+    def kill(self) -> None:
+        """SIGKILL to the server (returns at once)."""
+        if self.process.poll() is None:
+            self.process.kill()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -181,16 +210,30 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _private_file(directory: str, name: str, content: str) -> str:
+    """``content`` in a new file ``name`` of ``directory`` that only this
+    user can read (created with mode 0600); its path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(content)
+    return path
+
+
 @contextlib.contextmanager
-def model_dir(model: str | None) -> Iterator[str]:
+def model_dir(model: str | None, reaper: Reaper | None = None) -> Iterator[str]:
     """``model``, or without one a tiny random llama made in a temporary
-    directory (removed on exit)."""
+    directory (removed on exit; by ``reaper`` too, should this process be
+    killed)."""
     if model is not None:
         yield model
         return
     with tempfile.TemporaryDirectory(prefix="pagedkv-tiny-") as root:
+        if reaper is not None:
+            reaper.add(root)
         command = [sys.executable, "-m", "pagedkv.common.cli", "make-tiny-model", root]
-        subprocess.run([*command, "--arch", "llama"], check=True, stdout=subprocess.DEVNULL)
+        command = dying_with_parent([*command, "--arch", "llama"])
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         yield root
 
 
@@ -209,10 +252,42 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.num_blocks is not None:
             command += ["--num-blocks", str(args.num_blocks)]
+        for flag, value in (
+            ("--gpu-memory-utilization", getattr(args, "gpu_memory_utilization", None)),
+            ("--max-model-len", getattr(args, "max_model_len", None)),
+        ):
+            if value is not None:
+                command += [flag, str(value)]
         if args.enforce_eager:
             command.append("--enforce-eager")
+        if getattr(args, "redis_url", None):
+            command += ["--redis-url", args.redis_url, *_redis_secrets(args)]
         commands.append(command)
     return commands
+
+
+def _redis_secrets(args: argparse.Namespace) -> list[str]:
+    """``--redis-password-file`` and ``--redis-tls-ca``, as given (or, for
+    ``--redis``, the private Redis' password file)."""
+    options = []
+    for flag in ("--redis-password-file", "--redis-tls-ca"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            options += [flag, value]
+    return options
+
+
+def _server_security(args: argparse.Namespace, health_port: int | None) -> list[str]:
+    """The TLS and token options of a child serving the client-facing API,
+    as ``pagedkv serve`` has them; ``--health-port`` ``health_port``."""
+    options = []
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            options += [flag, value]
+    if health_port is not None:
+        options += ["--health-port", str(health_port)]
+    return options
 
 
 def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> list[list[str]]:
@@ -236,6 +311,9 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
         if args.metrics_port is not None:
             port = args.metrics_port + args.routers + i if args.metrics_port else 0
             command += ["--metrics-port", str(port)]
+        command += _redis_secrets(args)
+        health_port = getattr(args, "health_port", None)
+        command += _server_security(args, health_port and health_port + args.routers + i)
         commands.append(command)
     return commands
 
@@ -264,5 +342,16 @@ def router_commands(args: argparse.Namespace, model: str, redis_url: str) -> lis
         if args.metrics_port is not None:
             port = args.metrics_port + i if args.metrics_port else 0
             command += ["--metrics-port", str(port)]
+        command += _redis_secrets(args)
+        health_port = getattr(args, "health_port", None)
+        command += _server_security(args, health_port and health_port + i)
+        for flag in ("--scheduler-tls-ca", "--scheduler-tls-cert", "--scheduler-tls-key"):
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            if value is not None:
+                command += [flag, value]
+        if getattr(args, "scheduler_tls_server_name", None):
+            command += ["--scheduler-tls-server-name", args.scheduler_tls_server_name]
+        if getattr(args, "auth_token_file", None):  # its first token opens the schedulers
+            command += ["--scheduler-token-file", args.auth_token_file]
         commands.append(command)
     return commands

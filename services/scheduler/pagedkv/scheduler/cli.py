@@ -47,7 +47,9 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
         help="0: any free port (printed); clients take this port for a target without one",
     )
     parser.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port, on --host"
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port, on --host (default: no metrics endpoint)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="running sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
@@ -141,8 +143,18 @@ def register_serve(subparsers: Any, name: str) -> None:
             "(see docs/cluster.md). Prints one readiness line per scheduler."
         ),
     )
-    parser.add_argument("--model", help="model directory (default: a tiny llama)")
-    parser.add_argument("--executors", type=int, default=1, help="executor processes, K")
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL",
+        help="model directory, or a hub id already in the local cache (like --model)",
+    )
+    parser.add_argument(
+        "--model",
+        help="model directory, or a hub id already in the local cache (default: a tiny random "
+        "llama made in a temporary directory)",
+    )
+    parser.add_argument("--executors", type=int, default=1, help="executor processes, K (>= 1)")
     parser.add_argument(
         "--schedulers",
         type=int,
@@ -176,7 +188,23 @@ def register_serve(subparsers: Any, name: str) -> None:
         "cluster, stopped on exit; not with --redis-url",
     )
     parser.add_argument("--device", default="cpu", help="executors' device (cuda: one GPU each)")
-    parser.add_argument("--num-blocks", type=int, help="KV blocks per executor")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV blocks per executor (default: 2048 on the CPU; on a GPU, what "
+        "--gpu-memory-utilization leaves for the KV cache)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="the executors' fraction of their GPU for weights, activations and KV, in (0, 1] "
+        "(default: theirs, 0.9); not with --num-blocks",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the executors' longest sequence, prompt and output (default: the model's positions)",
+    )
     parser.add_argument(
         "--kernel-backend",
         choices=("triton", "torch"),
@@ -195,6 +223,14 @@ def register_serve(subparsers: Any, name: str) -> None:
         "--enforce-eager", action="store_true", help="executors without CUDA graphs"
     )
     _scheduler_args(parser)
+    add_redis_secret_arguments(parser)
+    add_server_tls_arguments(
+        parser,
+        clients="clients (of every scheduler and router here; the executors listen on "
+        "127.0.0.1 only)",
+    )
+    add_auth_token_argument(parser)
+    add_client_tls_arguments(parser, "scheduler-", "schedulers (the routers' own)")
     parser.set_defaults(handler=_run_serve)
 
 

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, NamedTuple, NoReturn, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 import redis.asyncio
 
-from pagedkv.cluster.connection import check_redis_url, connect, redacted
+from pagedkv.cluster.connection import check_redis_url, connect, redacted, redis_url_with
 from pagedkv.cluster.keys import Keys
 from pagedkv.cluster.leases import Lease, LeaseTable
 from pagedkv.cluster.members import MemberRecord, Members
@@ -39,13 +39,13 @@ from pagedkv.common.cli import ModelArgumentError, check_model_argument
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError, check_free
+from pagedkv.common.security import ServerSecurity, server_security_from_args
 from pagedkv.scheduler.children import (
     ROUTER_READY,
     SCHEDULER_READY,
     STOP_GRACE_S,
     ChildProcesses,
     ExecutorProcesses,
-    Interrupted,
     PrivateRedis,
     StartError,
     executor_commands,
@@ -53,6 +53,7 @@ from pagedkv.scheduler.children import (
     router_commands,
     scheduler_commands,
 )
+from pagedkv.scheduler.lifetime import Interrupted, Reaper, StopSignals
 from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
 REGISTER_TIMEOUT_S = 60.0  # executors in the registry, once they are ready
@@ -128,21 +129,92 @@ async def _unless_stopped(scheduler: asyncio.Future[None], work: Awaitable[T]) -
     raise Interrupted
 
 
+class Stack:
+    """What ``pagedkv serve`` started: the executors, the child schedulers
+    and routers (``servers``), the private Redis, and the Reaper of its
+    temporary directories."""
+
+    def __init__(self) -> None:
+        self.reaper = Reaper()
+        self.stop_event = asyncio.Event()  # the scheduler here stops when set
+        self.executors: ExecutorProcesses | None = None
+        self.servers: list[ChildProcesses] = []
+        self.redis: PrivateRedis | None = None
+
+    def stopping(self) -> Callable[[], None]:
+        """The first signal's clean stop while the scheduler here serves, as
+        a signal handler's callback: ``stop`` set on the loop, and SIGTERM
+        to the child schedulers and routers now, so that every scheduler
+        drains at once rather than one after another."""
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            for servers in self.servers:
+                servers.terminate()
+            loop.call_soon_threadsafe(self.stop_event.set)
+
+        return on_signal
+
+    async def stop_servers(self) -> None:
+        """Stops the child schedulers and routers together (each bounded)."""
+        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self.servers))
+
+    def kill(self) -> None:
+        """SIGKILL to every child (a forced stop; the Reaper removes the
+        temporary directories once this process is gone)."""
+        for servers in self.servers:
+            servers.kill()
+        if self.executors is not None:
+            self.executors.kill()
+        if self.redis is not None:
+            self.redis.kill()
+
+
+def _security(args: argparse.Namespace) -> ServerSecurity:
+    """The scheduler here's TLS, tokens and health port (checked up front)."""
+    return server_security_from_args(args, require_ca=False)
+
+
+async def _serve_alone(
+    args: argparse.Namespace, executors: list[str], stack: Stack, signals: StopSignals
+) -> None:
+    """The scheduler here over ``executors``, without Redis, until a signal."""
+    signals.serving(stack.stopping())
+    await serve_scheduler(
+        config_from_args(args, executors),
+        args.host,
+        args.port,
+        args.metrics_port,
+        ready_line="pagedkv serve",
+        drain_timeout=args.drain_timeout,
+        security=_security(args),
+        stop=stack.stop_event,
+    )
+
+
 async def _serve_cluster(
-    args: argparse.Namespace, executors: list[str], redis_url: str, model: str
+    args: argparse.Namespace,
+    executors: list[str],
+    redis_url: str,
+    model: str,
+    stack: Stack,
+    signals: StopSignals,
 ) -> None:
     """Waits for the executors in the registry, serves the scheduler here as
-    a member, then starts the child schedulers and prints their ready lines
-    once the cluster is settled (see the module docstring); returns when the
-    scheduler here stops (SIGTERM or SIGINT)."""
+    a member, then starts the child schedulers and prints every scheduler's
+    ready line once the cluster is settled (see the module docstring);
+    returns when the scheduler here stops (SIGTERM or SIGINT).
+    ``redis_url`` carries the password, for this process's client alone."""
     client = connect(redis_url)
-    children: ChildProcesses | None = None
-    routers: ChildProcesses | None = None
     num = args.schedulers
     port = args.port + args.routers if args.port else 0
     metrics_port = args.metrics_port
     if metrics_port:
         metrics_port += args.routers
+    security = _security(args)
+    if security.health_port:  # the routers' come first, like the ports
+        security = dataclasses.replace(security, health_port=security.health_port + args.routers)
+    signals.serving(stack.stopping())
     try:
         registered = await _wait_for(
             client,
@@ -151,26 +223,30 @@ async def _serve_cluster(
         )
         if registered is None:
             raise StartError(f"executors not registered at {redacted(redis_url)} in time")
-        label = "pagedkv serve" if num == 1 else f"pagedkv serve scheduler 1/{num}"
-        config = config_from_args(args, [], port=port)
+        here: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         scheduler = asyncio.ensure_future(
             serve_scheduler(
-                config,
+                config_from_args(args, [], port=port),
                 args.host,
                 port,
                 metrics_port,
-                ready_line=label,
+                ready_line="pagedkv serve",
                 drain_timeout=args.drain_timeout,
+                security=security,
+                stop=stack.stop_event,
+                on_ready=None if num == 1 else lambda *ready: here.set_result(ready),
             )
         )
         if num > 1:
+            address_here, extra = await _unless_stopped(scheduler, here)
             await _unless_stopped(
                 scheduler, _wait_for(client, ClusterView.settled, SETTLE_TIMEOUT_S)
             )
             labels = [f"{i + 1}/{num}" for i in range(1, num)]
             grace = args.drain_timeout + STOP_GRACE_S
-            commands = scheduler_commands(args, model, redis_url)
+            commands = scheduler_commands(args, model, args.redis_url)
             children = ChildProcesses(commands, "scheduler", SCHEDULER_READY, labels, grace)
+            stack.servers.append(children)
             addresses = await _unless_stopped(scheduler, asyncio.to_thread(children.wait_ready))
             settled = await _unless_stopped(
                 scheduler,
@@ -180,74 +256,71 @@ async def _serve_cluster(
                 log.warning("executors not balanced over the schedulers in time")
             view = settled or await ClusterView.read(client, Keys())
             held = view.held()
-            for label, address in zip(labels, addresses, strict=True):
+            member_here = args.advertise_address or address_here
+            lines = [(f"1/{num}", address_here, held.get(member_here, 0), extra)]
+            lines += [
+                (label, address, held.get(address, 0), "")
+                for label, address in zip(labels, addresses, strict=True)
+            ]
+            for label, address, num_held, details in lines:
                 print(
                     f"pagedkv serve scheduler {label} ready on {address} "
-                    f"({held.get(address, 0)} executors, model {model})",
+                    f"({num_held} executors, model {model}{details})",
                     flush=True,
                 )
         if args.routers:
             labels = [f"{i + 1}/{args.routers}" for i in range(args.routers)]
-            commands = router_commands(args, model, redis_url)
+            commands = router_commands(args, model, args.redis_url)
             grace = args.drain_timeout + STOP_GRACE_S
             routers = ChildProcesses(commands, "router", ROUTER_READY, labels, grace)
+            stack.servers.append(routers)
             addresses = await _unless_stopped(scheduler, asyncio.to_thread(routers.wait_ready))
             for i, (label, address) in enumerate(zip(labels, addresses, strict=True)):
                 details = routers.details.get(i, "")
                 print(f"pagedkv serve router {label} ready on {address} {details}", flush=True)
         await scheduler
     finally:
-        if routers is not None:
-            await asyncio.to_thread(routers.stop)
-        if children is not None:
-            await asyncio.to_thread(children.stop)
+        signals.stopping()
+        stack.stop_event.set()
+        for servers in stack.servers:
+            servers.terminate()
+        await stack.stop_servers()
         await client.aclose()
-
-
-def _interrupt(signum: int, frame: object) -> NoReturn:
-    raise Interrupted
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """The ``pagedkv serve`` handler: 0 after a clean stop, 1 when a child
-    does not start or a scheduler fails, 2 for wrong arguments (a ``--model``
-    that names no model, ``--schedulers`` over 1 without Redis, ``--redis``
-    without ``redis-server``), said in one line before any child starts."""
+    does not start or a scheduler fails, 2 for wrong arguments (a ``MODEL``
+    that names no model, ``--executors 0``, ``--schedulers`` over 1 without
+    Redis, ``--redis`` without ``redis-server``, unusable TLS or token
+    files), said in one line before any child starts.
+
+    The first SIGTERM or SIGINT stops what has started (or, once serving,
+    every scheduler drains, then the executors and Redis stop); a second one
+    forces the stop (``lifetime.StopSignals``)."""
     problem = _check_arguments(args)
+    if problem is None:
+        try:
+            _security(args)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"pagedkv serve: {problem}", file=sys.stderr)
         return 2
-    # Until the scheduler here serves (its handler replaces this one), a
-    # SIGTERM stops what has started.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    private: PrivateRedis | None = None
-    executors: ExecutorProcesses | None = None
+    stack = Stack()
+    signals = StopSignals(stack.kill)
+    signals.install()
     try:
-        with model_dir(args.model) as model:
+        with model_dir(args.model, stack.reaper) as model:
             args.model = model
-            if args.redis:
-                private = PrivateRedis(shutil.which("redis-server") or "redis-server")
-                args.redis_url = private.url
-            log.info(
-                "starting executors", num_executors=args.executors, model=model, device=args.device
-            )
-            commands = executor_commands(args, model)
-            if args.redis_url:
-                commands = [[*command, "--redis-url", args.redis_url] for command in commands]
-            executors = ExecutorProcesses(commands)
-            if args.redis_url:
-                asyncio.run(_serve_cluster(args, executors.addresses, args.redis_url, model))
-            else:
-                asyncio.run(
-                    serve_scheduler(
-                        config_from_args(args, executors.addresses),
-                        args.host,
-                        args.port,
-                        args.metrics_port,
-                        ready_line="pagedkv serve",
-                        drain_timeout=args.drain_timeout,
-                    )
-                )
+            try:
+                _start_and_serve(args, model, stack, signals)
+            finally:
+                signals.stopping()  # from here on, a signal forces the stop
+                if stack.executors is not None:
+                    stack.executors.stop()
+                if stack.redis is not None:
+                    stack.redis.stop()
     except ListenError as exc:  # taken since the check, by a race
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
@@ -261,17 +334,60 @@ def run_serve(args: argparse.Namespace) -> int:
         print("pagedkv serve: stopped before it was ready", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the children's stop is bounded
-        if executors is not None:
-            executors.stop()
-        if private is not None:
-            private.stop()
-        signal.signal(signal.SIGTERM, previous)
+        stack.reaper.close()
+        signals.restore()
     return 0
 
 
+def _start_and_serve(
+    args: argparse.Namespace, model: str, stack: Stack, signals: StopSignals
+) -> None:
+    """Starts the private Redis (``--redis``) and the executors, then serves
+    until a signal; what started is left in ``stack``, for the caller to stop."""
+    if args.redis:
+        stack.redis = PrivateRedis(shutil.which("redis-server") or "redis-server", password=True)
+        stack.reaper.add(stack.redis.dir)
+        args.redis_url = stack.redis.public_url
+        args.redis_password_file = stack.redis.password_file
+    log.info("starting executors", num_executors=args.executors, model=model, device=args.device)
+    stack.executors = ExecutorProcesses(executor_commands(args, model))
+    addresses = stack.executors.addresses
+    if args.redis_url:
+        redis_url = redis_url_with(
+            args.redis_url, password_file=args.redis_password_file, tls_ca=args.redis_tls_ca
+        )
+        asyncio.run(_serve_cluster(args, addresses, redis_url, model, stack, signals))
+    else:
+        asyncio.run(_serve_alone(args, addresses, stack, signals))
+
+
 def _check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, in one line; None when nothing is."""
+    """What is wrong with the arguments, in one line; None when nothing is.
+    Takes a positional MODEL as ``args.model``."""
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            return f"MODEL {args.model_path} and --model {args.model}: give one"
+        args.model = args.model_path
+    if args.executors < 1:
+        return f"--executors {args.executors}: at least 1"
+    if args.num_blocks is not None and args.num_blocks < 1:
+        return f"--num-blocks {args.num_blocks}: at least 1"
+    if args.gpu_memory_utilization is not None:
+        if args.num_blocks is not None:
+            return "give --num-blocks or --gpu-memory-utilization, not both"
+        if not 0 < args.gpu_memory_utilization <= 1:
+            return f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]"
+    if args.max_model_len is not None and args.max_model_len < 1:
+        return f"--max-model-len {args.max_model_len}: at least 1"
+    if args.redis and args.redis_password_file:
+        return "--redis makes its own password: --redis-password-file is for --redis-url"
+    if (args.redis_password_file or args.redis_tls_ca) and not args.redis_url:
+        return "--redis-password-file and --redis-tls-ca need --redis-url"
+    if args.routers and args.tls_cert and not args.scheduler_tls_ca:
+        return (
+            "--routers with --tls-cert needs --scheduler-tls-ca (the CA the routers check "
+            "the schedulers' certificate with)"
+        )
     if args.model is not None:
         try:
             check_model_argument(args.model)

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import signal
 import sys
+from collections.abc import Callable
 
 from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.errors import ServiceError
@@ -65,12 +66,17 @@ async def serve_scheduler(
     ready_line: str = "scheduler",
     drain_timeout: float = 30.0,
     security: ServerSecurity | None = None,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[str, str], None] | None = None,
 ) -> None:
     """Runs a scheduler until SIGTERM or SIGINT; prints ``<ready_line> ready
     on HOST:PORT ...`` once it serves. The metrics endpoint (with
     ``metrics_port``) listens on ``host`` too, like the gRPC server, and is
     plaintext and open (it holds no secret). ``security``: TLS and tokens of
-    the gRPC server (default: plaintext, open)."""
+    the gRPC server (default: plaintext, open). ``stop``: runs until the
+    caller sets it instead (the caller handles the signals). ``on_ready``:
+    called with HOST:PORT and the ready line's metrics part (", metrics on
+    :PORT" or "") instead of printing the ready line."""
     metrics = SchedulerMetrics()
     # Every port first: one in use stops the scheduler (ListenError) before
     # it takes anything over, and a member registers the port it holds.
@@ -88,15 +94,19 @@ async def serve_scheduler(
     # What start-up made (modules, the tokenizer) lives as long as the
     # process: out of the collector's way, its full collections stay short.
     gc.freeze()
-    print(
-        f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
-        f"model {service.info.model_id or 'not known yet'}{extra})",
-        flush=True,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(f"{host}:{bound}", extra)
+    else:
+        print(
+            f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
+            f"model {service.info.model_id or 'not known yet'}{extra})",
+            flush=True,
+        )
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("scheduler stopping")
     await service.shutdown(drain_timeout)
