@@ -5,13 +5,15 @@ seconds and reports how much later than asked it woke (``observe``, in
 seconds). A loop busy with one long callback (a prompt encoded inline, a
 large message parsed) delays every stream, health check and Redis call of
 the process by as much; the lag shows it. A stall is reported when it ends,
-as one lag as long as the stall.
+as one lag as long as the stall. ``ThreadLag`` measures the same for a
+process of threads without an event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,4 +50,33 @@ class LoopLag:
         while True:
             asked = time.monotonic()
             await asyncio.sleep(self.interval)
+            self.observe(max(time.monotonic() - asked - self.interval, 0.0))
+
+
+class ThreadLag:
+    """The same measure for a process without an event loop (the executor):
+    a daemon thread asks to wake every ``interval`` seconds and reports how
+    much later it woke into ``observe``. Its threads share the interpreter,
+    so one that holds the GIL long (a C call that does not release it) delays
+    every other, this one included. ``stop`` ends the thread."""
+
+    def __init__(self, observe: Callable[[float], None], interval: float = LAG_INTERVAL_S) -> None:
+        self.observe = observe
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-lag", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            asked = time.monotonic()
+            if self._stop.wait(self.interval):
+                return
             self.observe(max(time.monotonic() - asked - self.interval, 0.0))

@@ -75,6 +75,12 @@ def register(subparsers: Any, name: str) -> None:
         help="no progress bars on stderr (pagedkv serve reports its executors' start-up itself)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics (the interpreter's lag) on this port, 0: any free one "
+        "(default: none)",
+    )
+    parser.add_argument(
         "--redis-url",
         help="redis://HOST:PORT/DB: register in the cluster registry there and heartbeat "
         "(unregistered on SIGTERM/SIGINT); without it, the executor is on its own",

@@ -46,6 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagedkv.common.logging import get_logger
     from pagedkv.common.ports import ListenError, check_free
     from pagedkv.executor.engine import Executor
+    from pagedkv.executor.metrics import ExecutorMetrics
     from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
     from pagedkv.executor.servicer import build_server
 
@@ -72,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
         # Refused before the model loads; the server's own bind still decides.
         check_free("--port", args.host, args.port)
         check_free("--health-port", args.host, getattr(args, "health_port", None))
+        check_free("--metrics-port", args.host, args.metrics_port)
     except (ValueError, ListenError) as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
         return 2
@@ -97,12 +99,21 @@ def serve(args: argparse.Namespace) -> int:
         server, port = build_server(executor, f"{args.host}:{args.port}", security)
     except ListenError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
+    metrics, extra = None, ""
+    if args.metrics_port is not None:
+        metrics = ExecutorMetrics()
+        try:
+            extra = f", metrics on :{metrics.serve(args.metrics_port, args.host)}"
+        except ListenError as exc:
+            print(f"pagedkv executor: {exc}", file=sys.stderr)
+            server.stop(grace=0).wait()
+            return 2
         return 2
     kv_mib = runner.kv.num_bytes / 2**20
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "
         f"{config.block_size} tokens, {kv_mib:.1f} MiB KV; {args.model} on {runner.device}, "
-        f"{config.kernel_backend} kernels{', fused ops' if runner.fused else ''})",
+        f"{config.kernel_backend} kernels{', fused ops' if runner.fused else ''}{extra})",
         flush=True,
     )
     log.info("executor serving", port=port, num_blocks=runner.limits.num_blocks)
@@ -123,6 +134,8 @@ def serve(args: argparse.Namespace) -> int:
     _drain(executor, args.drain_timeout, signals, log)
     if registration is not None:
         registration.close()
+    if metrics is not None:
+        metrics.close()
     server.stop(grace=2).wait()
     return 0
 
