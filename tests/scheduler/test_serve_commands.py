@@ -11,12 +11,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from pagedkv.common.cli import build_parser, main
-from pagedkv.scheduler.children import executor_commands
+from pagedkv.common.security import bearer_metadata
+from pagedkv.scheduler.children import executor_commands, router_commands, scheduler_commands
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.processes import ServedProcess
+from tests.test_first_contact import _option_entries
 
 
 def _commands(*argv: str) -> list[list[str]]:
@@ -125,3 +128,115 @@ def test_an_executor_that_exits_early_is_one_line_not_a_traceback(
     assert err.splitlines()[-1] == (
         "pagedkv serve: executor 1/1 exited with status 3 before it was ready (its log is above)"
     )
+
+
+# --- options `pagedkv serve` takes and hands on ------------------------------------
+
+
+def test_model_is_also_positional_and_reaches_the_executors(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", "/models/m", "--max-model-len", "512"])
+    assert args.model_path == "/models/m"
+    (command,) = executor_commands(args, "/models/m")
+    assert _option(command, "--max-model-len") == "512"
+    args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"])
+    (command,) = executor_commands(args, "/models/m")
+    assert _option(command, "--gpu-memory-utilization") == "0.5"
+    assert "--max-model-len" not in command  # the executors' own default
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--executors", "0"], "--executors 0: at least 1"),
+        (["/a", "--model", "/b"], "MODEL /a and --model /b: give one"),
+        (
+            ["--num-blocks", "8", "--gpu-memory-utilization", "0.5"],
+            "give --num-blocks or --gpu-memory-utilization, not both",
+        ),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
+        (["--max-model-len", "0"], "--max-model-len 0: at least 1"),
+        (["--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together: give both or neither"),
+        (
+            ["--redis-password-file", "/p"],
+            "--redis-password-file and --redis-tls-ca need --redis-url",
+        ),
+    ],
+)
+def test_wrong_options_are_refused_up_front_naming_the_option(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"pagedkv serve: {error}"
+
+
+def test_a_positional_model_is_checked_like_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "/no/such/model"]) == 2
+    assert capsys.readouterr().err.startswith("pagedkv serve: --model /no/such/model: no such")
+
+
+def test_child_schedulers_and_routers_get_the_security_options(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "serve", "--redis-url", "redis://127.0.0.1:6379/0", "--schedulers", "2",
+            "--routers", "2", "--port", "6000", "--health-port", "7000",
+            "--redis-password-file", "/s/pw", "--tls-cert", "/s/cert", "--tls-key", "/s/key",
+            "--tls-ca", "/s/ca", "--auth-token-file", "/s/tokens",
+            "--scheduler-tls-ca", "/s/ca", "--scheduler-tls-cert", "/s/client",
+            "--scheduler-tls-key", "/s/client-key",
+        ]
+    )  # fmt: skip
+    (scheduler,) = scheduler_commands(args, "/models/m", args.redis_url)
+    routers = router_commands(args, "/models/m", args.redis_url)
+    for command in [scheduler, *routers]:
+        assert _option(command, "--redis-url") == "redis://127.0.0.1:6379/0"
+        assert _option(command, "--redis-password-file") == "/s/pw"
+        assert _option(command, "--tls-cert") == "/s/cert"
+        assert _option(command, "--tls-key") == "/s/key"
+        assert _option(command, "--tls-ca") == "/s/ca"
+        assert _option(command, "--auth-token-file") == "/s/tokens"
+    # routers first (7000, 7001), the scheduler here (7002), then the children
+    assert [_option(c, "--health-port") for c in routers] == ["7000", "7001"]
+    assert _option(scheduler, "--health-port") == "7003"
+    for router in routers:
+        assert _option(router, "--scheduler-tls-ca") == "/s/ca"
+        assert _option(router, "--scheduler-tls-cert") == "/s/client"
+        assert _option(router, "--scheduler-tls-key") == "/s/client-key"
+        assert _option(router, "--scheduler-token-file") == "/s/tokens"
+    for command in executor_commands(args, "/models/m"):
+        assert _option(command, "--redis-password-file") == "/s/pw"
+        assert "--tls-cert" not in command  # executors listen on 127.0.0.1, for the stack
+
+
+def test_help_states_what_options_without_a_value_default_to(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    entries = _option_entries(out)
+    for option in ("--num-blocks", "--metrics-port", "--gpu-memory-utilization", "--max-model-len"):
+        assert "default" in entries[option], entries[option]
+    assert "[MODEL]" in out
+
+
+def test_each_executor_is_reported_starting_before_it_is_ready(served: ServedProcess) -> None:
+    lines = [line for line in served.stderr().splitlines() if "] executor starting" in line]
+    fields = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+    assert sorted(f["executor"] for f in fields) == ["1/2", "2/2"]
+    assert all(f["pid"].isdigit() for f in fields)
+
+
+def test_serve_closes_its_scheduler_with_the_token_file_given(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("serve-token-1\n")
+    command = [sys.executable, "-m", "pagedkv.common.cli", "serve", "--num-blocks", "16"]
+    command += ["--port", "0", "--auth-token-file", str(tokens)]
+    with ServedProcess(command) as process:
+        stub = scheduler_pb2_grpc.SchedulerStub(process.channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stats = stub.GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=30, metadata=bearer_metadata("serve-token-1")
+        )
+        assert len(stats.executors) == 1

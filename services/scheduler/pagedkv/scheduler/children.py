@@ -31,6 +31,7 @@ SCHEDULER_READY = re.compile(r"scheduler ready on ([\w.\-]+:\d+)")
 ROUTER_READY = re.compile(r"router ready on ([\w.\-]+:\d+)")
 STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 20.0
+PROGRESS_INTERVAL_S = 10.0  # a line while children start, this often
 
 log = get_logger(__name__)
 
@@ -43,8 +44,11 @@ class StartError(Exception):
 class ChildProcesses:
     """Child processes that each print a ready line with their address.
 
-    Start-up is reported on this process's log, one ``<what> ready`` line per
-    child (``<what>=LABEL``, its address and seconds since start).
+    Start-up is reported on this process's log: one ``<what> starting``
+    line per child (``<what>=LABEL``, its pid), every
+    ``PROGRESS_INTERVAL_S`` while some are not ready a ``<what>s starting``
+    line naming them (and the seconds since start), and one ``<what> ready``
+    line per child (its address and seconds since start).
     ``wait_ready`` returns the addresses in order; the first child to exit
     before it is ready stops them all: ``StartError``. ``stop`` may be called
     from any thread (it makes a pending ``wait_ready`` raise).
@@ -67,6 +71,8 @@ class ChildProcesses:
         self.addresses: list[str] = []
         self.details: dict[int, str] = {}  # child -> the rest of its ready line
         self._outcomes: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        for label, process in zip(labels, self.processes, strict=True):
+            log.info(f"{what} starting", **{what: label, "pid": process.pid})
         for i, process in enumerate(self.processes):
             threading.Thread(target=self._read, args=(i, process, ready), daemon=True).start()
 
@@ -88,10 +94,21 @@ class ChildProcesses:
         num = len(self.processes)
         found: dict[int, str] = {}
         deadline = self.start + STARTUP_TIMEOUT_S
+        next_report = self.start + PROGRESS_INTERVAL_S
         while len(found) < num:
+            now = time.perf_counter()
             try:
-                i, address = self._outcomes.get(timeout=max(deadline - time.perf_counter(), 0))
+                i, address = self._outcomes.get(timeout=max(min(deadline, next_report) - now, 0))
             except queue.Empty:
+                if time.perf_counter() < deadline:
+                    next_report += PROGRESS_INTERVAL_S
+                    waiting = [self.labels[j] for j in range(num) if j not in found]
+                    log.info(
+                        f"{self.what}s starting",
+                        waiting=",".join(waiting),
+                        seconds=round(time.perf_counter() - self.start),
+                    )
+                    continue
                 self.stop()
                 raise StartError(
                     f"{self.what}s not ready after {STARTUP_TIMEOUT_S:.0f} s: "
