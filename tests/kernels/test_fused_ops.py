@@ -68,6 +68,19 @@ def test_silu_mul_matches_the_oracle(dtype: torch.dtype) -> None:
         torch.testing.assert_close(out, expected, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_the_oracle_and_gemmas_mlp(dtype: torch.dtype) -> None:
+    from transformers.activations import ACT2FN
+
+    gate_up = (torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    expected = reference.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(expected, ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    for module in (norm_act, torch_backend):
+        out = run(module.gelu_tanh_mul, gate_up)
+        torch.testing.assert_close(out, expected, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
 def test_the_launchers_name_bad_arguments() -> None:
     with pytest.raises(ValueError, match="weight"):
         norm_act.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
@@ -75,6 +88,8 @@ def test_the_launchers_name_bad_arguments() -> None:
         norm_act.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="gate_up"):
         norm_act.silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="gate_up"):
+        norm_act.gelu_tanh_mul(torch.randn(2, 7))
     cache = torch.zeros(4, 4, 1, 8)
     q, k, v = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8)
     positions = torch.tensor([0, 1])

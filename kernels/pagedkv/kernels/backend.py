@@ -86,8 +86,9 @@ class AddRmsNorm(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class SiluMul(Protocol):
-    """``silu(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * size]`` (gate first)."""
+class ActMul(Protocol):
+    """``act(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * size]`` (gate first):
+    ``silu_mul`` (SiLU) and ``gelu_tanh_mul`` (GELU's tanh approximation)."""
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
@@ -180,7 +181,8 @@ class KernelBackend:
     copy_blocks: CopyBlocks
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNorm
-    silu_mul: SiluMul
+    silu_mul: ActMul
+    gelu_tanh_mul: ActMul
     rotary_and_cache: RotaryAndCache
     rotary_decode_attention: RotaryDecodeAttention
     decode_inputs: DecodeInputsOp
@@ -206,6 +208,7 @@ def get_backend(name: str) -> KernelBackend:
             rms_norm=norm_act.rms_norm,
             add_rms_norm=norm_act.add_rms_norm,
             silu_mul=norm_act.silu_mul,
+            gelu_tanh_mul=norm_act.gelu_tanh_mul,
             rotary_and_cache=rotary.rotary_and_cache,
             rotary_decode_attention=attention.rotary_decode_attention,
             decode_inputs=decode_inputs.decode_inputs,
@@ -223,6 +226,7 @@ def get_backend(name: str) -> KernelBackend:
             rms_norm=torch_backend.rms_norm,
             add_rms_norm=torch_backend.add_rms_norm,
             silu_mul=torch_backend.silu_mul,
+            gelu_tanh_mul=torch_backend.gelu_tanh_mul,
             rotary_and_cache=torch_backend.rotary_and_cache,
             rotary_decode_attention=torch_backend.rotary_decode_attention,
             decode_inputs=torch_backend.decode_inputs,

@@ -2,7 +2,8 @@
 
 ``rms_norm`` and ``add_rms_norm`` (RMSNorm, optionally after adding the
 residual stream, returning the new residual too), and ``silu_mul`` (SiLU of
-the gate times the up projection, on one ``[num_tokens, 2 * size]`` tensor).
+the gate times the up projection, on one ``[num_tokens, 2 * size]`` tensor)
+with its GELU twin ``gelu_tanh_mul`` (Gemma's MLP: GELU's tanh approximation).
 Each is one launch where transformers' modules take four to eight. Roundings
 follow transformers' modules (Llama's RMSNorm and MLP): the residual sum in
 the input dtype, the normalised row rounded to it before the weight
@@ -111,12 +112,13 @@ def add_rms_norm(
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _act_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * size]: the gate, then the up projection
     out_ptr,  # [num_tokens, size]
     gate_up_stride,
     out_stride,
     size,
+    USE_GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -126,7 +128,12 @@ def _silu_mul_kernel(
     row = gate_up_ptr + token * gate_up_stride
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + size + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    if USE_GELU_TANH:  # 0.5 x (1 + tanh(y)), tanh(y) = 1 - 2 / (1 + exp(2 y))
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride + cols, (act * up).to(dtype), mask=mask)
 
 
@@ -135,6 +142,15 @@ SILU_MUL_BLOCK = 1024
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * size]`` (gate first)."""
+    return _act_mul(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, as ``silu_mul``."""
+    return _act_mul(gate_up, gelu_tanh=True)
+
+
+def _act_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     _check_rows("gate_up", gate_up)
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: {gate_up.shape[1]} columns is not 2 * size")
@@ -143,7 +159,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if len(gate_up) and size:
         block = min(SILU_MUL_BLOCK, triton.next_power_of_2(size))
         grid = (len(gate_up), triton.cdiv(size, block))
-        _silu_mul_kernel[grid](
-            gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+        _act_mul_kernel[grid](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            size,
+            USE_GELU_TANH=gelu_tanh,
+            BLOCK=block,
+            num_warps=4,
         )
     return out

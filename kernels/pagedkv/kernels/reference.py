@@ -151,6 +151,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * size] -
     return (act.float() * up).to(gate_up.dtype)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * size] -> [.., size]
+    """``gelu(gate, approximate="tanh") * up`` (gate first; Gemma's MLP), as ``silu_mul``."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate, approximate="tanh").to(gate_up.dtype)
+    return (act.float() * up).to(gate_up.dtype)
+
+
 def rotary_embedding(
     x: torch.Tensor,  # [num_tokens, num_heads, head_size]
     cos_sin: torch.Tensor,  # [max_position, head_size]: cos of each pair's angle, then sin

@@ -261,6 +261,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_mul(gate_up)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, as ``silu_mul``."""
+    return reference.gelu_tanh_mul(gate_up)
+
+
 def rotary_and_cache(
     query: torch.Tensor,
     key: torch.Tensor,
