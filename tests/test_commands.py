@@ -13,7 +13,10 @@ import sys
 from importlib.metadata import EntryPoint
 from typing import Any
 
-from pagedkv.common.cli import ENTRY_POINT_GROUP, available_commands, requires
+import pytest
+
+from pagedkv.common.cli import ENTRY_POINT_GROUP, available_commands, main, requires
+from tests.test_first_contact import _commands, _option_entries, _parser_of
 
 MISSING_PART = "pagedkv.no_such_part"
 
@@ -107,3 +110,32 @@ def test_the_full_install_lists_every_command() -> None:
     parser = build_parser()
     (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert {"serve", "executor", "make-tiny-model", "scheduler", "router"} <= set(commands.choices)
+
+
+# --- every option's --help says what happens without it -----------------------------
+
+
+def _takes_a_value_and_may_be_left_out(action: argparse.Action, parser: Any) -> bool:
+    if not action.option_strings or action.help == argparse.SUPPRESS or action.nargs == 0:
+        return False
+    required_groups = [g for g in parser._mutually_exclusive_groups if g.required]
+    return not action.required and not any(action in g._group_actions for g in required_groups)
+
+
+@pytest.mark.parametrize("path", [(), *_commands()], ids=lambda p: " ".join(p) or "pagedkv")
+def test_every_option_that_can_be_left_out_says_its_default(
+    path: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Also options without a value to show (None): their help says what
+    leaving them out means ("default: ..." or "without it ...")."""
+    with pytest.raises(SystemExit):
+        main([*path, "--help"])
+    entries = _option_entries(capsys.readouterr().out)
+    parser = _parser_of(path)
+    silent = [
+        entries[action.option_strings[0]]
+        for action in parser._actions
+        if _takes_a_value_and_may_be_left_out(action, parser)
+        and not re.search(r"default|without it", entries[action.option_strings[0]])
+    ]
+    assert silent == []

@@ -113,19 +113,27 @@ def add_server_tls_arguments(parser: argparse.ArgumentParser, *, clients: str) -
     ``pagedkv.common.security.server_tls_from_args``); ``clients`` says who
     ``--tls-ca`` lets in."""
     group = parser.add_argument_group("TLS (see docs/security.md)")
-    group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate to serve TLS with")
-    group.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-cert",
+        metavar="PATH",
+        help="PEM certificate to serve TLS with; without it, plaintext",
+    )
+    group.add_argument(
+        "--tls-key", metavar="PATH", help="PEM private key of --tls-cert (default: none)"
+    )
     group.add_argument(
         "--tls-ca",
         metavar="PATH",
-        help=f"PEM CA: only {clients} with a certificate it signed get through (mutual TLS)",
+        help=f"PEM CA: only {clients} with a certificate it signed get through (mutual TLS); "
+        "without it, any client",
     )
     group.add_argument(
         "--health-port",
         type=int,
         metavar="PORT",
         help="also serve grpc.health.v1 alone, in plaintext, on this port of --host (for "
-        "Kubernetes' gRPC probes, which speak no TLS)",
+        "Kubernetes' gRPC probes, which speak no TLS; default: none, health on the main port "
+        "only)",
     )
 
 
@@ -136,19 +144,22 @@ def add_client_tls_arguments(parser: argparse.ArgumentParser, prefix: str, peers
     group.add_argument(
         f"--{prefix}tls-ca",
         metavar="PATH",
-        help=f"PEM CA that signed the {peers}' certificates; turns TLS on towards them",
+        help=f"PEM CA that signed the {peers}' certificates; turns TLS on towards them "
+        "(default: none, plaintext)",
     )
     group.add_argument(
         f"--{prefix}tls-cert",
         metavar="PATH",
-        help=f"PEM client certificate presented to the {peers} (mutual TLS)",
+        help=f"PEM client certificate presented to the {peers} (mutual TLS; default: none)",
     )
-    group.add_argument(f"--{prefix}tls-key", metavar="PATH", help=f"PEM key of --{prefix}tls-cert")
+    group.add_argument(
+        f"--{prefix}tls-key", metavar="PATH", help=f"PEM key of --{prefix}tls-cert (default: none)"
+    )
     group.add_argument(
         f"--{prefix}tls-server-name",
         metavar="NAME",
-        help=f"the name the {peers}' certificates are checked against, instead of the host "
-        "dialled (for addresses no certificate can name, such as pod IPs)",
+        help=f"the name the {peers}' certificates are checked against, for addresses no "
+        "certificate can name, such as pod IPs (default: the host dialled)",
     )
 
 
@@ -158,7 +169,8 @@ def add_auth_token_argument(parser: argparse.ArgumentParser) -> None:
         "--auth-token-file",
         metavar="PATH",
         help="accepted bearer tokens, one per line (# comments); every call but health needs "
-        "authorization: Bearer <one of them>; re-read when the file changes",
+        "authorization: Bearer <one of them>; re-read when the file changes (default: none, "
+        "no token needed)",
     )
 
 
@@ -168,12 +180,14 @@ def add_redis_secret_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-password-file",
         metavar="PATH",
-        help="file holding the Redis password (its first line); overrides the URL's",
+        help="file holding the Redis password (its first line); overrides the URL's "
+        "(default: the URL's, if any)",
     )
     parser.add_argument(
         "--redis-tls-ca",
         metavar="PATH",
-        help="PEM CA that signed Redis' certificate, for a rediss:// --redis-url",
+        help="PEM CA that signed Redis' certificate, for a rediss:// --redis-url (default: "
+        "the URL's ssl_ca_certs, else the system's CAs)",
     )
 
 

@@ -24,7 +24,12 @@ def register(subparsers: Any, name: str) -> None:
             "and serves the Executor API. Prints one readiness line with its address."
         ),
     )
-    parser.add_argument("--model", required=True, help="model directory (or hub id, if cached)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a model directory, or the id of a model in the local Hugging Face cache (nothing "
+        "is downloaded)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
@@ -35,7 +40,11 @@ def register(subparsers: Any, name: str) -> None:
         help="auto: the model's (float32 on cpu)",
     )
     sizing = parser.add_mutually_exclusive_group()
-    sizing.add_argument("--num-blocks", type=int, help="KV blocks, the null block included")
+    sizing.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV blocks, the null block included (default: sized by --gpu-memory-utilization)",
+    )
     sizing.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -83,7 +92,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--redis-url",
         help="redis://HOST:PORT/DB: register in the cluster registry there and heartbeat "
-        "(unregistered on SIGTERM/SIGINT); without it, the executor is on its own",
+        "(unregistered on SIGTERM/SIGINT); without it (default), the executor is on its own",
     )
     parser.add_argument(
         "--advertise-address",

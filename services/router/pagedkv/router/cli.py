@@ -67,7 +67,9 @@ def register_router(subparsers: Any, name: str) -> None:
         help="0: any free port (printed); clients take this port for a target without one",
     )
     parser.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port, on --host"
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port, on --host (default: none, no metrics)",
     )
     parser.add_argument(
         "--model", help="model directory for the tokenizer (default: the executors' model id)"

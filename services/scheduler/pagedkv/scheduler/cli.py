@@ -90,7 +90,7 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
         "--redis-url",
         metavar="URL",
         help="redis://HOST:PORT/DB of the cluster's control plane: executors are found in its "
-        "registry and held through leases (see docs/cluster.md)",
+        "registry and held through leases (see docs/cluster.md); without it, no cluster",
     )
     cluster.add_argument(
         "--lease-ttl", type=float, default=3.0, help="seconds a lease on an executor lasts"
@@ -118,7 +118,8 @@ def register_scheduler(subparsers: Any, name: str) -> None:
         default=[],
         metavar="HOST:PORT",
         dest="executors",
-        help="a running executor (repeat for each); not with --redis-url",
+        help="a running executor (repeat for each); not with --redis-url (default: none, "
+        "then --redis-url finds them)",
     )
     parser.add_argument(
         "--model", help="model directory for the tokenizer (default: the executors' model id)"

@@ -54,7 +54,10 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--policies", default="kv,round-robin,least-loaded", help="comma-separated policies"
     )
-    parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
+    parser.add_argument(
+        "--output",
+        help="write JSON here (and .md and .png beside it) (default: none, printed only)",
+    )
     parser.set_defaults(handler=_run)
 
 

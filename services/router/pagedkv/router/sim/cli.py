@@ -45,11 +45,12 @@ def register(subparsers: Any, name: str) -> None:
     runs.add_argument(
         "--policies", default="kv,round-robin,least-loaded", help="comma-separated policies"
     )
-    runs.add_argument("--weight-prefix", type=float, default=None)
-    runs.add_argument("--weight-load", type=float, default=None)
-    runs.add_argument("--weight-kv", type=float, default=None)
-    runs.add_argument("--load-bound", type=float, default=None)
-    runs.add_argument("--load-slack", type=float, default=None)
+    for weight in ("weight-prefix", "weight-load", "weight-kv", "load-bound", "load-slack"):
+        runs.add_argument(
+            f"--{weight}",
+            type=float,
+            help=f"the kv policy's {weight.replace('-', ' ')} (default: the router's)",
+        )
     runs.add_argument(
         "--fail-at", type=float, default=None, help="seconds (default: half the duration)"
     )
@@ -61,7 +62,10 @@ def register(subparsers: Any, name: str) -> None:
         "--quick", action="store_true", help="8 executors x 2 schedulers, 10 s of arrivals"
     )
     runs.add_argument("--jobs", type=int, default=None, help="runs at once (default: cores)")
-    parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
+    parser.add_argument(
+        "--output",
+        help="write JSON here (and .md and .png beside it) (default: none, printed only)",
+    )
     parser.set_defaults(handler=_run)
 
 

@@ -27,7 +27,9 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="trace runs; the fastest is reported (default 3)"
     )
-    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.add_argument(
+        "--output", help="write the results as JSON to this file (default: none, printed only)"
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -57,8 +59,14 @@ def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: a tiny llama)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--executors", type=int, default=1)
-    parser.add_argument("--num-blocks", type=int)
-    parser.add_argument("--kernel-backend", choices=("triton", "torch"))
+    parser.add_argument(
+        "--num-blocks", type=int, help="KV blocks per executor (default: as the executor sizes it)"
+    )
+    parser.add_argument(
+        "--kernel-backend",
+        choices=("triton", "torch"),
+        help="the executors' attention kernels (default: the executor's)",
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument(
@@ -70,7 +78,9 @@ def add_scheduler_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--executor-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.add_argument(
+        "--output", help="write the results as JSON to this file (default: none, printed only)"
+    )
 
 
 @requires("pagedkv.executor")  # it starts executors
@@ -95,7 +105,10 @@ def register_cluster_bench(subparsers: Any, name: str) -> None:
     parser.add_argument("--cost-tokens", type=int, default=128, help="new tokens per cost request")
     parser.add_argument("--repeat", type=int, default=3, help="cost runs of each kind")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
+    parser.add_argument(
+        "--output",
+        help="write JSON here (and .md and .png beside it) (default: none, printed only)",
+    )
     parser.set_defaults(handler=_run_cluster_bench)
 
 

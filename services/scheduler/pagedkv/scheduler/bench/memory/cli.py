@@ -43,7 +43,10 @@ def register(subparsers: Any, name: str) -> None:
         "--scenarios", default="chat,shared,beams", help="which to run (comma-separated)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write JSON here (and .md and .png plots beside it)")
+    parser.add_argument(
+        "--output",
+        help="write JSON here (and .md and .png plots beside it) (default: none, printed only)",
+    )
     parser.set_defaults(handler=_run)
 
 

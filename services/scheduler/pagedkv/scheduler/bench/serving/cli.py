@@ -56,11 +56,19 @@ def register(subparsers: Any, name: str) -> None:
         help="without --model: tiny (a random llama made now), llama-1.1b (the executor "
         "bench's shape) or llama-8b (Llama-3-8B's shape); the llama ones have dummy weights",
     )
-    model.add_argument("--target", help="a running scheduler HOST:PORT instead of starting one")
+    model.add_argument(
+        "--target",
+        help="a running scheduler HOST:PORT instead of starting one (default: none, one is "
+        "started)",
+    )
     model.add_argument("--device", default="cpu")
     model.add_argument("--dtype", default="auto")
     model.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    model.add_argument("--kernel-backend", choices=("triton", "torch"))
+    model.add_argument(
+        "--kernel-backend",
+        choices=("triton", "torch"),
+        help="the executor's attention kernels (default: the executor's)",
+    )
     model.add_argument("--num-blocks", type=int, help="KV blocks (default: as serve sizes them)")
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -121,10 +129,14 @@ def register(subparsers: Any, name: str) -> None:
         metavar="W:D[,...]",
         type=_checked("sweep", "parse_settings"),
         help="instead of the runs above: the fixed batches once per setting (decode window W, "
-        "pipeline depth D), each on a fresh scheduler over one executor, with step traces",
+        "pipeline depth D), each on a fresh scheduler over one executor, with step traces "
+        "(default: none, the runs above)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write JSON here (and .md and .png beside it)")
+    parser.add_argument(
+        "--output",
+        help="write JSON here (and .md and .png beside it) (default: none, printed only)",
+    )
     parser.set_defaults(handler=_run)
 
 
