@@ -18,6 +18,9 @@
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
 #                                            # request per decode step (no executor;
 #                                            # single steps and windows of 8)
+#   bash tests/gpu/run-serve-bench.sh cold       # ~1.1B: cold paths, 160 requests at 4/s
+#                                            # on a fresh server, windows of 8 then single
+#                                            # steps (TTFT p99 against p50; three minutes)
 #
 # WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
@@ -31,7 +34,8 @@
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
-# gemm-h200.{json,md} (gemm) and scheduler-steps-h200.txt (steps); set
+# gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
+# serve-cold-h200 / serve-cold-single-h200 (cold); set
 # DEVICE_NAME for another GPU.
 set -euo pipefail
 
@@ -97,8 +101,17 @@ case "${1:-1b}" in
       tail -n +2; } >"$RESULTS/scheduler-steps-$NAME.txt"
     cat "$RESULTS/scheduler-steps-$NAME.txt"
     ;;
+  cold)
+    # Each on a server started for it, so its first requests meet what the
+    # warm-up left cold; the executor's log says "kernel compiled while
+    # serving" for each kernel built after ready.
+    bench --preset llama-1.1b --rates 4 --num-requests 160 --fixed-batch '' --no-hf \
+      --decode-window 8 --output "$RESULTS/serve-cold-$NAME.json"
+    bench --preset llama-1.1b --rates 4 --num-requests 160 --fixed-batch '' --no-hf \
+      --decode-window 1 --output "$RESULTS/serve-cold-single-$NAME.json"
+    ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor or steps, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps or cold, not $1" >&2
     exit 2
     ;;
 esac

@@ -38,6 +38,25 @@ class ForwardInputs:
     metadata: AttentionMetadata
 
 
+ALIGN_ELEMENTS = 2
+"""int64 elements in 16 bytes: Triton compiles a kernel once per pointer
+argument aligned to 16 bytes and once per one that is not."""
+
+
+def pack_aligned(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` (integers) on ``device`` as int64 views of one host-to-device
+    copy, each starting 16 bytes aligned, so that a kernel reading any of
+    them meets one alignment whatever the lengths before it."""
+    offsets = [0]
+    for array in arrays:
+        offsets.append(offsets[-1] + -(-len(array) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)
+    host = np.zeros(offsets[-1], dtype=np.int64)
+    for array, start in zip(arrays, offsets, strict=False):
+        host[start : start + len(array)] = array
+    packed = to_device(host, device)
+    return [packed[start : start + len(a)] for a, start in zip(arrays, offsets, strict=False)]
+
+
 class InputBuilder:
     """The forward inputs over one executor's rows and KV memory."""
 
@@ -154,7 +173,11 @@ class InputBuilder:
         needs_sample: np.ndarray,
     ) -> ForwardInputs:
         """The eager path: tokens ``[c, c + s)`` of each of ``rows``; the
-        index vectors go to the device in one copy."""
+        index vectors go to the device in one copy, each 16 bytes aligned,
+        and the block tables are gathered at their full width (as the decode
+        graphs gather them): the kernels' integer and pointer arguments then
+        fall in the same specialization whatever the step's lengths, and no
+        step compiles a variant the warm-up did not (warm_up.py)."""
         num_seqs = len(rows)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -166,22 +189,19 @@ class InputBuilder:
         max_seq_len = int(seq_lens.max())
         sample_index = query_start_loc[1:][needs_sample] - 1
         sampled_rows = rows[needs_sample]
-        host = np.concatenate(
-            [
-                rows,
-                np.repeat(rows, num_scheduled),
-                positions,
-                seq_lens,
-                query_start_loc,
-                sample_index,
-                sampled_rows,
-            ]
-        )
-        sizes = [num_seqs, num_tokens, num_tokens, num_seqs, num_seqs + 1]
-        sizes += [len(sample_index)] * 2
-        packed = to_device(host, self.rows.device)
         rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = (
-            torch.split(packed, sizes)
+            pack_aligned(
+                [
+                    rows,
+                    np.repeat(rows, num_scheduled),
+                    positions,
+                    seq_lens,
+                    query_start_loc,
+                    sample_index,
+                    sampled_rows,
+                ],
+                self.rows.device,
+            )
         )
         input_ids, meta = self.build(
             rows_t,
@@ -189,7 +209,7 @@ class InputBuilder:
             positions_t,
             seq_lens_t.to(torch.int32),
             qsl_t.to(torch.int32),
-            num_columns=-(-max_seq_len // self.block_size),
+            num_columns=self.rows.block_tables.shape[2],
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )

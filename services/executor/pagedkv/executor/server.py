@@ -86,8 +86,7 @@ def serve(args: argparse.Namespace) -> int:
         runner = ModelRunner(config)
         bar.set_description("executor: warming up")
         bar.update()
-        if runner.device.type == "cuda":
-            runner.warm_up()
+        runner.warm_up()  # logs what it ran and its time, before ready
         bar.update()
     executor = Executor(runner, args.model)
     # The step stream's threads (reader, waiter, launcher, gRPC's) hand the

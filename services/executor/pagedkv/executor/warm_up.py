@@ -1,0 +1,160 @@
+"""What an executor runs before it says ready, so that no request meets a
+kernel built on first use.
+
+Triton compiles a kernel once per specialization: per value of each
+``constexpr`` and per class of each integer argument (equal to 1, divisible
+by 16, other) and pointer argument (16-byte aligned or not). A compile takes
+50 to 1,000 ms on the H200, and a request whose step meets one waits for it,
+with every request queued behind it. What a step can reach, and how:
+
+- the forward inputs make the integer and pointer classes the same for
+  every eager step (forward_inputs.py: block tables gathered at their full
+  width, index vectors packed 16-byte aligned), so those are one variant;
+- the slot mapping's ``BLOCK`` is the longest query's length rounded up to a
+  power of two (at most 1024), and paged attention takes small tiles up to
+  16 query tokens and large ones past that: ``warm_up_steps`` runs a
+  one-entry forward of every power of two up to the largest step, then the
+  largest step itself (which also grows the allocator to its peak);
+- the decode graphs (cuda_graphs.py) are captured after these, one per batch
+  size, so a decode step launches nothing new;
+- the sampler's paths (greedy with top logprobs, temperature, top-k, top-p,
+  seeded and unseeded noise) run once on random logits (``SAMPLER_PATHS``),
+  loading their library kernels; block copies run once.
+
+``KernelCompiles`` counts Triton's compiles while warming up, and after that
+logs each one as a warning naming the kernel: a variant that serving still
+reaches shows in the log instead of only as a slow request.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+from pagedkv.common.logging import get_logger
+
+log = get_logger(__name__)
+
+SLOT_MAPPING_MAX_BLOCK = 1024
+"""The slot mapping's largest ``BLOCK`` (kernels/slot_mapping.py)."""
+
+
+class WarmUpStep(NamedTuple):
+    """One scratch forward: ``num_seqs`` entries of ``num_scheduled`` new
+    tokens each, after ``num_computed`` tokens of context."""
+
+    num_seqs: int
+    num_computed: int
+    num_scheduled: int
+
+
+class SamplerPath(NamedTuple):
+    """One sampler path: every row's params alike."""
+
+    name: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seeded: bool
+    num_logprobs: int
+
+
+SAMPLER_PATHS = (
+    SamplerPath("greedy, top logprobs", 0.0, 0, 1.0, False, 5),
+    SamplerPath("temperature", 0.8, 0, 1.0, False, 0),
+    SamplerPath("top-k", 0.8, 20, 1.0, False, 0),
+    SamplerPath("top-p", 0.8, 0, 0.9, False, 0),
+    SamplerPath("top-k and top-p, seeded", 0.8, 20, 0.9, True, 0),
+)
+
+
+class WarmUpReport(NamedTuple):
+    """What ``ModelRunner.warm_up`` ran and what it took."""
+
+    seconds: float
+    steps: tuple[WarmUpStep, ...]
+    sampler_paths: tuple[str, ...]
+    graph_batch_sizes: tuple[int, ...]
+    num_compiles: int  # Triton compiles during the warm-up (0 without Triton)
+
+
+def warm_up_steps(
+    max_num_batched_tokens: int, max_model_len: int, max_num_rows: int
+) -> tuple[WarmUpStep, ...]:
+    """The scratch forwards that reach every eager-step variant: one entry of
+    each power-of-two length up to the largest step's (a decode first), then
+    the largest step, as many entries of the longest length as its tokens
+    need (the shape the KV memory was sized after)."""
+    longest = min(max_num_batched_tokens, max_model_len)
+    steps = []
+    length = 1
+    while length < longest:
+        steps.append(WarmUpStep(1, 0, length))
+        length *= 2
+    num_seqs = min(-(-max_num_batched_tokens // longest), max_num_rows)
+    steps.append(WarmUpStep(num_seqs, 0, longest))
+    return tuple(steps)
+
+
+def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
+    """The slot mapping's ``BLOCK`` of each step (its longest query, rounded
+    up to a power of two, at most ``SLOT_MAPPING_MAX_BLOCK``)."""
+    return {
+        min(SLOT_MAPPING_MAX_BLOCK, 1 << max(step.num_scheduled - 1, 0).bit_length())
+        for step in steps
+    }
+
+
+class KernelCompiles:
+    """Counts Triton's kernel compiles in this process (through its
+    post-compile hook, chained after any hook already set); once
+    ``serving`` is set, each compile is also logged as a warning. Without
+    Triton (or with its interpreter) nothing is counted."""
+
+    _installed: KernelCompiles | None = None
+    _install_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.serving = False
+        self.available = False  # the hook is in: Triton compiles kernels here
+        self._count_at_ready = 0
+
+    def start_serving(self) -> None:
+        """From now on each compile is also logged as a warning."""
+        self._count_at_ready = self.count
+        self.serving = True
+
+    @classmethod
+    def install(cls) -> KernelCompiles:
+        """The process's one counter, its hook installed on first call."""
+        with cls._install_lock:
+            if cls._installed is None:
+                counter = cls()
+                counter._hook()
+                cls._installed = counter
+            return cls._installed
+
+    def _hook(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        runtime = knobs.runtime
+        if not hasattr(runtime, "jit_post_compile_hook"):
+            return
+        previous = runtime.jit_post_compile_hook
+
+        def on_compile(**kwargs: Any) -> Any:
+            self.count += 1
+            if self.serving:
+                fn = kwargs.get("fn")
+                log.warning(
+                    "kernel compiled while serving",
+                    kernel=getattr(fn, "name", str(fn)),
+                    compiles_since_ready=self.count - self._count_at_ready,
+                )
+            return previous(**kwargs) if previous is not None else None
+
+        runtime.jit_post_compile_hook = on_compile
+        self.available = True

@@ -1,0 +1,131 @@
+"""The warm-up reaches every kernel variant a step can: each slot-mapping
+block and both attention tilings, each sampler path; eager steps meet one
+specialization of the kernels' integer and pointer arguments whatever their
+lengths; the executor logs its warm-up before it says ready."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.tiny_model import make_tiny_model
+from pagedkv.executor.warm_up import (
+    SAMPLER_PATHS,
+    WarmUpStep,
+    slot_mapping_blocks,
+    warm_up_steps,
+)
+from tests.executor.driver import ExecutorProcess
+
+SMALL_TILE_MAX_QUERY = 16  # paged_attention's small tiles up to this many query tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("warm") / "llama"
+    make_tiny_model(path, "llama", seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> ModelRunner:
+    config = RunnerConfig(
+        model=str(model_dir),
+        kernel_backend="torch",
+        num_blocks=8,
+        max_num_rows=4,
+        max_num_batched_tokens=64,
+    )
+    return ModelRunner(config)
+
+
+def test_the_steps_reach_every_slot_mapping_block_and_both_attention_tilings() -> None:
+    steps = warm_up_steps(8192, 2048, 256)
+    assert slot_mapping_blocks(steps) == {1 << k for k in range(11)}  # 1 .. 1024
+    lengths = {s.num_scheduled for s in steps}
+    assert any(1 < n <= SMALL_TILE_MAX_QUERY for n in lengths)
+    assert any(n > SMALL_TILE_MAX_QUERY for n in lengths)
+    assert steps[0] == WarmUpStep(1, 0, 1)
+    assert steps[-1] == WarmUpStep(4, 0, 2048)  # the largest step, as the KV memory was sized
+
+
+def test_a_largest_step_off_the_powers_of_two_reaches_its_own_block() -> None:
+    steps = warm_up_steps(100, 4096, 8)
+    assert [s.num_scheduled for s in steps] == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert slot_mapping_blocks(steps) == {1, 2, 4, 8, 16, 32, 64, 128}
+    steps = warm_up_steps(64, 48, 1)  # the model's length bounds it; one row
+    assert steps[-1] == WarmUpStep(1, 0, 48)
+
+
+@pytest.mark.parametrize(
+    ("num_scheduled", "num_computed"),
+    [([1], [0]), ([2], [0]), ([16], [0]), ([3, 1], [0, 40]), ([5, 1, 1], [0, 7, 70])],
+)
+def test_eager_inputs_meet_one_specialization_whatever_the_lengths(
+    runner: ModelRunner, num_scheduled: list[int], num_computed: list[int]
+) -> None:
+    """Triton compiles a kernel per class of its integer arguments (1,
+    divisible by 16, other) and per pointer aligned to 16 bytes or not: the
+    block tables' row stride and every index vector's alignment are the
+    same for any step."""
+    rows = np.arange(len(num_scheduled), dtype=np.int64)
+    runner.rows.fill_tables(np.ones((len(rows), runner.max_blocks_per_row), np.int64))
+    try:
+        inputs = runner.forward_inputs.prepare(
+            rows, np.array(num_computed), np.array(num_scheduled), np.ones(len(rows), bool)
+        )
+    finally:
+        runner.rows.clear_tables()
+    meta = inputs.metadata
+    for table in meta.block_tables:
+        assert table.stride(0) == runner.max_blocks_per_row
+    for tensor in (
+        inputs.positions,
+        inputs.sample_index,
+        inputs.sampled_rows,
+        meta.seq_lens,
+        meta.query_start_loc,
+        *meta.slot_mappings,
+    ):
+        assert tensor.data_ptr() % 16 == 0
+
+
+def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_the_rows_as_they_were(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[int, int, int]] = []
+    forward = runner.forward
+
+    def spy(rows, num_computed, num_scheduled, needs_sample):  # type: ignore[no-untyped-def]
+        seen.append((len(rows), int(num_computed.max()), int(num_scheduled.max())))
+        return forward(rows, num_computed, num_scheduled, needs_sample)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    generator_state = runner.generator.get_state()
+    report = runner.warm_up(full=True)
+
+    expected = warm_up_steps(64, runner.spec.max_model_len, 4)
+    assert report.steps == expected
+    assert seen == [tuple(step) for step in expected]
+    assert report.sampler_paths == tuple(path.name for path in SAMPLER_PATHS)
+    assert report.graph_batch_sizes == ()  # no CUDA graphs on the CPU
+    assert not runner.rows.live.any()
+    assert not runner.rows.block_tables.any()
+    assert torch.equal(runner.generator.get_state(), generator_state)
+
+
+def test_on_the_cpu_the_warm_up_only_logs(runner: ModelRunner) -> None:
+    report = runner.warm_up()
+    assert report.steps == () and report.sampler_paths == ()
+
+
+def test_the_executor_logs_its_warm_up_before_it_says_ready(model_dir: Path) -> None:
+    with ExecutorProcess(model_dir, num_blocks=16) as process:
+        log = process.stderr()
+    assert "executor warmed up" in log
+    line = next(line for line in log.splitlines() if "executor warmed up" in line)
+    assert "seconds=" in line
