@@ -11,6 +11,7 @@ import time
 from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError, check_free
+from pagedkv.common.redis_health import follow_redis
 from pagedkv.common.security import (
     ServerSecurity,
     TokenFile,
@@ -20,7 +21,7 @@ from pagedkv.common.security import (
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.scoring import RoutingWeights
 from pagedkv.router.service import RouterConfig, RouterService
-from pagedkv.router.servicer import start_server
+from pagedkv.router.servicer import SERVICE_NAME, start_server
 
 log = get_logger(__name__)
 
@@ -59,8 +60,10 @@ async def serve_router(
     security: ServerSecurity | None = None,
 ) -> None:
     """Runs a router until SIGTERM or SIGINT; prints ``<ready_line> ready on
-    HOST:PORT ...`` once it serves. On a signal: health NOT_SERVING, open
-    streams get ``drain_timeout`` seconds, then the server stops.
+    HOST:PORT ...`` once it serves; its health is NOT_SERVING while Redis
+    does not answer (``pagedkv.common.redis_health``). On a signal: health
+    NOT_SERVING, open streams get ``drain_timeout`` seconds, then the server
+    stops.
     ``security``: TLS and tokens of the gRPC server (default: plaintext, open)."""
     metrics = RouterMetrics()
     service = RouterService(config, metrics)
@@ -79,8 +82,14 @@ async def serve_router(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    follower = asyncio.create_task(
+        follow_redis(
+            server.health, ("", SERVICE_NAME), lambda: service.degraded, stop.is_set, "router"
+        )
+    )
     await stop.wait()
     log.info("router stopping", open_streams=service.num_open_streams)
+    follower.cancel()
     await server.not_serving()
     deadline = time.monotonic() + drain_timeout
     while service.num_open_streams and time.monotonic() < deadline:

@@ -4,6 +4,7 @@ INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -13,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS
+from pagedkv.common.redis_health import follow_redis
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, aio_health_server, bind, serve_aio_health
 from pagedkv.scheduler.service import SchedulerService
@@ -113,7 +115,8 @@ def bind_server(address: str, security: ServerSecurity | None = None) -> BoundSe
 async def start_server(bound: BoundServer, service: SchedulerService) -> None:
     """Serves ``service`` on the ``bound`` server (and health on its health
     port). Its health is SERVING until the service starts draining,
-    NOT_SERVING from then on."""
+    NOT_SERVING from then on; in a cluster, NOT_SERVING too while its Redis
+    does not answer (``pagedkv.common.redis_health``)."""
     server, health_servicer = bound.server, bound.health
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -125,6 +128,22 @@ async def start_server(bound: BoundServer, service: SchedulerService) -> None:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    if service.cluster is not None:  # NOT_SERVING while its Redis does not answer
+        cluster = service.cluster
+        follower = asyncio.create_task(
+            follow_redis(
+                health_servicer,
+                ("", SERVICE_NAME),
+                lambda: cluster.degraded,
+                lambda: service.draining,
+                "scheduler",
+            )
+        )
+
+        async def stop_following() -> None:
+            follower.cancel()
+
+        service.on_draining.append(stop_following)
     service.on_draining.append(not_serving)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
