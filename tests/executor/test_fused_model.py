@@ -25,7 +25,7 @@ BLOCKS_PER_ROW = 4
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fused-models")
     dirs = {}
-    for arch in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
+    for arch in ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"):
         dirs[arch] = root / arch
         make_tiny_model(dirs[arch], arch, seed=3)
     return dirs
@@ -82,6 +82,11 @@ def step_logits(runner: ModelRunner) -> list[torch.Tensor]:
         ("mistral", "triton"),
         ("qwen3", "triton"),  # query and key norms
         ("phi3", "torch"),  # merged projections, read as they are
+        # Sandwich norms of 1 + w, GELU, a window layer and a full one;
+        # gemma2: soft-capped attention and logits; gemma3: query/key norms
+        # and a rotary per layer type.
+        ("gemma2", "triton"),
+        ("gemma3", "torch"),
     ],
 )
 def test_fused_logits_match_transformers_modules(
@@ -100,22 +105,15 @@ def test_fused_logits_match_transformers_modules(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_gemmas_keep_transformers_modules(arch: str) -> None:
-    # Norms after each sublayer as well as before, a scaled embedding, GELU.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(tiny_config(arch))  # type: ignore[arg-type]
-    assert "is not one of" in (unsupported_reason(model) or "")
-
-
 def test_models_of_other_shapes_keep_transformers_modules() -> None:
     from transformers import AutoModelForCausalLM
 
     config = tiny_config("llama")
     config.hidden_act = "gelu"
     model = AutoModelForCausalLM.from_config(config)
-    assert unsupported_reason(model) == "hidden_act 'gelu' is not silu"
+    assert (
+        unsupported_reason(model) == "activation 'gelu' is not one of ('silu', 'gelu_pytorch_tanh')"
+    )
     model.config.hidden_act = "silu"
     assert unsupported_reason(model) is None
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
@@ -125,7 +123,12 @@ def test_models_of_other_shapes_keep_transformers_modules() -> None:
     assert unsupported_reason(phi3) is None
     phi3.config.rope_parameters = {**phi3.config.rope_parameters, "partial_rotary_factor": 0.5}
     assert "rotates part of each head" in (unsupported_reason(phi3) or "")
-    # Query and key norms are qwen3's only.
+    # Query and key norms are qwen3's and gemma3's only.
     llama = AutoModelForCausalLM.from_config(tiny_config("llama"))
     llama.model.layers[1].self_attn.q_norm = torch.nn.Identity()
     assert "normalises queries or keys" in (unsupported_reason(llama) or "")
+    # A gemma3 rotary per layer type, each checked.
+    gemma3 = AutoModelForCausalLM.from_config(tiny_config("gemma3"))
+    assert unsupported_reason(gemma3) is None
+    gemma3.config.rope_parameters["full_attention"]["rope_type"] = "dynamic"
+    assert "depends on the sequence length" in (unsupported_reason(gemma3) or "")

@@ -65,7 +65,7 @@ def test_executor_process_on_cuda_matches_hugging_face(
         assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cuda(
     model_dirs: dict[str, Path], family_dirs: dict[str, Path], arch: str
 ) -> None:

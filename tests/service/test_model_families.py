@@ -3,9 +3,11 @@
 Scheduler gRPC API; greedy output equals Hugging Face ``generate`` token
 for token.
 
-- qwen3 (query/key norms) and phi3 (merged projections) on the fused
-  decoder; gemma2 and gemma3 (a sliding-window layer and a full one: two KV
-  cache groups; soft-caps, sandwich norms) on transformers' layers.
+- qwen3 (query/key norms), phi3 (merged projections), gemma2 and gemma3 (a
+  sliding-window layer and a full one: two KV cache groups; sandwich norms,
+  GELU; gemma2's soft-caps, gemma3's query/key norms and two rotaries) on
+  the fused decoder, and gemma2 on transformers' layers (``--fused-ops
+  off``).
 - Block sizes 8 and 32 (the executor's ``--block-size``; the scheduler
   takes it from the executor) with the Triton kernels, llama and gemma2.
 
@@ -30,14 +32,14 @@ from tests.service.test_stack import assert_nothing_held, greedy_request
 __all__ = ["model_dirs"]  # the session fixture, shared with the executor tests
 
 NEW_TOKENS = 24
-FUSED = {"qwen3": True, "phi3": True, "gemma2": False, "gemma3": False}
+ARCHS = ("qwen3", "phi3", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     dirs = {}
-    for arch in FUSED:
+    for arch in ARCHS:
         dirs[arch] = root / arch
         make_tiny_model(dirs[arch], arch, seed=7)
     return dirs
@@ -64,12 +66,13 @@ def generate_through_a_scheduler(
         assert_nothing_held(scheduler.stub)
 
 
-@pytest.mark.parametrize("arch", list(FUSED))
+@pytest.mark.parametrize(("arch", "fused"), [*((arch, True) for arch in ARCHS), ("gemma2", False)])
 def test_greedy_output_of_each_family_equals_hugging_face(
-    family_dirs: dict[str, Path], arch: str
+    family_dirs: dict[str, Path], arch: str, fused: bool
 ) -> None:
-    with ExecutorProcess(family_dirs[arch]) as executor:
-        assert ("fused ops" in executor.ready_line) == FUSED[arch]
+    extra = () if fused else ("--fused-ops", "off")
+    with ExecutorProcess(family_dirs[arch], extra_args=extra) as executor:
+        assert ("fused ops" in executor.ready_line) == fused
         info = executor.stub.GetInfo(executor_pb2.GetInfoRequest())
         windows = [
             g.sliding_window if g.HasField("sliding_window") else None for g in info.kv_cache_groups
