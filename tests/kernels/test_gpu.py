@@ -97,6 +97,8 @@ def test_bf16_fused_layer_ops_match_the_oracles_and_transformers(num_tokens: int
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(norm_act.silu_mul(gate_up), expected, atol=1e-2, rtol=1e-2)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(norm_act.gelu_tanh_mul(gate_up), expected, atol=1e-2, rtol=1e-2)
 
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_size, 2, device="cuda") / head_size)
     angles = torch.arange(8192, device="cuda")[:, None].float() * inv_freq[None]
