@@ -114,14 +114,14 @@ def test_start_up_is_one_labelled_ready_line_per_executor_without_progress_bars(
 def test_an_executor_that_exits_early_is_one_line_not_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagedkv.scheduler import serve
+    from pagedkv.scheduler import serve, serve_arguments
 
     def commands(args: argparse.Namespace, model: str) -> list[list[str]]:
         return [[sys.executable, "-c", "import sys; sys.exit(3)"]]
 
     monkeypatch.setattr(serve, "executor_commands", commands)
     model = Path(__file__).parent  # any directory will do once the check passes
-    monkeypatch.setattr(serve, "check_model_argument", lambda model: None)
+    monkeypatch.setattr(serve_arguments, "check_model_argument", lambda model: None)
     assert main(["serve", "--model", str(model)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err

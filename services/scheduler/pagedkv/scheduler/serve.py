@@ -1,20 +1,24 @@
 """``pagedkv serve``: K executor processes and schedulers over them, in one
 command. The executors are child processes (``python -m pagedkv.executor``);
-one scheduler runs in this process. Without ``--model``, a tiny random llama
-is made in a temporary directory first.
+one scheduler runs in this process. Without a model (``MODEL`` or
+``--model``), a tiny random llama is made in a temporary directory first.
 
 Without Redis, metadata stays in-process: the scheduler takes the executors
 over by address. With ``--redis-url URL``, or ``--redis`` (a private
-``redis-server`` for this command), they form a cluster (docs/cluster.md):
+``redis-server`` for this command, with a generated password), they form a
+cluster (docs/cluster.md):
 the executors register, the scheduler here joins and claims them, then
 ``--schedulers N`` starts N-1 ``pagedkv scheduler --redis-url`` children,
-which take their share (the members balance by draining). One ready line per
-scheduler: this process's once it has claimed its executors, the others once
-every registered executor is leased to a live member and none holds two more
-than another. ``--routers R`` then starts R ``pagedkv router`` children on
-``--port``.. (the schedulers' ports follow theirs), one ready line each.
+which take their share (the members balance by draining). With one
+scheduler, its ready line once it has claimed its executors; with more, one
+line per scheduler once every registered executor is leased to a live member
+and none holds two more than another, each counting what it holds then.
+``--routers R`` then starts R ``pagedkv router`` children on ``--port``..
+(the schedulers' ports follow theirs), one ready line each.
+
 Every child (and the private Redis) is stopped on exit: SIGTERM, then
-SIGKILL after a grace."""
+SIGKILL after a grace; a second signal forces the stop, and the children
+die with this process however it ends (``lifetime``)."""
 
 from __future__ import annotations
 
@@ -30,16 +34,15 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 import redis.asyncio
 
-from pagedkv.cluster.connection import check_redis_url, connect, redacted, redis_url_with
+from pagedkv.cluster.connection import connect, redacted, redis_url_with
 from pagedkv.cluster.keys import Keys
 from pagedkv.cluster.leases import Lease, LeaseTable
 from pagedkv.cluster.members import MemberRecord, Members
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
-from pagedkv.common.cli import ModelArgumentError, check_model_argument
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.common.ports import ListenError, check_free
-from pagedkv.common.security import ServerSecurity, server_security_from_args
+from pagedkv.common.ports import ListenError
+from pagedkv.common.security import server_security_from_args
 from pagedkv.scheduler.children import (
     ROUTER_READY,
     SCHEDULER_READY,
@@ -54,6 +57,7 @@ from pagedkv.scheduler.children import (
     scheduler_commands,
 )
 from pagedkv.scheduler.lifetime import Interrupted, Reaper, StopSignals
+from pagedkv.scheduler.serve_arguments import check_arguments
 from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
 REGISTER_TIMEOUT_S = 60.0  # executors in the registry, once they are ready
@@ -170,11 +174,6 @@ class Stack:
             self.redis.kill()
 
 
-def _security(args: argparse.Namespace) -> ServerSecurity:
-    """The scheduler here's TLS, tokens and health port (checked up front)."""
-    return server_security_from_args(args, require_ca=False)
-
-
 async def _serve_alone(
     args: argparse.Namespace, executors: list[str], stack: Stack, signals: StopSignals
 ) -> None:
@@ -187,7 +186,7 @@ async def _serve_alone(
         args.metrics_port,
         ready_line="pagedkv serve",
         drain_timeout=args.drain_timeout,
-        security=_security(args),
+        security=server_security_from_args(args, require_ca=False),
         stop=stack.stop_event,
     )
 
@@ -211,7 +210,7 @@ async def _serve_cluster(
     metrics_port = args.metrics_port
     if metrics_port:
         metrics_port += args.routers
-    security = _security(args)
+    security = server_security_from_args(args, require_ca=False)
     if security.health_port:  # the routers' come first, like the ports
         security = dataclasses.replace(security, health_port=security.health_port + args.routers)
     signals.serving(stack.stopping())
@@ -298,12 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
     The first SIGTERM or SIGINT stops what has started (or, once serving,
     every scheduler drains, then the executors and Redis stop); a second one
     forces the stop (``lifetime.StopSignals``)."""
-    problem = _check_arguments(args)
-    if problem is None:
-        try:
-            _security(args)
-        except ValueError as exc:
-            problem = str(exc)
+    problem = check_arguments(args)
     if problem is not None:
         print(f"pagedkv serve: {problem}", file=sys.stderr)
         return 2
@@ -359,94 +353,3 @@ def _start_and_serve(
         asyncio.run(_serve_cluster(args, addresses, redis_url, model, stack, signals))
     else:
         asyncio.run(_serve_alone(args, addresses, stack, signals))
-
-
-def _check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, in one line; None when nothing is.
-    Takes a positional MODEL as ``args.model``."""
-    if args.model_path is not None:
-        if args.model is not None and args.model != args.model_path:
-            return f"MODEL {args.model_path} and --model {args.model}: give one"
-        args.model = args.model_path
-    if args.executors < 1:
-        return f"--executors {args.executors}: at least 1"
-    if args.num_blocks is not None and args.num_blocks < 1:
-        return f"--num-blocks {args.num_blocks}: at least 1"
-    if args.gpu_memory_utilization is not None:
-        if args.num_blocks is not None:
-            return "give --num-blocks or --gpu-memory-utilization, not both"
-        if not 0 < args.gpu_memory_utilization <= 1:
-            return f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]"
-    if args.max_model_len is not None and args.max_model_len < 1:
-        return f"--max-model-len {args.max_model_len}: at least 1"
-    if args.redis and args.redis_password_file:
-        return "--redis makes its own password: --redis-password-file is for --redis-url"
-    if (args.redis_password_file or args.redis_tls_ca) and not args.redis_url:
-        return "--redis-password-file and --redis-tls-ca need --redis-url"
-    if args.routers and args.tls_cert and not args.scheduler_tls_ca:
-        return (
-            "--routers with --tls-cert needs --scheduler-tls-ca (the CA the routers check "
-            "the schedulers' certificate with)"
-        )
-    if args.model is not None:
-        try:
-            check_model_argument(args.model)
-        except ModelArgumentError as exc:
-            return f"--model {args.model}: {exc}"
-    if args.redis and args.redis_url:
-        return "give --redis (a private redis-server) or --redis-url URL, not both"
-    if args.schedulers < 1:
-        return f"--schedulers {args.schedulers}: at least 1"
-    if args.routers < 0:
-        return f"--routers {args.routers}: at least 0"
-    if args.routers and not (args.redis or args.redis_url):
-        return (
-            f"--routers {args.routers} needs a cluster: give --redis-url URL "
-            "or --redis (a private redis-server)"
-        )
-    if args.router_weights:
-        try:
-            weights = [float(w) for w in args.router_weights.split(",")]
-        except ValueError:
-            weights = []
-        if (
-            not 3 <= len(weights) <= 5
-            or not all(w >= 0 for w in weights[:3] + weights[4:])
-            or not all(b >= 1 for b in weights[3:4])
-        ):
-            return (
-                f"--router-weights {args.router_weights}: three weights >= 0, then optionally "
-                "a load bound >= 1 and a load slack >= 0, PREFIX,LOAD,KV[,BOUND[,SLACK]]"
-            )
-    if args.schedulers > 1 and not (args.redis or args.redis_url):
-        return (
-            f"--schedulers {args.schedulers} needs a cluster: give --redis-url URL "
-            "or --redis (a private redis-server)"
-        )
-    if args.redis and shutil.which("redis-server") is None:
-        return "--redis: redis-server is not installed (not on PATH; `make redis` installs it)"
-    if args.redis_url:
-        try:
-            check_redis_url(args.redis_url)
-        except ValueError as exc:
-            return f"--redis-url: {exc}"
-    return _port_in_use(args)
-
-
-def _port_in_use(args: argparse.Namespace) -> str | None:
-    """The first port this command's servers would listen on that another
-    process holds, in one line: ``--port``.. (the routers', then the
-    schedulers'), the metrics and health ports likewise; None when none is."""
-    num = args.routers + args.schedulers
-    bases = {
-        "--port": args.port,
-        "--metrics-port": args.metrics_port,
-        "--health-port": getattr(args, "health_port", None),
-    }
-    for flag, base in bases.items():
-        for port in range(base, base + num) if base else ():
-            try:
-                check_free(flag, args.host, port)
-            except ListenError as exc:
-                return str(exc)
-    return None
