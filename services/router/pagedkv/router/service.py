@@ -215,7 +215,8 @@ class RouterService:
     async def _prompt(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
         """The prompt's ids with the resumed ones; a text prompt is encoded
         off the event loop, and refused first when it cannot fit the longest
-        max_model_len of the executors (None: no tokenizer, route by load)."""
+        max_model_len of the executors. None (route by load): no tokenizer,
+        or more ids than that max_model_len (the scheduler refuses them)."""
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt: set text or token_ids")
@@ -225,7 +226,10 @@ class RouterService:
             ids = await self.prompts.encode(request.text, self.tokenizer, self.max_model_len)
         else:
             ids = list(request.token_ids.ids)
-        return ids + list(request.resumed_token_ids)
+        ids += request.resumed_token_ids
+        if self.max_model_len and len(ids) > self.max_model_len:
+            return None  # the scheduler refuses it: no hashing it here
+        return ids
 
     async def route(self, request: scheduler_pb2.GenerateRequest) -> list[Route]:
         """The schedulers to try for ``request``, best first: the owner of the
