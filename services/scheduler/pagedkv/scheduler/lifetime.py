@@ -100,7 +100,8 @@ class StopSignals:
 
     def __init__(self, force: Callable[[], None]) -> None:
         self.force = force
-        self.num_signals = 0
+        self.num_signals = 0  # received
+        self._forcing = False  # every signal forces the stop
         self.on_first: Callable[[], None] = self._interrupt
         self._previous: dict[int, object] = {}
 
@@ -118,7 +119,7 @@ class StopSignals:
 
     def stopping(self) -> None:
         """The stop is under way: any signal from now on forces it."""
-        self.num_signals = max(self.num_signals, 1)
+        self._forcing = True
 
     @staticmethod
     def _interrupt() -> None:
@@ -126,11 +127,11 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.num_signals += 1
-        if self.num_signals == 1:
+        if self.num_signals == 1 and not self._forcing:
             self.on_first()
             return
         print(
-            f"pagedkv serve: {signal.Signals(signum).name} again: stopping by force",
+            f"pagedkv serve: {signal.Signals(signum).name} while stopping: SIGKILL to every child",
             file=sys.stderr,
             flush=True,
         )

@@ -213,7 +213,6 @@ async def _serve_cluster(
     security = server_security_from_args(args, require_ca=False)
     if security.health_port:  # the routers' come first, like the ports
         security = dataclasses.replace(security, health_port=security.health_port + args.routers)
-    signals.serving(stack.stopping())
     try:
         registered = await _wait_for(
             client,
@@ -236,6 +235,7 @@ async def _serve_cluster(
                 on_ready=None if num == 1 else lambda *ready: here.set_result(ready),
             )
         )
+        signals.serving(stack.stopping())  # until now a signal interrupts the start
         if num > 1:
             address_here, extra = await _unless_stopped(scheduler, here)
             await _unless_stopped(
@@ -319,6 +319,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
     except (StartError, ServiceError) as exc:
+        if isinstance(exc, StartError) and signals.num_signals:  # a child stopped by the signal
+            exc = StartError("stopped before it was ready")
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 1
     except redis.RedisError as exc:
