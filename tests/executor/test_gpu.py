@@ -42,18 +42,23 @@ def hf_greedy_cuda(model_dir: Path, prompt: list[int], num_tokens: int) -> list[
         ("triton", False, False),
     ],
 )
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
 def test_executor_process_on_cuda_matches_hugging_face(
-    model_dirs: dict[str, Path], arch: str, backend: str, eager: bool, fused: bool
+    model_dirs: dict[str, Path],
+    family_dirs: dict[str, Path],
+    arch: str,
+    backend: str,
+    eager: bool,
+    fused: bool,
 ) -> None:
     # With the Triton kernels decode steps replay CUDA graphs unless
     # --enforce-eager; the torch kernels always run eagerly. Fused ops are on
-    # by default (llama, qwen2, mistral).
+    # by default (docs/executor.md, "Model families"); gemma2 has two KV
+    # cache groups and soft-caps.
+    model_dir = {**model_dirs, **family_dirs}[arch]
     extra = ("--enforce-eager",) if eager else ()
     extra += () if fused else ("--fused-ops", "off")
-    with ExecutorProcess(
-        model_dirs[arch], backend=backend, device="cuda", extra_args=extra
-    ) as executor:
+    with ExecutorProcess(model_dir, backend=backend, device="cuda", extra_args=extra) as executor:
         driver = Driver(executor.stub)
         assert driver.info.device.startswith("cuda")
         seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
@@ -62,7 +67,7 @@ def test_executor_process_on_cuda_matches_hugging_face(
         assert ("fused ops" in executor.ready_line) == fused
     assert graphs == (backend == "triton" and not eager)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        assert output == hf_greedy_cuda(model_dirs[arch], prompt, NEW_TOKENS)
+        assert output == hf_greedy_cuda(model_dir, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"])
