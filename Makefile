@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
+.PHONY: setup test test-quick lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -36,8 +36,17 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || \
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
+# Everything, the tests marked slow included (live clusters started, faulted
+# and stopped many times, fuzzing, benchmark runs).
 test: setup redis
 	$(BIN)/python -m pytest
+
+# The unit tests and the quick process tests (block core, kernels under the
+# Triton interpreter, router, client and CLI, chart), none marked slow: about 6
+# minutes on 2 cores.
+QUICK_TESTS := tests/scheduler tests/kernels tests/router tests/client tests/deploy tests/test_*.py
+test-quick: setup redis
+	$(BIN)/python -m pytest -m "not slow" $(QUICK_TESTS)
 
 lint: setup
 	$(BIN)/ruff check .

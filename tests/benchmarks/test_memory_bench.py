@@ -36,6 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["memory", *argv])
 
 
+@pytest.mark.slow
 def test_a_reduced_run_against_pagedkv_serve_saves_what_the_report_says(tmp_path: Path) -> None:
     output = tmp_path / "memory-cpu.json"
     argv = ["--chat-requests", "4", "--chat-output-fraction", "0.03"]

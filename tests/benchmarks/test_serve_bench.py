@@ -240,6 +240,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["serve", *argv])
 
 
+@pytest.mark.slow
 def test_a_reduced_run_against_pagedkv_serve_finishes_every_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -358,6 +359,7 @@ def test_sweep_settings_parse_and_bad_ones_name_the_option() -> None:
             parse_settings(bad)
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_every_setting_on_one_executor_and_finishes_every_request(
     tmp_path: Path,
 ) -> None:

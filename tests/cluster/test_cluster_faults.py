@@ -27,6 +27,8 @@ from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy
 from tests.redis_server import RedisServer
 
+pytestmark = pytest.mark.slow  # a cluster per fault, restarted under load
+
 KEYS = Keys()
 BLOCK_SIZE = 16
 STREAM_CAP = 10_000 + 100  # the mirror's MAXLEN ~ 10,000, plus one stream node

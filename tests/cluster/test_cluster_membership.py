@@ -12,6 +12,8 @@ from pagedkv.executor.tiny_model import make_tiny_model
 from tests.cluster.cluster_stack import Cluster, greedy, wait_until
 from tests.executor.test_generation import hf_greedy
 
+pytestmark = pytest.mark.slow  # members joining a cluster in every order
+
 PROMPT = list(range(3, 40))
 
 

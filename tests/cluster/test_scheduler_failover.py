@@ -29,6 +29,8 @@ from pagedkv.executor.tiny_model import make_tiny_model
 from tests.cluster.cluster_stack import LEASE_TTL, Cluster, SchedulerProcess, greedy, wait_until
 from tests.redis_server import free_port
 
+pytestmark = pytest.mark.slow  # schedulers killed, paused and replaced under load
+
 MAX_TOKENS = 24
 NUM_BLOCKS = 512  # room for every prompt of a test: nothing cached is evicted
 LOG_LINE = re.compile(r"(?P<time>\S+) \[\s*\w+\s*\] (?P<event>.+?)(?:\s{2,}(?P<fields>.*))?$")

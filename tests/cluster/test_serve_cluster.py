@@ -24,6 +24,8 @@ from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster.cluster_stack import LEASE_TTL, greedy, wait_until
 from tests.executor.test_generation import hf_greedy
 
+pytestmark = pytest.mark.slow  # pagedkv serve clusters started and stopped
+
 PROMPT = list(range(5, 30))
 READY = re.compile(r"pagedkv serve scheduler (\d+)/(\d+) ready on ([\d.]+:\d+)")
 ROUTER_READY = re.compile(r"pagedkv serve router (\d+)/(\d+) ready on ([\d.]+:\d+)")

@@ -34,6 +34,8 @@ from tests.router.router_stack import (
     with_suffix,
 )
 
+pytestmark = pytest.mark.slow  # routed clusters, restarted and killed under load
+
 NUM_EXECUTORS = 4
 PREFIX_BLOCKS = PREFIX_TOKENS // 16
 MAX_TOKENS = 8

@@ -17,6 +17,8 @@ from pagedkv.router.bench.routing import main
 from pagedkv.router.bench.trace import TraceConfig, generate, prefix_weights
 from pagedkv.v1 import scheduler_pb2
 
+pytestmark = pytest.mark.slow  # a live cluster per routing policy
+
 CONFIG = TraceConfig(vocab_size=259, num_requests=200, num_prefixes=4, prefix_len=32, seed=3)
 
 

@@ -56,6 +56,8 @@ from tests.service.fuzz_checks import (
 from tests.service.fuzz_ops import NUM_BLOCKS, Abort, Burst, Generate, Stats, bursts, sized_id
 from tests.service.stack import Process, serve
 
+pytestmark = pytest.mark.slow  # the live stack under random bursts of every kind of call
+
 __all__ = ["model_dirs"]  # the session fixture, shared with the executor tests
 
 GENEROUS_S = 60.0  # the deadline of a call without its own: reaching it means it hung
