@@ -98,6 +98,7 @@ def serve(args: argparse.Namespace) -> int:
         server, port = build_server(executor, f"{args.host}:{args.port}", security)
     except ListenError as exc:
         print(f"pagedkv executor: {exc}", file=sys.stderr)
+        return 2
     metrics, extra = None, ""
     if args.metrics_port is not None:
         metrics = ExecutorMetrics()
@@ -107,7 +108,6 @@ def serve(args: argparse.Namespace) -> int:
             print(f"pagedkv executor: {exc}", file=sys.stderr)
             server.stop(grace=0).wait()
             return 2
-        return 2
     kv_mib = runner.kv.num_bytes / 2**20
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "
@@ -133,9 +133,9 @@ def serve(args: argparse.Namespace) -> int:
     _drain(executor, args.drain_timeout, signals, log)
     if registration is not None:
         registration.close()
+    server.stop(grace=2).wait()
     if metrics is not None:
         metrics.close()
-    server.stop(grace=2).wait()
     return 0
 
 
