@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import socket
 import struct
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,7 @@ from pagedkv.common.cli import build_parser, main
 from pagedkv.common.security import bearer_metadata
 from pagedkv.scheduler.children import executor_commands, router_commands, scheduler_commands
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.cluster.cluster_stack import wait_until
 from tests.processes import ServedProcess
 from tests.test_first_contact import _option_entries
 
@@ -240,3 +243,31 @@ def test_serve_closes_its_scheduler_with_the_token_file_given(tmp_path: Path) ->
             scheduler_pb2.GetStatsRequest(), timeout=30, metadata=bearer_metadata("serve-token-1")
         )
         assert len(stats.executors) == 1
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads Linux's /proc")
+def test_a_signal_while_executors_start_stops_them_and_says_so(tmp_path: Path) -> None:
+    log = tmp_path / "stderr"
+    command = [sys.executable, "-m", "pagedkv.common.cli", "serve", "--executors", "2"]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            wait_until(lambda: log.read_text().count("executor starting") == 2, timeout=120)
+            pids = [int(p) for p in re.findall(r"executor starting .*pid=(\d+)", log.read_text())]
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=120) == 1
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert log.read_text().splitlines()[-1] == "pagedkv serve: stopped before it was ready"
+    for pid in pids:
+        wait_until(lambda pid=pid: not _running(pid), timeout=60)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
