@@ -1,6 +1,7 @@
 """Readiness that reflects Redis: a router whose Redis does not answer, and a
 scheduler whose Redis refuses its password, report NOT_SERVING health and
-log why until Redis answers, then SERVING."""
+log why until Redis answers, then SERVING; their "liveness" health stays
+SERVING throughout (the chart's liveness probe asks it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.common.redis_health import LIVENESS
 from tests.cluster.cluster_stack import SchedulerProcess, wait_until
 from tests.processes import ServedProcess
 from tests.redis_server import RedisServer
@@ -18,10 +20,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _health(process: ServedProcess) -> int:
+def _health(process: ServedProcess, service: str = "") -> int:
     stub = health_pb2_grpc.HealthStub(process.channel)
     try:
-        status: int = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        status: int = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
     except grpc.RpcError:
         return -1
     return status
@@ -37,6 +39,7 @@ def test_a_router_is_not_serving_while_its_redis_does_not_answer() -> None:
                 what="the reason logged",
             )
             assert f"127.0.0.1:{server.port}" in router.stderr()
+            assert _health(router, LIVENESS) == SERVING  # nothing a restart would mend
             server.start()
             wait_until(lambda: _health(router) == SERVING, what="router SERVING once redis answers")
             assert "router serving: redis answers" in router.stderr()
@@ -57,6 +60,7 @@ def test_a_scheduler_refused_by_redis_is_not_serving_until_redis_takes_its_passw
             what="the reason logged",
         )
         assert "not-the-password" not in scheduler.stderr()
+        assert _health(scheduler, LIVENESS) == SERVING
         server.client().config_set("requirepass", "not-the-password")
         wait_until(
             lambda: _health(scheduler) == SERVING, what="scheduler SERVING once redis answers"

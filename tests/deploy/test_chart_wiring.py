@@ -82,7 +82,11 @@ def test_probes_ask_grpc_health_on_a_port_the_server_listens_on(name: str) -> No
             port = container[probe]["grpc"]["port"]
             assert port in served, f"{_component(workload)} {probe}"
             assert port in declared
-            assert "service" not in container[probe]["grpc"]  # the server's overall health
+            service = container[probe]["grpc"].get("service")
+            if probe == "livenessProbe" and _component(workload) in ("scheduler", "router"):
+                assert service == "liveness"  # SERVING while the server waits for Redis
+            else:
+                assert service is None  # the server's overall health
 
 
 def test_the_executors_startup_probe_covers_a_long_model_load() -> None:

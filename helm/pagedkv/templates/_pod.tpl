@@ -89,16 +89,23 @@ plaintext health-only port (--health-port) instead of the TLS port.
 {{- define "pagedkv.healthCheck" -}}
 grpc:
   port: {{ ternary .tier.healthPort .tier.port .ctx.Values.tls.enabled }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end -}}
 
-{{/* Readiness and liveness probes, same arguments. */}}
+{{/* Readiness and liveness probes, same arguments; "liveness": the health
+service name the liveness probe asks instead of the server's overall health
+(schedulers and routers: "liveness" stays SERVING while they wait for Redis,
+when their overall health is NOT_SERVING; a restart would not bring Redis
+back). */}}
 {{- define "pagedkv.probes" -}}
 readinessProbe:
   {{- include "pagedkv.healthCheck" . | nindent 2 }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  {{- include "pagedkv.healthCheck" . | nindent 2 }}
+  {{- include "pagedkv.healthCheck" (dict "ctx" .ctx "tier" .tier "service" .liveness) | nindent 2 }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6

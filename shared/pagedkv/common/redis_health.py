@@ -15,6 +15,10 @@ from grpc_health.v1 import health_pb2
 
 from pagedkv.common.logging import get_logger
 
+LIVENESS = "liveness"
+"""A health service name that stays SERVING while the server runs, whatever
+Redis says: for liveness probes (the chart's), since restarting a server
+that waits for Redis would not bring Redis back."""
 POLL_INTERVAL_S = 0.2
 REPORT_INTERVAL_S = 10.0  # the reason is logged again this often while it holds
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS
-from pagedkv.common.redis_health import follow_redis
+from pagedkv.common.redis_health import LIVENESS, follow_redis
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, aio_health_server, bind, serve_aio_health
 from pagedkv.scheduler.service import SchedulerService
@@ -121,7 +121,7 @@ async def start_server(bound: BoundServer, service: SchedulerService) -> None:
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def not_serving() -> None:
