@@ -139,9 +139,11 @@ def register_serve(subparsers: Any, name: str) -> None:
         help="start executors and a scheduler in one command",
         description=(
             "Starts K executor processes on a model (a tiny random one made in a temporary "
-            "directory when --model is not given) and a scheduler over them. With "
-            "--redis-url URL or --redis, they form a cluster of --schedulers N schedulers "
-            "(see docs/cluster.md). Prints one readiness line per scheduler."
+            "directory when neither MODEL nor --model is given) and a scheduler over them. "
+            "With --redis-url URL or --redis, they form a cluster of --schedulers N "
+            "schedulers and --routers R routers (see docs/cluster.md). Prints one ready line "
+            "per scheduler and per router. The first SIGTERM or SIGINT stops every child "
+            "cleanly, a second one forces the stop; the children die with this process."
         ),
     )
     parser.add_argument(
@@ -186,7 +188,8 @@ def register_serve(subparsers: Any, name: str) -> None:
         "--redis",
         action="store_true",
         help="start a private redis-server (from PATH, no persistence) on a free port for the "
-        "cluster, stopped on exit; not with --redis-url",
+        "cluster, stopped on exit, requiring a generated password (in a file only this user "
+        "reads, given to the children as --redis-password-file); not with --redis-url",
     )
     parser.add_argument("--device", default="cpu", help="executors' device (cuda: one GPU each)")
     parser.add_argument(
