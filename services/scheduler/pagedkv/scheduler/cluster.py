@@ -208,6 +208,13 @@ class ClusterMember:
         self.valid_until[address] = time.monotonic() + 0.75 * self.config.lease_ttl
         return result.epoch
 
+    async def _release(self, lease: Lease) -> None:
+        """Releases ``lease``, already taken out of ``held``, once the lease
+        keeper can no longer renew it (``LeaseKeeper.settled``): a renewal
+        after the release would write it back for a TTL."""
+        await self.keeper.settled()
+        await self.leases.release(lease)
+
     def lost(self, address: str) -> None:
         """The executor is no longer ours (fenced by another owner, or given up)."""
         self.held.pop(address, None)
@@ -380,7 +387,7 @@ class ClusterMember:
             if address not in self.registry and address in self.service.down:
                 lease = self.held.pop(address)
                 self.valid_until.pop(address, None)
-                await self.leases.release(lease)
+                await self._release(lease)
                 await self.service.forget(address)
                 log.info("executor left the cluster", executor=address)
 
@@ -428,7 +435,7 @@ class ClusterMember:
             await client.close()
             lease = self.held.pop(address, None)
             if lease is not None:
-                await self.leases.release(lease)
+                await self._release(lease)
             log.debug("executor not claimed", executor=address, why=str(exc))
             return False
         service.adopt_claimed(address, client, taken)
@@ -468,7 +475,7 @@ class ClusterMember:
         self._no_claims_until = time.monotonic() + 2 * self.config.lease_ttl
         if lease is not None:
             try:
-                await self.leases.release(lease)
+                await self._release(lease)
             except REDIS_ERRORS as exc:
                 log.warning("lease not released (it expires)", executor=address, error=str(exc))
         await self.service.forget(address)

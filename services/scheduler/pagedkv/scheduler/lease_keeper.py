@@ -17,6 +17,13 @@ loop runs again.
 The keeper only writes Redis. What a renewal means for the member (the lease
 valid for longer, or lost) is handed to the loop (``on_renewed``), which
 alone changes the member's state.
+
+A release races a renewal: the renew script writes back a lease whose key is
+gone (Redis restarted empty), so a renewal sent just after the loop deleted
+the lease would revive it for a TTL, and no other member could claim the
+executor meanwhile. The loop therefore takes a lease out of ``held`` first,
+then awaits ``settled`` (the beat in progress, if any, ends) before it
+releases it: no later beat sees that lease.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class LeaseKeeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_seen = time.monotonic()
         self._stalled = False
+        self._beating = threading.Lock()  # held while a beat writes Redis
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-leases", daemon=True)
 
@@ -95,9 +103,23 @@ class LeaseKeeper:
             self._thread.join()
         self.client.close()
 
+    async def settled(self) -> None:
+        """Returns once no beat is writing Redis: a lease taken out of
+        ``held`` before this call is not renewed after it returns (release
+        it then). Waits off the loop when a beat is in progress."""
+        if self._beating.acquire(blocking=False):
+            self._beating.release()
+            return
+        await asyncio.to_thread(self._wait_beat)
+
+    def _wait_beat(self) -> None:
+        with self._beating:
+            pass
+
     def _run(self) -> None:
         while True:
-            self._beat()
+            with self._beating:
+                self._beat()
             if self._stop.wait(self.beat):
                 return
 
