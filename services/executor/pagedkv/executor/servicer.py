@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
-from pagedkv.common.ports import GRPC_SERVER_OPTIONS
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_health_server
 from pagedkv.executor.engine import Executor
@@ -140,5 +140,9 @@ def build_server(
     server.start()
     health_address = security.health_address(address)
     if health_address is not None:
-        start_health_server(health_servicer, health_address, server)
+        try:
+            start_health_server(health_servicer, health_address, server)
+        except ListenError:
+            server.stop(grace=0).wait()  # not left serving behind the error
+            raise
     return server, port

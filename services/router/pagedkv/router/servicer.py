@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedkv.client.resume import is_stream_break
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.common.ports import GRPC_SERVER_OPTIONS
+from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
 from pagedkv.common.redis_health import LIVENESS
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
@@ -145,5 +145,9 @@ async def start_server(
     await server.start()
     health_address = security.health_address(address)
     if health_address is not None:
-        await start_aio_health_server(health_servicer, health_address, server)
+        try:
+            await start_aio_health_server(health_servicer, health_address, server)
+        except ListenError:
+            await server.stop(grace=0)  # not left serving behind the error
+            raise
     return RouterServer(server, health_servicer, port)
