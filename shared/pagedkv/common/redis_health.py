@@ -25,6 +25,14 @@ REPORT_INTERVAL_S = 10.0  # the reason is logged again this often while it holds
 log = get_logger("pagedkv.health")
 
 
+def initial_status(reason: str | None) -> int:
+    """A server's first overall health, before ``follow_redis`` runs:
+    NOT_SERVING when its first read of Redis failed (``reason``)."""
+    if reason is None:
+        return int(health_pb2.HealthCheckResponse.SERVING)
+    return int(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def follow_redis(
     health_servicer: Any,
     names: tuple[str, ...],
@@ -33,19 +41,21 @@ async def follow_redis(
     what: str,
 ) -> None:
     """Sets ``names``' health on ``health_servicer`` from ``reason()`` (why
-    Redis cannot be used, None while it answers): NOT_SERVING while there is
-    one, SERVING again once it clears, logged as ``what`` (``scheduler``,
-    ``router``). Returns once ``stopping()``, leaving NOT_SERVING."""
+    Redis cannot be used, None while it answers): at once whatever it was,
+    then NOT_SERVING while there is one, SERVING again once it clears,
+    logged as ``what`` (``scheduler``, ``router``). Returns once
+    ``stopping()``, leaving NOT_SERVING. A server sets its first status with
+    ``initial_status`` (it serves before this runs)."""
     serving_status = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    serving = True
+    serving: bool | None = None  # not set here yet
     reported = 0.0
     while not stopping():
         why = reason()
         if (why is None) != serving:
-            serving = why is None
-            if serving:
+            if why is None and serving is False:
                 log.info(f"{what} serving: redis answers")
+            serving = why is None
             for name in names:
                 await health_servicer.set(name, serving_status if serving else not_serving)
         if why is not None and time.monotonic() - reported >= REPORT_INTERVAL_S:

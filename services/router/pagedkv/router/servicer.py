@@ -18,7 +18,7 @@ from pagedkv.client.resume import is_stream_break
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
-from pagedkv.common.redis_health import LIVENESS
+from pagedkv.common.redis_health import LIVENESS, initial_status
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
 from pagedkv.router.service import RouterService, forwarded_metadata
@@ -136,8 +136,10 @@ async def start_server(
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(RouterServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME, LIVENESS):  # LIVENESS: whatever Redis says
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    # LIVENESS: whatever Redis says
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    for name in ("", SERVICE_NAME):  # as the service's first read of Redis went
+        await health_servicer.set(name, initial_status(service.degraded))
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )

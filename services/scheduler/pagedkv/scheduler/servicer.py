@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS
-from pagedkv.common.redis_health import LIVENESS, follow_redis
+from pagedkv.common.redis_health import LIVENESS, follow_redis, initial_status
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, aio_health_server, bind, serve_aio_health
 from pagedkv.scheduler.service import SchedulerService
@@ -121,8 +121,10 @@ async def start_server(bound: BoundServer, service: SchedulerService) -> None:
     servicer = SchedulerServicer(service)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME, LIVENESS):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    degraded = service.cluster.degraded if service.cluster is not None else None
+    for name in ("", SERVICE_NAME):  # as the member's first round went
+        await health_servicer.set(name, initial_status(degraded))
 
     async def not_serving() -> None:
         for name in ("", SERVICE_NAME):
