@@ -15,11 +15,15 @@ from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.executor.warm_up import (
     SAMPLER_PATHS,
+    KernelCompiles,
     WarmUpStep,
     slot_mapping_blocks,
     warm_up_steps,
 )
 from tests.executor.driver import ExecutorProcess
+from tests.service.test_model_families import family_dirs
+
+__all__ = ["family_dirs"]  # the session fixture, shared with the stack tests
 
 SMALL_TILE_MAX_QUERY = 16  # paged_attention's small tiles up to this many query tokens
 
@@ -129,3 +133,48 @@ def test_the_executor_logs_its_warm_up_before_it_says_ready(model_dir: Path) -> 
     assert "executor warmed up" in log
     line = next(line for line in log.splitlines() if "executor warmed up" in line)
     assert "seconds=" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
+    model_dir: Path, family_dirs: dict[str, Path], arch: str
+) -> None:
+    """Steps of the shapes a scheduler sends after ready (prefill chunks of
+    any length beside decodes, at any context, one to four entries) reach
+    only kernel variants the warm-up built. Not here: a step of one-token
+    entries that do not all sample, an eager decode whose split variants
+    are built on first use (docs/executor.md, "Warm-up")."""
+    config = RunnerConfig(
+        model=str(model_dir if arch == "llama" else family_dirs[arch]),
+        device="cuda",
+        kernel_backend="triton",
+        num_blocks=64,
+        max_num_rows=4,
+        max_num_batched_tokens=64,
+    )
+    runner = ModelRunner(config)
+    runner.warm_up()
+    compiles = KernelCompiles.install()
+    if not compiles.available:
+        pytest.skip("this Triton has no post-compile hook")
+    before = compiles.count
+    steps = [  # (num_scheduled, num_computed, needs_sample) of each entry
+        ([1], [0], [True]),
+        ([3], [0], [True]),
+        ([17, 1], [0, 40], [False, True]),
+        ([5, 1, 1], [0, 7, 70], [True, True, True]),
+        ([29, 2, 16, 1], [3, 0, 48, 100], [False, True, True, True]),
+        ([64], [0], [True]),
+    ]
+    for num_scheduled, num_computed, needs_sample in steps:
+        rows = np.arange(len(num_scheduled), dtype=np.int64)
+        runner.rows.fill_tables(np.ones((len(rows), runner.max_blocks_per_row), np.int64))
+        runner.forward(
+            rows, np.array(num_computed), np.array(num_scheduled), np.array(needs_sample)
+        )
+        runner.rows.free(rows.tolist())
+        runner.rows.clear_tables()
+    torch.cuda.synchronize()
+    assert compiles.count == before

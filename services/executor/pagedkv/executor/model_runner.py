@@ -251,15 +251,13 @@ class ModelRunner:
         self, steps: tuple[WarmUpStep, ...], num_blocks: int
     ) -> tuple[WarmUpStep, ...]:
         """Runs ``steps`` over scratch rows whose every table column is block
-        1 (their K/V writes land there; what they read is never used). The
-        steps that do not fit the rows are left out; returns those run."""
+        1 (their K/V writes land there; what they read is never used);
+        returns those run (none without a block 1)."""
         if num_blocks < 2:
             return ()
         ran = []
         state = self.generator.get_state()
-        for step in steps:
-            if step.num_seqs > self.config.max_num_rows:
-                continue
+        for step in steps:  # warm_up_steps keeps each within max_num_rows
             rows = np.arange(step.num_seqs, dtype=np.int64)
             self.rows.fill_tables(np.ones((step.num_seqs, self.max_blocks_per_row), np.int64))
             self.forward(

@@ -21,6 +21,11 @@ with every request queued behind it. What a step can reach, and how:
   seeded and unseeded noise) run once on random logits (``SAMPLER_PATHS``),
   loading their library kernels; block copies run once.
 
+Not warmed: an eager decode step (``--enforce-eager``, or one-token entries
+that do not all sample) launches the flash-decoding kernel, whose split
+count varies with the entries and their context; its variants are built on
+first use.
+
 ``KernelCompiles`` counts Triton's compiles while warming up, and after that
 logs each one as a warning naming the kernel: a variant that serving still
 reaches shows in the log instead of only as a slow request.
