@@ -152,14 +152,28 @@ def test_sigkill_of_serve_takes_its_children_and_temporary_directories_with_it()
         served.close()
 
 
-def test_a_second_signal_forces_the_stop_under_load(model_dir: Path) -> None:
+def _child_scheduler(pids: set[int]) -> int:
+    """The child ``pagedkv scheduler`` among ``pids`` (from its command line)."""
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            args = cmdline.read().decode().split("\0")
+        if "pagedkv.common.cli" in args and "scheduler" in args:
+            return pid
+    raise AssertionError("no child scheduler among the children")
+
+
+def test_a_second_signal_forces_a_stop_that_hangs_under_load(model_dir: Path) -> None:
+    """A stopped child scheduler hangs the clean stop (its grace is the drain
+    timeout and more), as the stop that hung did; a second signal ends it."""
     served = Served("--model", str(model_dir))
     try:
         children = _descendants(served.process.pid)
         directories = [_redis_dir(children)]
         load = _under_load(served)
+        os.kill(_child_scheduler(children), signal.SIGSTOP)  # SIGTERM can reach it no more
         served.process.send_signal(signal.SIGTERM)
         wait_until(lambda: "scheduler stopping" in served.stderr(), what="the clean stop begun")
+        assert served.process.poll() is None  # held by the stopped child
         served.process.send_signal(signal.SIGINT)
         assert served.process.wait(timeout=60) == 1
         assert "SIGINT while stopping: SIGKILL to every child" in served.stderr()
