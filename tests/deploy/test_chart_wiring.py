@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pagedkv.common.redis_health import LIVENESS
 from tests.deploy.chart import (
     NAMESPACE,
     VALUE_SETS,
@@ -84,7 +85,7 @@ def test_probes_ask_grpc_health_on_a_port_the_server_listens_on(name: str) -> No
             assert port in declared
             service = container[probe]["grpc"].get("service")
             if probe == "livenessProbe" and _component(workload) in ("scheduler", "router"):
-                assert service == "liveness"  # SERVING while the server waits for Redis
+                assert service == LIVENESS  # the servers' name: SERVING while they wait for Redis
             else:
                 assert service is None  # the server's overall health
 
