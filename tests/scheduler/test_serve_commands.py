@@ -147,6 +147,12 @@ def test_model_is_also_positional_and_reaches_the_executors(tmp_path: Path) -> N
     assert "--max-model-len" not in command  # the executors' own default
 
 
+ROUTERS_UNDER_MUTUAL_TLS = [
+    "--redis-url", "redis://127.0.0.1:6379/0", "--routers", "1",
+    "--tls-cert", "/c", "--tls-key", "/k", "--tls-ca", "/ca", "--scheduler-tls-ca", "/ca",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "error"),
     [
@@ -162,6 +168,11 @@ def test_model_is_also_positional_and_reaches_the_executors(tmp_path: Path) -> N
         (
             ["--redis-password-file", "/p"],
             "--redis-password-file and --redis-tls-ca need --redis-url",
+        ),
+        (
+            ROUTERS_UNDER_MUTUAL_TLS,
+            "--routers with --tls-ca needs --scheduler-tls-cert and --scheduler-tls-key (the "
+            "client certificate the routers present to the schedulers, which require one)",
         ),
     ],
 )

@@ -40,6 +40,11 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             "--routers with --tls-cert needs --scheduler-tls-ca (the CA the routers check "
             "the schedulers' certificate with)"
         )
+    if args.routers and args.tls_ca and not (args.scheduler_tls_cert and args.scheduler_tls_key):
+        return (
+            "--routers with --tls-ca needs --scheduler-tls-cert and --scheduler-tls-key (the "
+            "client certificate the routers present to the schedulers, which require one)"
+        )
     if args.model is not None:
         try:
             check_model_argument(args.model)
