@@ -17,6 +17,7 @@ longer than ``pagedkv serve`` itself, however it ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -130,11 +131,11 @@ class StopSignals:
         if self.num_signals == 1 and not self._forcing:
             self.on_first()
             return
-        print(
-            f"pagedkv serve: {signal.Signals(signum).name} while stopping: SIGKILL to every child",
-            file=sys.stderr,
-            flush=True,
-        )
+        # To fd 2, not print: the handler may interrupt a write to sys.stderr,
+        # and a buffered stream refuses a reentrant one (RuntimeError).
+        name = signal.Signals(signum).name
+        with contextlib.suppress(OSError):  # no stderr: force the stop all the same
+            os.write(2, f"pagedkv serve: {name} while stopping: SIGKILL to every child\n".encode())
         try:
             self.force()
         finally:
