@@ -228,6 +228,7 @@ def test_sigterm_under_load_stops_every_child(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 20 starts of five processes: 4 minutes idle, more on a busy box
 def test_twenty_stops_under_load_never_hang_nor_leave_a_child(model_dir: Path) -> None:
     for _ in range(20):
         served = Served("--model", str(model_dir))
