@@ -175,14 +175,24 @@ class PrivateRedis:
     ``password_file`` (mode 0600, for ``--redis-password-file``) and in its
     configuration file beside it, never on a command line. ``url`` carries
     the password (for this process's clients; log it only ``redacted``);
-    ``public_url`` does not (for the children's command lines)."""
+    ``public_url`` does not (for the children's command lines). ``reaper``
+    gets the directory before anything is written there, so that it goes
+    even if this process is killed while the server starts."""
 
-    def __init__(self, binary: str, timeout: float = 30.0, password: bool = False) -> None:
+    def __init__(
+        self,
+        binary: str,
+        timeout: float = 30.0,
+        password: bool = False,
+        reaper: Reaper | None = None,
+    ) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.public_url = self.url = f"redis://127.0.0.1:{port}/0"
         self.dir = tempfile.mkdtemp(prefix="pagedkv-redis-")
+        if reaper is not None:
+            reaper.add(self.dir)
         self.password_file: str | None = None
         command = [binary]
         if password:

@@ -341,8 +341,8 @@ def _start_and_serve(
     """Starts the private Redis (``--redis``) and the executors, then serves
     until a signal; what started is left in ``stack``, for the caller to stop."""
     if args.redis:
-        stack.redis = PrivateRedis(shutil.which("redis-server") or "redis-server", password=True)
-        stack.reaper.add(stack.redis.dir)
+        binary = shutil.which("redis-server") or "redis-server"
+        stack.redis = PrivateRedis(binary, password=True, reaper=stack.reaper)
         args.redis_url = stack.redis.public_url
         args.redis_password_file = stack.redis.password_file
     log.info("starting executors", num_executors=args.executors, model=model, device=args.device)
