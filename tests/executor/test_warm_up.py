@@ -98,7 +98,7 @@ def test_eager_inputs_meet_one_specialization_whatever_the_lengths(
         assert tensor.data_ptr() % 16 == 0
 
 
-def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_the_rows_as_they_were(
+def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as_they_were(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[int, int, int]] = []
@@ -110,6 +110,7 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_the_rows_as_they
 
     monkeypatch.setattr(runner, "forward", spy)
     generator_state = runner.generator.get_state()
+    global_state = torch.random.get_rng_state()
     report = runner.warm_up(full=True)
 
     expected = warm_up_steps(64, runner.spec.max_model_len, 4)
@@ -120,6 +121,7 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_the_rows_as_they
     assert not runner.rows.live.any()
     assert not runner.rows.block_tables.any()
     assert torch.equal(runner.generator.get_state(), generator_state)
+    assert torch.equal(torch.random.get_rng_state(), global_state)  # the process's RNG too
 
 
 def test_on_the_cpu_the_warm_up_only_logs(runner: ModelRunner) -> None:

@@ -11,7 +11,6 @@ head runs only at the last token of each entry that needs a sample
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,13 +26,7 @@ from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from
 from pagedkv.executor.rows import Rows, to_device
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_plan import Limits, StepPlan
-from pagedkv.executor.warm_up import (
-    SAMPLER_PATHS,
-    KernelCompiles,
-    WarmUpReport,
-    WarmUpStep,
-    warm_up_steps,
-)
+from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
 
 log = get_logger(__name__)
@@ -207,89 +200,16 @@ class ModelRunner:
         (none: no block is tagged yet) as they were."""
         if full is None:
             full = self.device.type == "cuda"
-        compiles = KernelCompiles.install() if full else KernelCompiles()
-        start, compiled_before = time.perf_counter(), compiles.count
-        config = self.config
-        steps = warm_up_steps(
-            config.max_num_batched_tokens, self.spec.max_model_len, config.max_num_rows
-        )
-        if profile:
-            steps = steps[-1:]
-        elif not full:
-            steps = ()
-        ran = self._warm_up_forwards(steps, num_blocks or self.limits.num_blocks)
-        paths: tuple[str, ...] = ()
-        if full and not profile:
-            paths = self._warm_up_sampler()
-            self.copy_blocks(np.array([[1, 1]], dtype=np.int64))
-        if not profile and self.uses_cuda_graphs:
-            max_batch = min(config.max_num_rows, config.max_num_batched_tokens)
-            self.graphs = DecodeGraphs(self, max_batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        report = WarmUpReport(
-            seconds=time.perf_counter() - start,
-            steps=ran,
-            sampler_paths=paths,
-            graph_batch_sizes=tuple(self.graphs.sizes) if self.graphs is not None else (),
-            num_compiles=compiles.count - compiled_before,
-        )
-        if not profile:
-            log.info(
-                "executor warmed up",
-                seconds=round(report.seconds, 2),
-                forwards=len(report.steps),
-                longest_step=max((s.num_seqs * s.num_scheduled for s in ran), default=0),
-                sampler_paths=len(report.sampler_paths),
-                graph_batch_sizes=len(report.graph_batch_sizes),
-                kernel_compiles=report.num_compiles if compiles.available else None,
-            )
-            compiles.start_serving()
-        return report
+        return run_warm_up(self, num_blocks or self.limits.num_blocks, profile, full)
 
-    def _warm_up_forwards(
-        self, steps: tuple[WarmUpStep, ...], num_blocks: int
-    ) -> tuple[WarmUpStep, ...]:
-        """Runs ``steps`` over scratch rows whose every table column is block
-        1 (their K/V writes land there; what they read is never used);
-        returns those run (none without a block 1)."""
-        if num_blocks < 2:
-            return ()
-        ran = []
-        state = self.generator.get_state()
-        for step in steps:  # warm_up_steps keeps each within max_num_rows
-            rows = np.arange(step.num_seqs, dtype=np.int64)
-            self.rows.fill_tables(np.ones((step.num_seqs, self.max_blocks_per_row), np.int64))
-            self.forward(
-                rows,
-                np.full(step.num_seqs, step.num_computed),
-                np.full(step.num_seqs, step.num_scheduled),
-                np.ones(step.num_seqs, dtype=bool),
+    def capture_graphs(self) -> None:
+        """Captures the decode graphs (``uses_cuda_graphs``), once the
+        warm-up has built every kernel they launch."""
+        if self.uses_cuda_graphs:
+            config = self.config
+            self.graphs = DecodeGraphs(
+                self, min(config.max_num_rows, config.max_num_batched_tokens)
             )
-            self.rows.free(rows.tolist())  # the scratch rows' samples
-            ran.append(step)
-        self.generator.set_state(state)
-        self.rows.clear_tables()
-        return tuple(ran)
-
-    def _warm_up_sampler(self) -> tuple[str, ...]:
-        """Runs each of ``SAMPLER_PATHS`` on random logits (two rows), the
-        generator's state kept."""
-        state = self.generator.get_state()
-        logits = torch.randn((2, self.spec.vocab_size), dtype=torch.float32, device=self.device)
-        for path in SAMPLER_PATHS:
-            params = SamplingParamsBatch.build(
-                temperature=[path.temperature] * 2,
-                top_k=[path.top_k] * 2,
-                top_p=[path.top_p] * 2,
-                seeds=[1 if path.seeded else None] * 2,
-                positions=[1, 2],
-                max_num_logprobs=min(path.num_logprobs, self.config.max_logprobs),
-                device=self.device,
-            )
-            sample(logits, params, self.generator)
-        self.generator.set_state(state)
-        return tuple(path.name for path in SAMPLER_PATHS)
 
     @property
     def uses_cuda_graphs(self) -> bool:

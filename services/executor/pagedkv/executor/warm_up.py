@@ -34,9 +34,17 @@ reaches shows in the log instead of only as a slow request.
 from __future__ import annotations
 
 import threading
-from typing import Any, NamedTuple
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
 
 from pagedkv.common.logging import get_logger
+from pagedkv.executor.sampler import SamplingParamsBatch, sample
+
+if TYPE_CHECKING:
+    from pagedkv.executor.model_runner import ModelRunner
 
 log = get_logger(__name__)
 
@@ -108,6 +116,104 @@ def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
         min(SLOT_MAPPING_MAX_BLOCK, 1 << max(step.num_scheduled - 1, 0).bit_length())
         for step in steps
     }
+
+
+def run_warm_up(runner: ModelRunner, num_blocks: int, profile: bool, full: bool) -> WarmUpReport:
+    """``ModelRunner.warm_up``: the steps (only the largest when profiling,
+    none unless ``full``), the sampler paths and a block copy (``full``, not
+    profiling), then the graphs' capture (not profiling); logs the report
+    (not profiling) and from then on each compile."""
+    compiles = KernelCompiles.install() if full else KernelCompiles()
+    start, compiled_before = time.perf_counter(), compiles.count
+    config = runner.config
+    steps = warm_up_steps(
+        config.max_num_batched_tokens, runner.spec.max_model_len, config.max_num_rows
+    )
+    if profile:
+        steps = steps[-1:]
+    elif not full:
+        steps = ()
+    ran = _run_forwards(runner, steps, num_blocks)
+    paths: tuple[str, ...] = ()
+    if full and not profile:
+        paths = _run_sampler_paths(runner)
+        runner.copy_blocks(np.array([[1, 1]], dtype=np.int64))
+    if not profile:
+        runner.capture_graphs()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    graphs = runner.graphs
+    report = WarmUpReport(
+        seconds=time.perf_counter() - start,
+        steps=ran,
+        sampler_paths=paths,
+        graph_batch_sizes=tuple(graphs.sizes) if graphs is not None else (),
+        num_compiles=compiles.count - compiled_before,
+    )
+    if not profile:
+        log.info(
+            "executor warmed up",
+            seconds=round(report.seconds, 2),
+            forwards=len(report.steps),
+            longest_step=max((s.num_seqs * s.num_scheduled for s in ran), default=0),
+            sampler_paths=len(report.sampler_paths),
+            graph_batch_sizes=len(report.graph_batch_sizes),
+            kernel_compiles=report.num_compiles if compiles.available else None,
+        )
+        compiles.start_serving()
+    return report
+
+
+def _run_forwards(
+    runner: ModelRunner, steps: tuple[WarmUpStep, ...], num_blocks: int
+) -> tuple[WarmUpStep, ...]:
+    """Runs ``steps`` over scratch rows whose every table column is block 1
+    (their K/V writes land there; what they read is never used), the rows
+    freed and the generator's state restored after; returns those run
+    (none without a block 1)."""
+    if num_blocks < 2:
+        return ()
+    ran = []
+    state = runner.generator.get_state()
+    for step in steps:  # warm_up_steps keeps each within max_num_rows
+        rows = np.arange(step.num_seqs, dtype=np.int64)
+        runner.rows.fill_tables(np.ones((step.num_seqs, runner.max_blocks_per_row), np.int64))
+        runner.forward(
+            rows,
+            np.full(step.num_seqs, step.num_computed),
+            np.full(step.num_seqs, step.num_scheduled),
+            np.ones(step.num_seqs, dtype=bool),
+        )
+        runner.rows.free(rows.tolist())  # the scratch rows' samples
+        ran.append(step)
+    runner.generator.set_state(state)
+    runner.rows.clear_tables()
+    return tuple(ran)
+
+
+def _run_sampler_paths(runner: ModelRunner) -> tuple[str, ...]:
+    """Runs each of ``SAMPLER_PATHS`` on random logits (two rows, drawn
+    from the runner's generator), the generator's state restored after."""
+    state = runner.generator.get_state()
+    logits = torch.randn(
+        (2, runner.spec.vocab_size),
+        dtype=torch.float32,
+        device=runner.device,
+        generator=runner.generator,
+    )
+    for path in SAMPLER_PATHS:
+        params = SamplingParamsBatch.build(
+            temperature=[path.temperature] * 2,
+            top_k=[path.top_k] * 2,
+            top_p=[path.top_p] * 2,
+            seeds=[1 if path.seeded else None] * 2,
+            positions=[1, 2],
+            max_num_logprobs=min(path.num_logprobs, runner.config.max_logprobs),
+            device=runner.device,
+        )
+        sample(logits, params, runner.generator)
+    runner.generator.set_state(state)
+    return tuple(path.name for path in SAMPLER_PATHS)
 
 
 class KernelCompiles:
