@@ -17,9 +17,11 @@ from pagedkv.executor.warm_up import (
     SAMPLER_PATHS,
     KernelCompiles,
     WarmUpStep,
+    decode_steps,
     slot_mapping_blocks,
     warm_up_steps,
 )
+from pagedkv.kernels.decode_attention import DECODE_TILE, sm_count, split_count
 from tests.executor.driver import ExecutorProcess
 from tests.service.test_model_families import family_dirs
 
@@ -55,6 +57,35 @@ def test_the_steps_reach_every_slot_mapping_block_and_both_attention_tilings() -
     assert any(n > SMALL_TILE_MAX_QUERY for n in lengths)
     assert steps[0] == WarmUpStep(1, 0, 1)
     assert steps[-1] == WarmUpStep(4, 0, 2048)  # the largest step, as the KV memory was sized
+
+
+def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
+    """What Triton specializes the flash-decoding launch on: the split
+    count equal to 1, a multiple of 16, and the merge's power-of-two width."""
+    return num_splits == 1, num_splits % 16 == 0, 1 << (num_splits - 1).bit_length()
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "num_kv_heads", "num_sms"), [(8192, 8, 132), (2048, 2, 8)]
+)
+def test_decode_steps_reach_each_split_variant_once_at_its_shortest_context(
+    max_model_len: int, num_kv_heads: int, num_sms: int
+) -> None:
+    block_n = DECODE_TILE[0]
+    steps = decode_steps(max_model_len, num_kv_heads, num_sms)
+    reachable = {  # every decode step: any entries, any contexts
+        _split_variant(split_count(num_seqs * num_kv_heads, seq_len, block_n, num_sms))
+        for num_seqs in (1, 2, 3, 64)
+        for seq_len in range(1, max_model_len + 1, 7)
+    }
+    splits = [split_count(num_kv_heads, s.num_computed + 1, block_n, num_sms) for s in steps]
+    assert {_split_variant(n) for n in splits} == reachable
+    assert len(steps) == len(reachable)  # each once
+    assert all(s.num_seqs == 1 and s.num_scheduled == 1 for s in steps)
+    assert all(s.num_computed < max_model_len for s in steps)
+    for step, n in zip(steps, splits, strict=True):  # the shortest context with that count
+        if step.num_computed:
+            assert split_count(num_kv_heads, step.num_computed, block_n, num_sms) < n
 
 
 def test_a_largest_step_off_the_powers_of_two_reaches_its_own_block() -> None:
@@ -113,7 +144,9 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as
     global_state = torch.random.get_rng_state()
     report = runner.warm_up(full=True)
 
-    expected = warm_up_steps(64, runner.spec.max_model_len, 4)
+    spec = runner.spec
+    expected = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device))
+    expected += warm_up_steps(64, spec.max_model_len, 4)
     assert report.steps == expected
     assert seen == [tuple(step) for step in expected]
     assert report.sampler_paths == tuple(path.name for path in SAMPLER_PATHS)
@@ -144,10 +177,9 @@ def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
     model_dir: Path, family_dirs: dict[str, Path], arch: str
 ) -> None:
     """Steps of the shapes a scheduler sends after ready (prefill chunks of
-    any length beside decodes, at any context, one to four entries) reach
-    only kernel variants the warm-up built. Not here: a step of one-token
-    entries that do not all sample, an eager decode whose split variants
-    are built on first use (docs/executor.md, "Warm-up")."""
+    any length beside decodes, at any context, one to four entries), and
+    eager decodes (one-token entries, sampled or not, split by their
+    context), reach only kernel variants the warm-up built."""
     config = RunnerConfig(
         model=str(model_dir if arch == "llama" else family_dirs[arch]),
         device="cuda",
@@ -169,6 +201,10 @@ def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
         ([5, 1, 1], [0, 7, 70], [True, True, True]),
         ([29, 2, 16, 1], [3, 0, 48, 100], [False, True, True, True]),
         ([64], [0], [True]),
+        ([1, 1], [300, 900], [True, False]),  # eager decodes: split counts by context
+        ([1], [1000], [True]),
+        ([1, 1, 1, 1], [1000, 5, 9, 700], [True, True, False, True]),
+        ([1], [40], [False]),
     ]
     for num_scheduled, num_computed, needs_sample in steps:
         rows = np.arange(len(num_scheduled), dtype=np.int64)

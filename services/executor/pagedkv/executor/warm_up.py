@@ -15,16 +15,18 @@ with every request queued behind it. What a step can reach, and how:
   16 query tokens and large ones past that: ``warm_up_steps`` runs a
   one-entry forward of every power of two up to the largest step, then the
   largest step itself (which also grows the allocator to its peak);
+- an eager decode step (``--enforce-eager``, or one-token entries that do
+  not all sample) launches the flash-decoding kernel with as many splits
+  of the context as ``split_count`` gives for its entries and their longest
+  context, and the split count is specialized (1, a multiple of 16, other)
+  and sizes the merge (the next power of two): ``decode_steps`` runs a
+  one-entry decode at the shortest context of each such variant, up to the
+  most splits a step can have (one entry at the model's length);
 - the decode graphs (cuda_graphs.py) are captured after these, one per batch
   size, so a decode step launches nothing new;
 - the sampler's paths (greedy with top logprobs, temperature, top-k, top-p,
   seeded and unseeded noise) run once on random logits (``SAMPLER_PATHS``),
   loading their library kernels; block copies run once.
-
-Not warmed: an eager decode step (``--enforce-eager``, or one-token entries
-that do not all sample) launches the flash-decoding kernel, whose split
-count varies with the entries and their context; its variants are built on
-first use.
 
 ``KernelCompiles`` counts Triton's compiles while warming up, and after that
 logs each one as a warning naming the kernel: a variant that serving still
@@ -42,6 +44,7 @@ import torch
 
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.sampler import SamplingParamsBatch, sample
+from pagedkv.kernels.decode_attention import DECODE_TILE, sm_count, split_count
 
 if TYPE_CHECKING:
     from pagedkv.executor.model_runner import ModelRunner
@@ -109,6 +112,22 @@ def warm_up_steps(
     return tuple(steps)
 
 
+def decode_steps(max_model_len: int, num_kv_heads: int, num_sms: int) -> tuple[WarmUpStep, ...]:
+    """One-entry decodes, one per variant of the flash-decoding launch an
+    eager decode step can reach: the split count's class (1, a multiple of
+    16, other) with the merge's width (its next power of two), each at the
+    shortest context that gives it. One entry at the model's length has the
+    most splits any step has (more entries share the GPU's programs)."""
+    block_n = DECODE_TILE[0]
+    steps, seen = [], set()
+    for num_splits in range(1, split_count(num_kv_heads, max_model_len, block_n, num_sms) + 1):
+        variant = (num_splits == 1, num_splits % 16 == 0, 1 << (num_splits - 1).bit_length())
+        if variant not in seen:
+            seen.add(variant)
+            steps.append(WarmUpStep(1, block_n * (num_splits - 1), 1))
+    return tuple(steps)
+
+
 def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
     """The slot mapping's ``BLOCK`` of each step (its longest query, rounded
     up to a power of two, at most ``SLOT_MAPPING_MAX_BLOCK``)."""
@@ -126,9 +145,10 @@ def run_warm_up(runner: ModelRunner, num_blocks: int, profile: bool, full: bool)
     compiles = KernelCompiles.install() if full else KernelCompiles()
     start, compiled_before = time.perf_counter(), compiles.count
     config = runner.config
-    steps = warm_up_steps(
-        config.max_num_batched_tokens, runner.spec.max_model_len, config.max_num_rows
-    )
+    spec = runner.spec
+    steps = decode_steps(
+        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device)
+    ) + warm_up_steps(config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows)
     if profile:
         steps = steps[-1:]
     elif not full:
