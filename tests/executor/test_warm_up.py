@@ -5,6 +5,8 @@ lengths; the executor logs its warm-up before it says ready."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,6 @@ from pagedkv.executor.warm_up import (
     slot_mapping_blocks,
     warm_up_steps,
 )
-from pagedkv.kernels.decode_attention import DECODE_TILE, sm_count, split_count
 from tests.executor.driver import ExecutorProcess
 from tests.service.test_model_families import family_dirs
 
@@ -59,6 +60,11 @@ def test_the_steps_reach_every_slot_mapping_block_and_both_attention_tilings() -
     assert steps[-1] == WarmUpStep(4, 0, 2048)  # the largest step, as the KV memory was sized
 
 
+# The kernel modules are imported inside the tests: collected before
+# tests/kernels/conftest.py chooses Triton's interpreter, a module-level
+# import would define the kernels without it for the whole run.
+
+
 def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
     """What Triton specializes the flash-decoding launch on: the split
     count equal to 1, a multiple of 16, and the merge's power-of-two width."""
@@ -71,6 +77,11 @@ def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
 def test_decode_steps_reach_each_split_variant_once_at_its_shortest_context(
     max_model_len: int, num_kv_heads: int, num_sms: int
 ) -> None:
+    from pagedkv.kernels.decode_attention import (
+        DECODE_TILE,
+        split_count,
+    )  # here: see above _split_variant
+
     block_n = DECODE_TILE[0]
     steps = decode_steps(max_model_len, num_kv_heads, num_sms)
     reachable = {  # every decode step: any entries, any contexts
@@ -144,6 +155,8 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as
     global_state = torch.random.get_rng_state()
     report = runner.warm_up(full=True)
 
+    from pagedkv.kernels.decode_attention import sm_count  # here: see above _split_variant
+
     spec = runner.spec
     expected = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device))
     expected += warm_up_steps(64, spec.max_model_len, 4)
@@ -216,3 +229,18 @@ def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
         runner.rows.clear_tables()
     torch.cuda.synchronize()
     assert compiles.count == before
+
+
+def test_importing_the_runner_defines_no_kernel() -> None:
+    """The executor's modules import the kernel modules only when a backend
+    is chosen, so Triton's interpreter can still be chosen after them."""
+    code = (
+        "import sys, pagedkv.executor.model_runner, pagedkv.executor.warm_up\n"
+        "print(' '.join(m for m in sys.modules if m.startswith('pagedkv.kernels.')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded = set(result.stdout.split())
+    assert "pagedkv.kernels.backend" in loaded
+    assert not loaded & {"pagedkv.kernels.decode_attention", "pagedkv.kernels.paged_attention"}

@@ -44,7 +44,6 @@ import torch
 
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.sampler import SamplingParamsBatch, sample
-from pagedkv.kernels.decode_attention import DECODE_TILE, sm_count, split_count
 
 if TYPE_CHECKING:
     from pagedkv.executor.model_runner import ModelRunner
@@ -118,6 +117,10 @@ def decode_steps(max_model_len: int, num_kv_heads: int, num_sms: int) -> tuple[W
     16, other) with the merge's width (its next power of two), each at the
     shortest context that gives it. One entry at the model's length has the
     most splits any step has (more entries share the GPU's programs)."""
+    # Imported here, as the backends import their kernel modules: the
+    # Triton interpreter must be chosen before any kernel is defined.
+    from pagedkv.kernels.decode_attention import DECODE_TILE, split_count
+
     block_n = DECODE_TILE[0]
     steps, seen = [], set()
     for num_splits in range(1, split_count(num_kv_heads, max_model_len, block_n, num_sms) + 1):
@@ -145,6 +148,8 @@ def run_warm_up(runner: ModelRunner, num_blocks: int, profile: bool, full: bool)
     compiles = KernelCompiles.install() if full else KernelCompiles()
     start, compiled_before = time.perf_counter(), compiles.count
     config = runner.config
+    from pagedkv.kernels.decode_attention import sm_count  # see decode_steps
+
     spec = runner.spec
     steps = decode_steps(
         spec.max_model_len, spec.num_kv_heads, sm_count(runner.device)
