@@ -42,8 +42,8 @@ test: setup redis
 	$(BIN)/python -m pytest
 
 # The unit tests and the quick process tests (block core, kernels under the
-# Triton interpreter, router, client and CLI, chart), none marked slow: about 6
-# minutes on 2 cores.
+# Triton interpreter, router, client and CLI, chart), none marked slow: about 2
+# minutes on 2 quiet cores.
 QUICK_TESTS := tests/scheduler tests/kernels tests/router tests/client tests/deploy tests/test_*.py
 test-quick: setup redis
 	$(BIN)/python -m pytest -m "not slow" $(QUICK_TESTS)
