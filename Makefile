@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
 # Each part is its own distribution holding a piece of the `pagedkv` namespace.
-PARTS := shared services/scheduler services/router services/client kernels services/executor
+PARTS := shared services/scheduler services/router services/client services/gateway kernels services/executor
 PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)

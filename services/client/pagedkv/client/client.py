@@ -515,6 +515,15 @@ class AsyncClient:
         )
         return self._stream(request, _deadline(timeout, self.timeout))
 
+    def stream_request(
+        self, request: scheduler_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """As ``generate``, for a ``GenerateRequest`` built by the caller (a
+        front that maps another API onto the v1 contract): the same resume,
+        errors and cancellation. The request is not checked here; the
+        scheduler answers INVALID_ARGUMENT naming the field."""
+        return self._stream(request, _deadline(timeout, self.timeout))
+
     async def _stream(
         self, request: scheduler_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncGenerator[GenerateChunk, None]:

@@ -1,0 +1,1 @@
+"""pagedkv's OpenAI-compatible HTTP gateway (torch-free)."""
