@@ -22,6 +22,12 @@ pipeline with an NFC normalizer (and Qwen's split regex, harmless without
 merges), so text not in NFC comes back normalized;
 ``tokenizers.Tokenizer.from_file`` stays exact.
 
+The tokenizer config carries a small chat template (``CHAT_TEMPLATES``): a
+Llama-3-style one (the default) or a Qwen2-style one, their markers spelled
+as plain text (``<|eot_id|>`` is ten byte tokens here), so the tiny models
+chat like real ones and tests can compare a rendered conversation with
+transformers' ``apply_chat_template``.
+
 Weights are float32, drawn from ``initializer_range`` 0.2: at the usual 0.02 a
 tiny random model repeats one token forever, and a comparison against such
 output hides bugs. llama and mistral have the same parameters, so one seed
@@ -60,6 +66,47 @@ MISTRAL_SLIDING_WINDOW = 24
 GEMMA_SLIDING_WINDOW = 24
 GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_NUM_LAYERS = 2
+
+ChatTemplateName = Literal["llama3", "qwen2", "none"]
+CHAT_TEMPLATE_NAMES: tuple[ChatTemplateName, ...] = get_args(ChatTemplateName)
+DEFAULT_CHAT_TEMPLATE: ChatTemplateName = "llama3"
+
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+"""Llama 3's layout: the BOS, each message as a role header, the trimmed
+content and an end marker, then the assistant's header when asked for."""
+
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+"""Qwen2's layout: ChatML turns, with a default system message when the
+conversation does not start with one."""
+
+CHAT_TEMPLATES: dict[ChatTemplateName, str | None] = {
+    "llama3": LLAMA3_CHAT_TEMPLATE,
+    "qwen2": QWEN2_CHAT_TEMPLATE,
+    "none": None,
+}
 
 
 def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
@@ -164,15 +211,21 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 def make_tiny_model(
-    path: str | Path, arch: Arch, seed: int = 0, num_layers: int = DEFAULT_NUM_LAYERS
+    path: str | Path,
+    arch: Arch,
+    seed: int = 0,
+    num_layers: int = DEFAULT_NUM_LAYERS,
+    chat_template: ChatTemplateName = DEFAULT_CHAT_TEMPLATE,
 ) -> None:
     """Write a random tiny ``arch`` model and the byte-level tokenizer into ``path``.
 
     The directory (created if missing; existing files of the same name are
     overwritten) gets ``config.json``, ``generation_config.json``,
     ``model.safetensors`` (float32), ``tokenizer.json`` and
-    ``tokenizer_config.json``. Weights are drawn after ``torch.manual_seed(seed)``,
-    so one seed gives byte-identical weight files. Reseeds torch's global RNG.
+    ``tokenizer_config.json`` (with ``CHAT_TEMPLATES[chat_template]`` as its
+    ``chat_template``, none for ``"none"``). Weights are drawn after
+    ``torch.manual_seed(seed)``, so one seed gives byte-identical weight
+    files. Reseeds torch's global RNG.
     """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -194,4 +247,9 @@ def make_tiny_model(
         unk_token=None,  # saved as null: else Qwen2Tokenizer adds an unk "<|endoftext|>"
         model_max_length=MAX_POSITION_EMBEDDINGS,
     )
-    tokenizer.save_pretrained(out)
+    template = CHAT_TEMPLATES[chat_template]
+    if template is not None:
+        tokenizer.chat_template = template
+    # A template goes into tokenizer_config.json, not chat_template.jinja:
+    # the older place, which every loader reads.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
