@@ -31,6 +31,7 @@ class ServedProcess:
         )
         ready = threading.Event()
         lines: list[str] = []
+        self.lines = lines  # every stdout line so far (the reader keeps adding)
 
         def read() -> None:
             assert self.process.stdout is not None
