@@ -88,7 +88,7 @@ def register(subparsers: Any, name: str) -> None:
         "--rates",
         default="2,4,8,16,inf",
         type=_checked("workload", "parse_rates"),
-        help="requests/s, comma-separated (inf: all at once)",
+        help="requests/s, comma-separated (inf: all at once; empty: none)",
     )
     mix.add_argument("--num-requests", type=int, default=200, help="requests per rate")
     mix.add_argument("--mean-prompt-len", type=float, default=220.0)
@@ -131,6 +131,13 @@ def register(subparsers: Any, name: str) -> None:
         help="instead of the runs above: the fixed batches once per setting (decode window W, "
         "pipeline depth D), each on a fresh scheduler over one executor, with step traces "
         "(default: none, the runs above)",
+    )
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="also send each rate and fixed batch through a pagedkv gateway started in front "
+        "of the scheduler (the OpenAI API over HTTP, streamed), right after its gRPC run, and "
+        "compare: output tok/s, TTFT and ITL, the gateway's CPU per 1,000 tokens",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -10,6 +10,7 @@ Per request (client side, from the send):
 Goodput: requests per second that finished with all their tokens and met
 both limits (TTFT <= ``ttft_ms`` and TPOT <= ``tpot_ms``; a one-token
 request has no TPOT and is judged on TTFT alone).
+Chunks: the chunks (or HTTP events) that carried tokens, over all requests.
 Concurrency: requests in flight, averaged over the run (sum of latencies /
 duration).
 Failed requests (an error, or a stream that ended without usage) are counted
@@ -98,6 +99,7 @@ def summarize(results: Sequence[RequestResult], seconds: float, slo: Slo) -> dic
         "prompt_tokens": sum(r.prompt_tokens for r in results),
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in results),
         "output_tokens": output,
+        "num_chunks": sum(len(r.chunk_times_s) for r in results),
         "seconds": seconds,
         "requests_per_s": len(ok) / seconds,
         "output_tokens_per_s": output / seconds,

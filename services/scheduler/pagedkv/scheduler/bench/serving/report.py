@@ -1,7 +1,9 @@
 """The serving benchmark's markdown and plot, from its JSON report.
 
 ``markdown`` has a table per kind of run (one row per rate, one per fixed
-batch and engine), the timeline when measured, and the settings and machine;
+batch and engine; with ``--gateway`` the HTTP runs beside the gRPC ones and
+a table comparing them), the timeline when measured, and the settings and
+machine;
 ``plot`` draws latency against request rate (TTFT, TPOT and ITL p50/p99) and
 output throughput against concurrency (the rates at their measured mean
 concurrency, each fixed batch and Hugging Face at its batch size).
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pagedkv.scheduler.bench.serving.gateway import markdown_lines as gateway_lines
 from pagedkv.scheduler.bench.serving.metrics import failure_note, ms_cell
 from pagedkv.scheduler.bench.serving.sweep import markdown_lines as sweep_lines
 
@@ -42,15 +45,18 @@ def _rate_lines(report: Mapping[str, Any]) -> list[str]:
     ]
     notes: list[str] = []
     for run in report["rates"]:
-        s = run["summary"]
-        notes += failure_note(f"rate {run['rate']}", s)
-        lines.append(
-            f"| {run['rate']} | {s['num_ok']}/{s['num_requests']} | {s['num_failed']} | "
-            f"{s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.0f} | "
-            f"{s['mean_concurrency']:.1f} | {_ms(s['ttft_ms'])} | {_ms(s['tpot_ms'])} | "
-            f"{_ms(s['itl_ms'])} | {s['goodput_requests_per_s']:.2f} | "
-            f"{100 * s['num_meeting_slo'] / s['num_requests']:.0f}% |"
-        )
+        runs = [(run["rate"], run["summary"])]
+        if "http" in run:
+            runs.append((f"{run['rate']} (HTTP)", run["http"]["summary"]))
+        for label, s in runs:
+            notes += failure_note(f"rate {label}", s)
+            lines.append(
+                f"| {label} | {s['num_ok']}/{s['num_requests']} | {s['num_failed']} | "
+                f"{s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.0f} | "
+                f"{s['mean_concurrency']:.1f} | {_ms(s['ttft_ms'])} | {_ms(s['tpot_ms'])} | "
+                f"{_ms(s['itl_ms'])} | {s['goodput_requests_per_s']:.2f} | "
+                f"{100 * s['num_meeting_slo'] / s['num_requests']:.0f}% |"
+            )
     return lines + (["", *notes] if notes else [])
 
 
@@ -75,14 +81,17 @@ def markdown(report: Mapping[str, Any]) -> str:
         notes: list[str] = []
         for run in report["fixed_batches"]:
             shape = f"{run['batch']} x ({run['prompt_len']} -> {run['max_tokens']})"
-            s = run["pagedkv"]
-            notes += failure_note(f"fixed batch {shape}", s)
-            lines.append(
-                f"| pagedkv serve | {shape} | {s['num_ok']}/{s['num_requests']} | "
-                f"{s['output_tokens_per_s']:.0f} | {s['seconds']:.2f} | "
-                f"{ms_cell(s['ttft_ms'], ('p50', 'p99'), 0)} | "
-                f"{ms_cell(s['tpot_ms'], ('p50', 'p99'), 2)} |"
-            )
+            engines = [("pagedkv serve", "", run["pagedkv"])]
+            if "http" in run:
+                engines.append(("pagedkv gateway (HTTP)", " over HTTP", run["http"]))
+            for engine, over, s in engines:
+                notes += failure_note(f"fixed batch {shape}{over}", s)
+                lines.append(
+                    f"| {engine} | {shape} | {s['num_ok']}/{s['num_requests']} | "
+                    f"{s['output_tokens_per_s']:.0f} | {s['seconds']:.2f} | "
+                    f"{ms_cell(s['ttft_ms'], ('p50', 'p99'), 0)} | "
+                    f"{ms_cell(s['tpot_ms'], ('p50', 'p99'), 2)} |"
+                )
             hf = run.get("hf")
             if hf:
                 lines.append(
@@ -91,6 +100,8 @@ def markdown(report: Mapping[str, Any]) -> str:
                 )
         if notes:
             lines += ["", *notes]
+        through_gateway = gateway_lines(report["fixed_batches"])
+        lines += ["", *through_gateway] if through_gateway else []
     timeline = report.get("timeline")
     if timeline and "error" in timeline:
         lines += ["", f"GPU timeline: not measured ({timeline['error']})."]
@@ -227,6 +238,14 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     axes[2].plot(concurrency, throughput, "-o", label="pagedkv, Poisson rates")
     for c, t, label in zip(concurrency, throughput, labels, strict=True):
         axes[2].annotate(f"{label}/s", (c, t), textcoords="offset points", xytext=(4, -10))
+    http = [r["http"]["summary"] for r in runs if "http" in r]
+    if http:
+        axes[2].plot(
+            [s["mean_concurrency"] for s in http],
+            [s["output_tokens_per_s"] for s in http],
+            ":o",
+            label="pagedkv gateway (HTTP), Poisson rates",
+        )
     batches = report["fixed_batches"]
     if batches:
         axes[2].plot(
@@ -236,6 +255,15 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
             markersize=9,
             label="pagedkv, fixed batch",
         )
+        through = [b for b in batches if "http" in b]
+        if through:
+            axes[2].plot(
+                [b["batch"] for b in through],
+                [b["http"]["output_tokens_per_s"] for b in through],
+                "D",
+                markersize=8,
+                label="pagedkv gateway (HTTP), fixed batch",
+            )
         hf = [b for b in batches if b.get("hf")]
         if hf:
             axes[2].plot(

@@ -13,6 +13,11 @@
 With ``--step-trace`` the server's processes trace their steps
 (``pagedkv.common.step_trace``) and the report says where the first fixed
 batch's step time went (``step_trace.analyze``).
+With ``--gateway`` a ``pagedkv gateway`` process is started in front of the
+scheduler (gateway.py), and each rate and each fixed batch runs again
+through it over HTTP right after its gRPC run, on requests of its own (a
+fixed batch's from another seed, so none comes from the prefix cache); the
+warm-up runs both ways first.
 With ``--sweep`` none of the above runs: the fixed batches run under each
 scheduler setting on one executor instead (sweep.py), with the same report
 writer. Every request must finish with exactly its ``max_tokens`` tokens;
@@ -37,8 +42,10 @@ from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving import report as reporting
 from pagedkv.scheduler.bench.serving import step_trace, sweep
+from pagedkv.scheduler.bench.serving.gateway import Gateway, comparison, timed_grpc, timed_http
+from pagedkv.scheduler.bench.serving.http_load import run_load_http
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
-from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows, summarize
+from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows
 from pagedkv.scheduler.bench.serving.stack import (
     ServeStack,
     TimelineStack,
@@ -55,7 +62,10 @@ from pagedkv.scheduler.bench.serving.workload import (
 )
 
 PACKAGES = ("pagedkv-scheduler", "pagedkv-executor", "pagedkv-common")
+GATEWAY_PACKAGES = ("pagedkv-gateway", "fastapi", "starlette", "uvicorn", "pydantic", "aiohttp")
 TIMELINE_WAIT_S = 60.0
+HTTP_SEED_OFFSET = 500
+"""A fixed batch's HTTP run takes its prompts from its gRPC run's seed + this."""
 log = get_logger(__name__)
 
 
@@ -77,24 +87,39 @@ def parse_fixed_batches(text: str) -> list[FixedBatch]:
 
 
 def _serve_runs(
-    args: argparse.Namespace, target: str, model: str, batches: list[FixedBatch]
+    args: argparse.Namespace,
+    target: str,
+    model: str,
+    batches: list[FixedBatch],
+    gateway: Gateway | None,
 ) -> dict[str, Any]:
     rates = parse_rates(args.rates)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    mix = mix_config(args, model, args.num_requests * len(rates))
+    ways = 2 if gateway is not None else 1
+    mix = mix_config(args, model, args.num_requests * len(rates) * ways)
     requests = sharegpt_like(mix)
-    warm_up(args, target, mix)
+    warm_up(args, target, mix, gateway)
     out: dict[str, Any] = {"rates": [], "fixed_batches": []}
     for i, rate in enumerate(rates):
-        part = requests[i * args.num_requests : (i + 1) * args.num_requests]
+        at = i * ways * args.num_requests
+        part = requests[at : at + args.num_requests]
         arrivals = poisson_arrivals(len(part), rate, seed=args.seed + i)
-        results, seconds = asyncio.run(run_load(target, part, arrivals))
-        summary = summarize(results, seconds, slo)
+        summary, results = timed_grpc(target, part, arrivals, slo)
         log.info("rate done", rate=rate, output_tokens_per_s=round(summary["output_tokens_per_s"]))
         label = reporting.rate_label(rate)
-        out["rates"].append({"rate": label, "summary": summary, "requests": request_rows(results)})
+        row = {"rate": label, "summary": summary, "requests": request_rows(results)}
+        if gateway is not None:  # the next slice of the mix, at the same times
+            part = requests[at + args.num_requests : at + 2 * args.num_requests]
+            summary, results = timed_http(gateway, part, arrivals, slo)
+            log.info(
+                "rate done over HTTP",
+                rate=rate,
+                output_tokens_per_s=round(summary["output_tokens_per_s"]),
+            )
+            row["http"] = {"summary": summary, "requests": request_rows(results)}
+        out["rates"].append(row)
     out["fixed_batches"], out["fixed_batch_marks"] = run_fixed_batches(
-        target, batches, mix.vocab_size, slo, seed=args.seed + 1000
+        target, batches, mix.vocab_size, slo, seed=args.seed + 1000, gateway=gateway
     )
     stats = asyncio.run(server_stats(target))
     out["server"] = {
@@ -123,29 +148,51 @@ def mix_config(args: argparse.Namespace, model: str, num_requests: int) -> MixCo
     )
 
 
-def warm_up(args: argparse.Namespace, target: str, mix: MixConfig) -> None:
+def warm_up(
+    args: argparse.Namespace, target: str, mix: MixConfig, gateway: Gateway | None = None
+) -> None:
     """Waits for ``target`` to serve, then runs ``args.warmup_requests``
-    requests of the mix (their own seed) at once."""
+    requests of the mix (their own seed) at once; then the same through
+    ``gateway``."""
     asyncio.run(wait_ready(target))
     if args.warmup_requests:
         warm = MixConfig(**{**_fields(mix), "num_requests": args.warmup_requests, "seed": -1})
-        asyncio.run(run_load(target, sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests))
+        part, arrivals = sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests
+        asyncio.run(run_load(target, part, arrivals))
+        if gateway is not None:
+            asyncio.run(run_load_http(gateway.base_url, gateway.model, part, arrivals))
 
 
 def run_fixed_batches(
-    target: str, batches: list[FixedBatch], vocab: int, slo: Slo, seed: int
+    target: str,
+    batches: list[FixedBatch],
+    vocab: int,
+    slo: Slo,
+    seed: int,
+    gateway: Gateway | None = None,
 ) -> tuple[list[dict[str, Any]], list[float]]:
     """Each batch sent at once (batch i's prompts from ``seed + i``): a row
-    per batch, and the ``perf_counter`` before and after each."""
+    per batch, and the ``perf_counter`` before and after each gRPC run.
+    Through ``gateway`` too, right after (prompts from ``seed + i +
+    HTTP_SEED_OFFSET``): the row's ``http`` and ``gateway`` (comparison)."""
     rows, marks = [], []
     for i, b in enumerate(batches):
         part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i)
         marks.append(time.perf_counter())
-        results, seconds = asyncio.run(run_load(target, part, [0.0] * len(part)))
+        summary, _ = timed_grpc(target, part, [0.0] * len(part), slo)
         marks.append(time.perf_counter())
-        summary = summarize(results, seconds, slo)
         log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
-        rows.append({**b._asdict(), "pagedkv": summary})
+        row: dict[str, Any] = {**b._asdict(), "pagedkv": summary}
+        if gateway is not None:
+            part = fixed_batch(
+                b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i + HTTP_SEED_OFFSET
+            )
+            http, _ = timed_http(gateway, part, [0.0] * len(part), slo)
+            log.info(
+                "fixed batch done over HTTP", output_tokens_per_s=round(http["output_tokens_per_s"])
+            )
+            row["http"], row["gateway"] = http, comparison(summary, http)
+        rows.append(row)
     return rows, marks
 
 
@@ -189,9 +236,9 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
     return {**measures, "batch": batch._asdict()}
 
 
-def _versions() -> dict[str, str]:
+def _versions(gateway: bool = False) -> dict[str, str]:
     versions = {}
-    for name in PACKAGES:
+    for name in PACKAGES + (GATEWAY_PACKAGES if gateway else ()):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
     return versions
@@ -227,11 +274,19 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "timeline_skip",
         "step_trace",
         "sweep",
+        "gateway",
         "seed",
         "target",
     ]
     if args.sweep:  # what a sweep does not use, or sets per setting
-        unused = ("decode_window", "pipeline_depth", "rates", "num_requests", "hf_repeat")
+        unused = (
+            "decode_window",
+            "pipeline_depth",
+            "rates",
+            "num_requests",
+            "hf_repeat",
+            "gateway",
+        )
         keys = [k for k in keys if k not in unused and not k.startswith(("timeline", "step_"))]
     name = args.model if args.model is not None else f"preset {args.preset}"
     return {"model": name, **{k: getattr(args, k) for k in keys}}
@@ -242,16 +297,26 @@ def main(args: argparse.Namespace) -> int:
     parse_rates(args.rates)  # refuse bad rates before anything starts
     if args.sweep:
         sweep.parse_settings(args.sweep)
+        if args.gateway:
+            print(
+                "pagedkv bench serve: --sweep runs over gRPC only, not with --gateway",
+                file=sys.stderr,
+            )
+            return 2
     with model_dir(args) as model, tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
         if args.sweep:
             swept = sweep.run_sweep(args, model, batches)
             return _write(args, model, {"rates": [], "fixed_batches": [], "sweep": swept})
         with step_trace.tracing(traces if args.step_trace and not args.target else None):
             stack = None if args.target else ServeStack(model, server_args(args))
+        gateway = None
         try:
             target = args.target or stack.target  # type: ignore[union-attr]
-            report: dict[str, Any] = _serve_runs(args, target, model, batches)
+            gateway = Gateway(target, model) if args.gateway else None
+            report: dict[str, Any] = _serve_runs(args, target, model, batches, gateway)
         finally:
+            if gateway is not None:
+                gateway.stop()
             if stack is not None:
                 stack.stop()
         marks = report.pop("fixed_batch_marks")
@@ -275,7 +340,7 @@ def _write(args: argparse.Namespace, model: str, report: dict[str, Any]) -> int:
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     described = ", ".join(f"{k} {shape[k]}" for k in (*keys, "vocab_size") if k in shape)
     report = {
-        "machine": {**_machine(args.device), **_versions()},
+        "machine": {**_machine(args.device), **_versions(args.gateway)},
         "settings": _settings(args, model),
         "model_shape": described,
         **report,
@@ -294,6 +359,8 @@ def _write(args: argparse.Namespace, model: str, report: dict[str, Any]) -> int:
 
 def _all_ok(report: dict[str, Any]) -> bool:
     runs = [r["summary"] for r in report["rates"]] + [b["pagedkv"] for b in report["fixed_batches"]]
+    runs += [r["http"]["summary"] for r in report["rates"] if "http" in r]
+    runs += [b["http"] for b in report["fixed_batches"] if "http" in b]
     for run in report.get("sweep", {}).get("runs", []):
         runs += [b["pagedkv"] for b in run["fixed_batches"]]
     return all(s["num_ok"] == s["num_requests"] for s in runs)

@@ -2,7 +2,9 @@
 
 ``model_dir`` yields the model directory: ``--model``, or a preset made in a
 temporary directory (a tiny random llama with ``make-tiny-model``; the llama
-shapes as a bare ``config.json``, for ``--load-format dummy``).
+shapes as a ``config.json``, for ``--load-format dummy``, and a
+``tokenizer.json`` of words for their whole vocabulary, so that text is made
+for every token as a real model's would be: the gateway streams text).
 ``ServeStack`` is ``pagedkv serve`` as a child process (one executor);
 ``TimelineStack`` a profiled executor (``python -m pagedkv.executor.timeline``)
 and a ``pagedkv scheduler`` over it. Both stop their children on ``stop``.
@@ -19,6 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pagedkv.scheduler import children
 from pagedkv.scheduler.children import (
@@ -73,8 +77,31 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
             **LLAMA_SHAPES[args.preset],
         }
         (Path(root) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        word_tokenizer(int(config["vocab_size"])).save(str(Path(root) / "tokenizer.json"))
         args.load_format = "dummy"
         yield root
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level tokenizer of exactly ``vocab_size`` ids: the 256 bytes,
+    then words of lowercase letters with a leading space (" a", " b", ...,
+    " z", " aa", ...: bijective base 26 of the id, so all distinct). It only
+    decodes as a real tokenizer does: it has no merges, so it encodes text
+    byte by byte."""
+    assert vocab_size >= 256
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    space = "\u0120"  # how the byte-level alphabet writes a space
+    vocab = {char: i for i, char in enumerate(alphabet)}
+    for token_id in range(len(alphabet), vocab_size):
+        word, n = "", token_id - len(alphabet) + 1
+        while n:
+            n, digit = divmod(n - 1, 26)
+            word = chr(ord("a") + digit) + word
+        vocab[space + word] = token_id
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def model_shape(model: str) -> dict[str, Any]:

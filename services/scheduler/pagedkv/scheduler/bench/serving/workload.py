@@ -98,8 +98,9 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[floa
 
 
 def parse_rates(text: str) -> list[float]:
-    """``"2,4,inf"`` -> ``[2.0, 4.0, inf]``; ValueError on a rate <= 0."""
+    """``"2,4,inf"`` -> ``[2.0, 4.0, inf]``, ``""`` -> none; ValueError on a
+    rate <= 0."""
     rates = [float(part) for part in text.split(",") if part.strip()]
-    if not rates or any(not rate > 0 for rate in rates):
+    if any(not rate > 0 for rate in rates):
         raise ValueError(f"rates must be positive numbers or inf: {text!r}")
     return rates
