@@ -56,10 +56,11 @@ lint: setup
 
 # Runs the images' install steps (deploy/install.sh) in fresh temporary venvs,
 # since no container daemon builds the images here: the scheduler set must
-# give working `pagedkv scheduler` and `pagedkv router` commands, list none
-# that needs the executor part (serve, executor, make-tiny-model) and no torch,
-# the executor set a `pagedkv executor` command (torch as pip finds it: CPU
-# here, CUDA in the image).
+# give working `pagedkv scheduler` and `pagedkv router` commands, import the
+# gateway with its HTTP stack (FastAPI, uvicorn, Jinja2), list no command that
+# needs the executor part (serve, executor, make-tiny-model) and hold neither
+# torch nor transformers, the executor set a `pagedkv executor` command (torch
+# as pip finds it: CPU here, CUDA in the image).
 image-install-check:
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	echo "image-install-check: the scheduler image's parts" && \
@@ -67,10 +68,13 @@ image-install-check:
 		{ cat "$$tmp/scheduler.log"; exit 1; }; \
 	"$$tmp/scheduler/bin/pagedkv" scheduler --help >/dev/null && \
 	"$$tmp/scheduler/bin/pagedkv" router --help >/dev/null && \
+	"$$tmp/scheduler/bin/python" -c "import fastapi, uvicorn, jinja2, pagedkv.gateway" && \
 	if "$$tmp/scheduler/bin/pagedkv" --help | grep -Eq '^    (serve|executor|make-tiny-model) '; then \
 		echo "image-install-check: the scheduler set lists commands it cannot run"; exit 1; fi && \
-	if "$$tmp/scheduler/bin/python" -c "import torch" 2>/dev/null; then \
-		echo "image-install-check: torch is importable in the scheduler set"; exit 1; fi && \
+	for module in torch transformers; do \
+		if "$$tmp/scheduler/bin/python" -c "import $$module" 2>/dev/null; then \
+			echo "image-install-check: $$module is importable in the scheduler set"; exit 1; fi; \
+	done && \
 	echo "image-install-check: the executor image's parts" && \
 	{ PYTHON=$(PYTHON) sh deploy/install.sh executor "$$tmp/executor" >"$$tmp/executor.log" 2>&1 || \
 		{ cat "$$tmp/executor.log"; exit 1; }; } && \

@@ -6,10 +6,10 @@
 #
 #   deploy/install.sh scheduler|executor VENV
 #
-# scheduler: the torch-free side (shared, scheduler, router, client): the
-#   `pagedkv scheduler`, `router`, `generate`, `stats`, `demo --target` and
-#   `bench blocks|cluster-sim` commands (those that start executors are not
-#   listed), no torch;
+# scheduler: the torch-free side (shared, scheduler, router, client, gateway):
+#   the `pagedkv scheduler`, `router`, `gateway`, `generate`, `stats`, `demo
+#   --target` and `bench blocks|cluster-sim` commands (those that start
+#   executors are not listed), no torch;
 # executor: every part, torch and the Triton kernels included.
 #
 # Run it from the repository root (the images' build context). PYTHON picks
@@ -23,8 +23,8 @@ set_name=$1
 venv=$2
 
 case "$set_name" in
-  scheduler) parts="./shared ./services/scheduler ./services/router ./services/client" ;;
-  executor) parts="./shared ./services/scheduler ./services/router ./services/client ./kernels ./services/executor" ;;
+  scheduler) parts="./shared ./services/scheduler ./services/router ./services/client ./services/gateway" ;;
+  executor) parts="./shared ./services/scheduler ./services/router ./services/client ./services/gateway ./kernels ./services/executor" ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 [ -f constraints.txt ] || { echo "install.sh: run it from the repository root" >&2; exit 2; }

@@ -10,11 +10,14 @@ import fnmatch
 import re
 
 import pytest
+import tomllib
 
 from tests.deploy.chart import REPO
 
 DEPLOY = REPO / "deploy"
 IMAGES = {"scheduler": "Dockerfile.scheduler", "executor": "Dockerfile.executor"}
+TORCH_SIDE = {"torch", "triton", "transformers", "pagedkv-kernels", "pagedkv-executor"}
+"""Distributions the torch-free image must not pull in."""
 
 
 def _stages(dockerfile: str) -> list[list[str]]:
@@ -74,6 +77,22 @@ def test_the_builder_copies_every_part_it_installs(set_name: str) -> None:
 def test_the_scheduler_set_leaves_out_the_torch_parts() -> None:
     assert not {"kernels", "services/executor"} & set(_parts("scheduler"))
     assert {"kernels", "services/executor"} <= set(_parts("executor"))
+
+
+def test_both_sets_install_the_gateway() -> None:
+    """`pagedkv gateway` runs from the torch-free image (the chart's gateway
+    Deployment uses it) and from the executor image, which has every part."""
+    for set_name in IMAGES:
+        assert "services/gateway" in _parts(set_name)
+
+
+@pytest.mark.parametrize("part", _parts("scheduler"))
+def test_no_part_of_the_scheduler_set_depends_on_torch(part: str) -> None:
+    """What keeps torch out of the image is each part's own dependency list
+    (`make image-install-check` proves the installed result)."""
+    project = tomllib.loads((REPO / part / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert not names & TORCH_SIDE, part
 
 
 @pytest.mark.parametrize("dockerfile", sorted(IMAGES.values()))
