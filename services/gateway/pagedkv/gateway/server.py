@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import socket
 import sys
 from pathlib import Path
@@ -91,6 +92,8 @@ async def serve_gateway(
     """Serves the gateway on ``sock`` until SIGTERM or SIGINT (see the module
     docstring); prints ``<ready_line> ready on HOST:PORT (...)`` once it serves."""
     app = create_app(config)
+    # uvicorn's start and stop lines: the ready line and our own log say it
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     uv_config = uvicorn.Config(
         app,
         log_config=None,

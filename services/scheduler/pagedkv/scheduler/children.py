@@ -29,6 +29,7 @@ from pagedkv.scheduler.lifetime import Reaper, dying_with_parent
 READY = re.compile(r"executor ready on ([\w.\-]+:\d+)")
 SCHEDULER_READY = re.compile(r"scheduler ready on ([\w.\-]+:\d+)")
 ROUTER_READY = re.compile(r"router ready on ([\w.\-]+:\d+)")
+GATEWAY_READY = re.compile(r"gateway ready on ([\w.\-]+:\d+)")
 STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 20.0
 PROGRESS_INTERVAL_S = 10.0  # a line while children start, this often
@@ -382,3 +383,24 @@ def router_commands(args: argparse.Namespace, model: str, redis_url: str) -> lis
             command += ["--scheduler-token-file", args.auth_token_file]
         commands.append(command)
     return commands
+
+
+def gateway_command(args: argparse.Namespace, model: str, targets: list[str]) -> list[str]:
+    """``--http-port``'s gateway in front of ``targets`` (the routers, or
+    every scheduler): on ``--host``, with the stack's tokens (the file's
+    first token opens the targets too) and, towards a TLS stack, the
+    ``--scheduler-tls-*`` material the routers use."""
+    command = [sys.executable, "-m", "pagedkv.common.cli"]
+    command += ["--log-format", args.log_format, "--log-level", args.log_level, "gateway"]
+    command += ["--target", ",".join(targets), "--model", model]
+    command += ["--host", args.host, "--port", str(args.http_port)]
+    command += ["--drain-timeout", str(args.drain_timeout)]
+    if getattr(args, "served_model_name", None):
+        command += ["--served-model-name", args.served_model_name]
+    if getattr(args, "auth_token_file", None):
+        command += ["--auth-token-file", args.auth_token_file, "--token-file", args.auth_token_file]
+    for flag in ("tls-ca", "tls-cert", "tls-key", "tls-server-name"):
+        value = getattr(args, f"scheduler_{flag.replace('-', '_')}", None)
+        if value is not None:
+            command += [f"--{flag}", value]
+    return command

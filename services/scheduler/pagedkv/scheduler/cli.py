@@ -4,6 +4,7 @@ heavy until they run)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from pagedkv.common.cli import (
@@ -14,6 +15,7 @@ from pagedkv.common.cli import (
     add_server_tls_arguments,
     requires,
 )
+from pagedkv.common.model_source import ModelNotFound, resolve_model
 
 MAX_DECODE_WINDOW = 64  # the executor's limit on StepRequest.num_decode_steps
 # The scheduler's default --decode-window: on the H200 windows of 8 serve a
@@ -122,7 +124,9 @@ def register_scheduler(subparsers: Any, name: str) -> None:
         "then --redis-url finds them)",
     )
     parser.add_argument(
-        "--model", help="model directory for the tokenizer (default: the executors' model id)"
+        "--model",
+        help="model directory, or a hub id in the local Hugging Face cache, for the tokenizer "
+        "(default: the executors' model id)",
     )
     _scheduler_args(parser)
     add_redis_secret_arguments(parser)
@@ -141,9 +145,11 @@ def register_serve(subparsers: Any, name: str) -> None:
             "Starts K executor processes on a model (a tiny random one made in a temporary "
             "directory when neither MODEL nor --model is given) and a scheduler over them. "
             "With --redis-url URL or --redis, they form a cluster of --schedulers N "
-            "schedulers and --routers R routers (see docs/cluster.md). Prints one ready line "
-            "per scheduler and per router. The first SIGTERM or SIGINT stops every child "
-            "cleanly, a second one forces the stop; the children die with this process."
+            "schedulers and --routers R routers (see docs/cluster.md); with --http-port, a "
+            "gateway serves the OpenAI HTTP API in front of them (docs/http.md). Prints one "
+            "ready line per scheduler, per router and for the gateway. The first SIGTERM or "
+            "SIGINT stops every child cleanly, a second one forces the stop; the children die "
+            "with this process."
         ),
     )
     parser.add_argument(
@@ -226,6 +232,19 @@ def register_serve(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="executors without CUDA graphs"
     )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        metavar="PORT",
+        help="also start a gateway (`pagedkv gateway`, a child process) serving the OpenAI "
+        "HTTP API on this port of --host, in front of the routers (else the schedulers); "
+        "0: any free port (default: none, no HTTP API; see docs/http.md)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME[,NAME...]",
+        help="with --http-port: the model names requests give (default: the model as given)",
+    )
     _scheduler_args(parser)
     add_redis_secret_arguments(parser)
     add_server_tls_arguments(
@@ -239,6 +258,12 @@ def register_serve(subparsers: Any, name: str) -> None:
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        try:
+            resolve_model(args.model)
+        except ModelNotFound as exc:
+            print(f"pagedkv scheduler: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
     from pagedkv.scheduler.server import run_scheduler
 
     return run_scheduler(args)

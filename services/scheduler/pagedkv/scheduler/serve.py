@@ -44,6 +44,7 @@ from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
 from pagedkv.common.security import server_security_from_args
 from pagedkv.scheduler.children import (
+    GATEWAY_READY,
     ROUTER_READY,
     SCHEDULER_READY,
     STOP_GRACE_S,
@@ -52,6 +53,7 @@ from pagedkv.scheduler.children import (
     PrivateRedis,
     StartError,
     executor_commands,
+    gateway_command,
     model_dir,
     router_commands,
     scheduler_commands,
@@ -174,21 +176,65 @@ class Stack:
             self.redis.kill()
 
 
+async def _start_gateway(
+    args: argparse.Namespace,
+    model: str,
+    targets: list[str],
+    stack: Stack,
+    scheduler: asyncio.Future[None],
+) -> None:
+    """Starts ``--http-port``'s gateway in front of ``targets`` (stopped with
+    the other servers of ``stack``) and prints its ready line once it serves."""
+    grace = args.drain_timeout + STOP_GRACE_S
+    command = gateway_command(args, model, targets)
+    gateway = ChildProcesses([command], "gateway", GATEWAY_READY, ["1/1"], grace)
+    stack.servers.append(gateway)
+    (address,) = await _unless_stopped(scheduler, asyncio.to_thread(gateway.wait_ready))
+    details = gateway.details.get(0, "")
+    print(f"pagedkv serve gateway ready on {address} {details}", flush=True)
+
+
+def _print_ready(address: str, num_executors: int, model: str, extra: str) -> None:
+    """The scheduler's ready line, as ``serve_scheduler`` prints it."""
+    print(
+        f"pagedkv serve ready on {address} ({num_executors} executors, model {model}{extra})",
+        flush=True,
+    )
+
+
 async def _serve_alone(
     args: argparse.Namespace, executors: list[str], stack: Stack, signals: StopSignals
 ) -> None:
-    """The scheduler here over ``executors``, without Redis, until a signal."""
-    signals.serving(stack.stopping())
-    await serve_scheduler(
-        config_from_args(args, executors),
-        args.host,
-        args.port,
-        args.metrics_port,
-        ready_line="pagedkv serve",
-        drain_timeout=args.drain_timeout,
-        security=server_security_from_args(args, require_ca=False),
-        stop=stack.stop_event,
+    """The scheduler here over ``executors``, without Redis, until a signal;
+    with ``--http-port``, its gateway once it serves."""
+    here: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+    with_gateway = args.http_port is not None
+    scheduler = asyncio.ensure_future(
+        serve_scheduler(
+            config_from_args(args, executors),
+            args.host,
+            args.port,
+            args.metrics_port,
+            ready_line="pagedkv serve",
+            drain_timeout=args.drain_timeout,
+            security=server_security_from_args(args, require_ca=False),
+            stop=stack.stop_event,
+            on_ready=(lambda *ready: here.set_result(ready)) if with_gateway else None,
+        )
     )
+    signals.serving(stack.stopping())
+    try:
+        if with_gateway:
+            address, extra = await _unless_stopped(scheduler, here)
+            _print_ready(address, len(executors), args.model, extra)
+            await _start_gateway(args, args.model, [address], stack, scheduler)
+        await scheduler
+    finally:
+        signals.stopping()
+        stack.stop_event.set()
+        for servers in stack.servers:
+            servers.terminate()
+        await stack.stop_servers()
 
 
 async def _serve_cluster(
@@ -222,6 +268,7 @@ async def _serve_cluster(
         if registered is None:
             raise StartError(f"executors not registered at {redacted(redis_url)} in time")
         here: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+        own_line = num == 1 and args.http_port is None  # else printed here, once it serves
         scheduler = asyncio.ensure_future(
             serve_scheduler(
                 config_from_args(args, [], port=port),
@@ -232,10 +279,15 @@ async def _serve_cluster(
                 drain_timeout=args.drain_timeout,
                 security=security,
                 stop=stack.stop_event,
-                on_ready=None if num == 1 else lambda *ready: here.set_result(ready),
+                on_ready=None if own_line else lambda *ready: here.set_result(ready),
             )
         )
         signals.serving(stack.stopping())  # until now a signal interrupts the start
+        targets: list[str] = []
+        if num == 1 and not own_line:
+            address_here, extra = await _unless_stopped(scheduler, here)
+            _print_ready(address_here, len(executors), model, extra)
+            targets = [address_here]
         if num > 1:
             address_here, extra = await _unless_stopped(scheduler, here)
             await _unless_stopped(
@@ -267,6 +319,7 @@ async def _serve_cluster(
                     f"({num_held} executors, model {model}{details})",
                     flush=True,
                 )
+            targets = [address_here, *addresses]
         if args.routers:
             labels = [f"{i + 1}/{args.routers}" for i in range(args.routers)]
             commands = router_commands(args, model, args.redis_url)
@@ -277,6 +330,9 @@ async def _serve_cluster(
             for i, (label, address) in enumerate(zip(labels, addresses, strict=True)):
                 details = routers.details.get(i, "")
                 print(f"pagedkv serve router {label} ready on {address} {details}", flush=True)
+            targets = addresses
+        if args.http_port is not None:
+            await _start_gateway(args, model, targets, stack, scheduler)
         await scheduler
     finally:
         signals.stopping()

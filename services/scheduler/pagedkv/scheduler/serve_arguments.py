@@ -7,7 +7,7 @@ import argparse
 import shutil
 
 from pagedkv.cluster.connection import check_redis_url
-from pagedkv.common.cli import ModelArgumentError, check_model_argument
+from pagedkv.common.cli import ModelArgumentError, check_model_argument, installed
 from pagedkv.common.ports import ListenError, check_free
 from pagedkv.common.security import server_security_from_args
 
@@ -45,6 +45,9 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             "--routers with --tls-ca needs --scheduler-tls-cert and --scheduler-tls-key (the "
             "client certificate the routers present to the schedulers, which require one)"
         )
+    problem = _http_problem(args)
+    if problem is not None:
+        return problem
     if args.model is not None:
         try:
             check_model_argument(args.model)
@@ -92,6 +95,34 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return str(exc)
     return _port_in_use(args)
+
+
+def _http_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--http-port`` (the gateway's options), or None."""
+    http_port = getattr(args, "http_port", None)
+    if http_port is None:
+        if getattr(args, "served_model_name", None):
+            return "--served-model-name needs --http-port (it names the model of the HTTP API)"
+        return None
+    if http_port < 0:
+        return f"--http-port {http_port}: a port, or 0 for any free one"
+    if not installed("pagedkv.gateway"):
+        return "--http-port needs the gateway part (pagedkv-gateway) installed"
+    if args.tls_cert and not args.scheduler_tls_ca:
+        return (
+            "--http-port with --tls-cert needs --scheduler-tls-ca (the CA the gateway checks "
+            "the schedulers' and routers' certificates with)"
+        )
+    if args.tls_ca and not (args.scheduler_tls_cert and args.scheduler_tls_key):
+        return (
+            "--http-port with --tls-ca needs --scheduler-tls-cert and --scheduler-tls-key (the "
+            "client certificate the gateway presents to the schedulers and routers)"
+        )
+    try:
+        check_free("--http-port", args.host, http_port)
+    except ListenError as exc:
+        return str(exc)
+    return None
 
 
 def _port_in_use(args: argparse.Namespace) -> str | None:
