@@ -242,6 +242,18 @@ def test_unset_sampling_fields_stay_unset_and_zero_values_are_sent(served: Serve
     assert (full.cache_salt, full.priority, full.request_id) == ("tenant-a", -1, "r-1")
 
 
+def test_stop_strings_and_min_tokens_go_into_the_sampling_params() -> None:
+    request = generate_request(
+        "hi", stop=["\n\n", "###"], include_stop_str_in_output=True, min_tokens=3
+    )
+    assert list(request.sampling.stop) == ["\n\n", "###"]
+    assert request.sampling.include_stop_str_in_output
+    assert request.sampling.min_tokens == 3
+    assert list(generate_request("hi", stop="END").sampling.stop) == ["END"]  # one string
+    with pytest.raises(ValueError, match="min_tokens"):
+        generate_request("hi", min_tokens=-1)
+
+
 def test_an_empty_token_id_list_still_sets_the_prompt() -> None:
     request = generate_request(token_ids=[])
     assert request.WhichOneof("prompt") == "token_ids"
@@ -274,6 +286,9 @@ def test_chunk_from_proto_converts_every_field() -> None:
                 error_message="executor lost",
             ),
             scheduler_pb2.SequenceOutput(index=2, token_ids=[9], text_delta=""),
+            scheduler_pb2.SequenceOutput(
+                index=3, finish_reason=scheduler_pb2.FINISH_REASON_STOP, stop_string="\n\n"
+            ),
         ],
         beams=[
             scheduler_pb2.BeamOutput(
@@ -302,6 +317,7 @@ def test_chunk_from_proto_converts_every_field() -> None:
             ),
             SequenceChunk(0, (), "", (), FinishReason.ERROR, None, "executor lost"),
             SequenceChunk(2, (9,), "", (), None, None, None),
+            SequenceChunk(3, (), "", (), FinishReason.STOP, None, None, stop_string="\n\n"),
         ),
         beams=(Beam((1, 2), "xy", -1.25, FinishReason.EOS),),
         usage=Usage(0, 0, 0),  # an all-zero usage still marks the final chunk
@@ -324,21 +340,24 @@ def test_completion_joins_deltas_per_index_in_stream_order() -> None:
         return SequenceChunk(index, ids, text, (), reason, None, None)
 
     rid = RequestId("r")
+    stopped = SequenceChunk(1, (5,), "", (), FinishReason.STOP, None, None, stop_string="!")
     completion = Completion.from_chunks(
         [
             GenerateChunk(rid, (seq(1, (4,), "b"), seq(0, (1,), "a")), (), None),
             GenerateChunk(rid, (seq(0, (2, 3), "a2", FinishReason.EOS),), (), None),
+            GenerateChunk(rid, (stopped,), (), None),
             GenerateChunk(rid, (seq(1, (), "", FinishReason.LENGTH),), (), Usage(2, 0, 4)),
         ]
     )
     assert completion == Completion(
         request_id=rid,
         texts=("aa2", "b"),
-        token_ids=((1, 2, 3), (4,)),
+        token_ids=((1, 2, 3), (4, 5)),
         logprobs=((), ()),
         finish_reasons=(FinishReason.EOS, FinishReason.LENGTH),
         usage=Usage(2, 0, 4),
         beams=(),
+        stop_strings=(None, "!"),
     )
     assert completion.text == "aa2"
     with pytest.raises(ValueError, match="final chunk"):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pagedkv/v1/common.proto\x12\npagedkv.v1\"\x9a\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x12\n\nbeam_width\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"(\n\x05Owner\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\xb9\x01\n\x0bKVCacheSpec\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x15\n\rlayer_indices\x18\x02 \x03(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1b\n\x0esliding_window\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fpage_size_bytes\x18\x07 \x01(\x04\x42\x11\n\x0f_sliding_windowb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pagedkv/v1/common.proto\x12\npagedkv.v1\"\xe0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x12\n\nbeam_width\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"(\n\x05Owner\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\xb9\x01\n\x0bKVCacheSpec\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x15\n\rlayer_indices\x18\x02 \x03(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x11\n\thead_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1b\n\x0esliding_window\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fpage_size_bytes\x18\x07 \x01(\x04\x42\x11\n\x0f_sliding_windowb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=322
-  _globals['_OWNER']._serialized_start=324
-  _globals['_OWNER']._serialized_end=364
-  _globals['_KVCACHESPEC']._serialized_start=367
-  _globals['_KVCACHESPEC']._serialized_end=552
+  _globals['_SAMPLINGPARAMS']._serialized_end=392
+  _globals['_OWNER']._serialized_start=394
+  _globals['_OWNER']._serialized_end=434
+  _globals['_KVCACHESPEC']._serialized_start=437
+  _globals['_KVCACHESPEC']._serialized_end=622
 # @@protoc_insertion_point(module_scope)

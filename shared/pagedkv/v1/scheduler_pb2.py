@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pagedkv.v1 import common_pb2 as pagedkv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/v1/scheduler.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pagedkv.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resumed_token_ids\x18\x07 \x03(\r\x12\x1a\n\x12preferred_executor\x18\x08 \x01(\t\x12\x11\n\tskip_text\x18\t \x01(\x08\x42\x08\n\x06prompt\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xe9\x01\n\x0eSequenceOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagedkv.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pagedkv.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rerror_message\x18\x07 \x01(\tB\x10\n\x0e_stop_token_id\"z\n\nBeamOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pagedkv.v1.FinishReason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"F\n\tPlacement\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\x12\'\n\x04hint\x18\x02 \x01(\x0e\x32\x19.pagedkv.v1.PlacementHint\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12%\n\x05\x62\x65\x61ms\x18\x03 \x03(\x0b\x32\x16.pagedkv.v1.BeamOutput\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pagedkv.v1.Usage\x12(\n\tplacement\x18\x05 \x01(\x0b\x32\x15.pagedkv.v1.Placement\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"-\n\x0eIntegrityCheck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe4\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x16\n\x0eincarnation_id\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x19\n\x11num_usable_blocks\x18\n \x01(\r\x12\x0f\n\x07suspect\x18\x0b \x01(\x08\x12\x13\n\x0b\x64own_reason\x18\x0c \x01(\t\x12\x16\n\x0enum_recoveries\x18\r \x01(\r\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12!\n\x19num_adopted_cached_blocks\x18\x0f \x01(\r\"[\n\x0f\x43lusterExecutor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\x88\x01\n\x0c\x43lusterState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rscheduler_ids\x18\x04 \x03(\t\x12.\n\texecutors\x18\x05 \x03(\x0b\x32\x1b.pagedkv.v1.ClusterExecutor\"\xcb\x02\n\x10GetStatsResponse\x12,\n\texecutors\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.ExecutorStats\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12-\n\tintegrity\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.IntegrityCheck\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x1b\n\x13num_internal_errors\x18\x07 \x01(\x04\x12)\n\x07\x63luster\x18\x08 \x01(\x0b\x32\x18.pagedkv.v1.ClusterState\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\'\n\x06router\x18\n \x01(\x0b\x32\x17.pagedkv.v1.RouterState\"\xad\x01\n\x0bRouterState\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12!\n\x19unreachable_scheduler_ids\x18\x02 \x03(\t\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16num_followed_executors\x18\x04 \x01(\r\x12\x1c\n\x14kv_event_lag_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06policy\x18\x06 \x01(\t*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x7f\n\rPlacementHint\x12\x17\n\x13PLACEMENT_HINT_NONE\x10\x00\x12\x1b\n\x17PLACEMENT_HINT_HONOURED\x10\x01\x12\x1b\n\x17PLACEMENT_HINT_NOT_HELD\x10\x02\x12\x1b\n\x17PLACEMENT_HINT_DRAINING\x10\x03\x32\xd9\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.pagedkv.v1.GenerateRequest\x1a\x1c.pagedkv.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pagedkv.v1.AbortRequest\x1a\x19.pagedkv.v1.AbortResponse\x12\x45\n\x08GetStats\x12\x1b.pagedkv.v1.GetStatsRequest\x1a\x1c.pagedkv.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/v1/scheduler.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pagedkv.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resumed_token_ids\x18\x07 \x03(\r\x12\x1a\n\x12preferred_executor\x18\x08 \x01(\t\x12\x11\n\tskip_text\x18\t \x01(\x08\x42\x08\n\x06prompt\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xfe\x01\n\x0eSequenceOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagedkv.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pagedkv.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12\x13\n\x0bstop_string\x18\x08 \x01(\tB\x10\n\x0e_stop_token_id\"z\n\nBeamOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pagedkv.v1.FinishReason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"F\n\tPlacement\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\x12\'\n\x04hint\x18\x02 \x01(\x0e\x32\x19.pagedkv.v1.PlacementHint\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12%\n\x05\x62\x65\x61ms\x18\x03 \x03(\x0b\x32\x16.pagedkv.v1.BeamOutput\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pagedkv.v1.Usage\x12(\n\tplacement\x18\x05 \x01(\x0b\x32\x15.pagedkv.v1.Placement\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"-\n\x0eIntegrityCheck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe4\x02\n\rExecutorStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x16\n\x0eincarnation_id\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x19\n\x11num_usable_blocks\x18\n \x01(\r\x12\x0f\n\x07suspect\x18\x0b \x01(\x08\x12\x13\n\x0b\x64own_reason\x18\x0c \x01(\t\x12\x16\n\x0enum_recoveries\x18\r \x01(\r\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12!\n\x19num_adopted_cached_blocks\x18\x0f \x01(\r\"[\n\x0f\x43lusterExecutor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\x88\x01\n\x0c\x43lusterState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rscheduler_ids\x18\x04 \x03(\t\x12.\n\texecutors\x18\x05 \x03(\x0b\x32\x1b.pagedkv.v1.ClusterExecutor\"\xcb\x02\n\x10GetStatsResponse\x12,\n\texecutors\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.ExecutorStats\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12-\n\tintegrity\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.IntegrityCheck\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x1b\n\x13num_internal_errors\x18\x07 \x01(\x04\x12)\n\x07\x63luster\x18\x08 \x01(\x0b\x32\x18.pagedkv.v1.ClusterState\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\'\n\x06router\x18\n \x01(\x0b\x32\x17.pagedkv.v1.RouterState\"\xad\x01\n\x0bRouterState\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12!\n\x19unreachable_scheduler_ids\x18\x02 \x03(\t\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16num_followed_executors\x18\x04 \x01(\r\x12\x1c\n\x14kv_event_lag_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06policy\x18\x06 \x01(\t*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x7f\n\rPlacementHint\x12\x17\n\x13PLACEMENT_HINT_NONE\x10\x00\x12\x1b\n\x17PLACEMENT_HINT_HONOURED\x10\x01\x12\x1b\n\x17PLACEMENT_HINT_NOT_HELD\x10\x02\x12\x1b\n\x17PLACEMENT_HINT_DRAINING\x10\x03\x32\xd9\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.pagedkv.v1.GenerateRequest\x1a\x1c.pagedkv.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pagedkv.v1.AbortRequest\x1a\x19.pagedkv.v1.AbortResponse\x12\x45\n\x08GetStats\x12\x1b.pagedkv.v1.GetStatsRequest\x1a\x1c.pagedkv.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2398
-  _globals['_FINISHREASON']._serialized_end=2566
-  _globals['_PLACEMENTHINT']._serialized_start=2568
-  _globals['_PLACEMENTHINT']._serialized_end=2695
+  _globals['_FINISHREASON']._serialized_start=2419
+  _globals['_FINISHREASON']._serialized_end=2587
+  _globals['_PLACEMENTHINT']._serialized_start=2589
+  _globals['_PLACEMENTHINT']._serialized_end=2716
   _globals['_TOKENIDS']._serialized_start=67
   _globals['_TOKENIDS']._serialized_end=90
   _globals['_GENERATEREQUEST']._serialized_start=93
@@ -43,33 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=359
   _globals['_TOKENLOGPROBS']._serialized_end=436
   _globals['_SEQUENCEOUTPUT']._serialized_start=439
-  _globals['_SEQUENCEOUTPUT']._serialized_end=672
-  _globals['_BEAMOUTPUT']._serialized_start=674
-  _globals['_BEAMOUTPUT']._serialized_end=796
-  _globals['_USAGE']._serialized_start=798
-  _globals['_USAGE']._serialized_end=885
-  _globals['_PLACEMENT']._serialized_start=887
-  _globals['_PLACEMENT']._serialized_end=957
-  _globals['_GENERATERESPONSE']._serialized_start=960
-  _globals['_GENERATERESPONSE']._serialized_end=1158
-  _globals['_ABORTREQUEST']._serialized_start=1160
-  _globals['_ABORTREQUEST']._serialized_end=1194
-  _globals['_ABORTRESPONSE']._serialized_start=1196
-  _globals['_ABORTRESPONSE']._serialized_end=1228
-  _globals['_GETSTATSREQUEST']._serialized_start=1230
-  _globals['_GETSTATSREQUEST']._serialized_end=1247
-  _globals['_INTEGRITYCHECK']._serialized_start=1249
-  _globals['_INTEGRITYCHECK']._serialized_end=1294
-  _globals['_EXECUTORSTATS']._serialized_start=1297
-  _globals['_EXECUTORSTATS']._serialized_end=1653
-  _globals['_CLUSTEREXECUTOR']._serialized_start=1655
-  _globals['_CLUSTEREXECUTOR']._serialized_end=1746
-  _globals['_CLUSTERSTATE']._serialized_start=1749
-  _globals['_CLUSTERSTATE']._serialized_end=1885
-  _globals['_GETSTATSRESPONSE']._serialized_start=1888
-  _globals['_GETSTATSRESPONSE']._serialized_end=2219
-  _globals['_ROUTERSTATE']._serialized_start=2222
-  _globals['_ROUTERSTATE']._serialized_end=2395
-  _globals['_SCHEDULER']._serialized_start=2698
-  _globals['_SCHEDULER']._serialized_end=2915
+  _globals['_SEQUENCEOUTPUT']._serialized_end=693
+  _globals['_BEAMOUTPUT']._serialized_start=695
+  _globals['_BEAMOUTPUT']._serialized_end=817
+  _globals['_USAGE']._serialized_start=819
+  _globals['_USAGE']._serialized_end=906
+  _globals['_PLACEMENT']._serialized_start=908
+  _globals['_PLACEMENT']._serialized_end=978
+  _globals['_GENERATERESPONSE']._serialized_start=981
+  _globals['_GENERATERESPONSE']._serialized_end=1179
+  _globals['_ABORTREQUEST']._serialized_start=1181
+  _globals['_ABORTREQUEST']._serialized_end=1215
+  _globals['_ABORTRESPONSE']._serialized_start=1217
+  _globals['_ABORTRESPONSE']._serialized_end=1249
+  _globals['_GETSTATSREQUEST']._serialized_start=1251
+  _globals['_GETSTATSREQUEST']._serialized_end=1268
+  _globals['_INTEGRITYCHECK']._serialized_start=1270
+  _globals['_INTEGRITYCHECK']._serialized_end=1315
+  _globals['_EXECUTORSTATS']._serialized_start=1318
+  _globals['_EXECUTORSTATS']._serialized_end=1674
+  _globals['_CLUSTEREXECUTOR']._serialized_start=1676
+  _globals['_CLUSTEREXECUTOR']._serialized_end=1767
+  _globals['_CLUSTERSTATE']._serialized_start=1770
+  _globals['_CLUSTERSTATE']._serialized_end=1906
+  _globals['_GETSTATSRESPONSE']._serialized_start=1909
+  _globals['_GETSTATSRESPONSE']._serialized_end=2240
+  _globals['_ROUTERSTATE']._serialized_start=2243
+  _globals['_ROUTERSTATE']._serialized_end=2416
+  _globals['_SCHEDULER']._serialized_start=2719
+  _globals['_SCHEDULER']._serialized_end=2936
 # @@protoc_insertion_point(module_scope)

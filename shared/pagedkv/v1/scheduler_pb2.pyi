@@ -73,7 +73,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("index", "token_ids", "text_delta", "logprobs", "finish_reason", "stop_token_id", "error_message")
+    __slots__ = ("index", "token_ids", "text_delta", "logprobs", "finish_reason", "stop_token_id", "error_message", "stop_string")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class SequenceOutput(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -88,7 +89,8 @@ class SequenceOutput(_message.Message):
     finish_reason: FinishReason
     stop_token_id: int
     error_message: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class BeamOutput(_message.Message):
     __slots__ = ("token_ids", "text", "cumulative_logprob", "finish_reason")

@@ -39,9 +39,10 @@ output:
 
   With --json, each chunk of the stream is one JSON object on its own line:
   {"request_id", "sequences": [{"index", "token_ids", "text", "finish_reason",
-  and "stop_token_id", "error_message", "logprobs" when set}], "beams" (beam
-  search, final chunk), "usage" (final chunk only)}. With --skip-text the
-  scheduler makes no text: every "text" is empty (token ids only).
+  and "stop_token_id", "stop_string", "error_message", "logprobs" when set}],
+  "beams" (beam search, final chunk), "usage" (final chunk only)}. With
+  --skip-text the scheduler makes no text: every "text" is empty (token ids
+  only).
 """
 
 
@@ -167,6 +168,23 @@ def register_generate(subparsers: Any, name: str) -> None:
     )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string: the text ends before it (repeat for several; default: none)",
+    )
+    parser.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="end the text after the stop string instead",
+    )
+    parser.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="tokens before EOS or a stop may end a sequence (default: 0)",
+    )
+    parser.add_argument(
         "--logprobs", type=int, help="top-K logprobs per token (--json) (default: none)"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
@@ -263,6 +281,9 @@ def _run_generate(args: argparse.Namespace) -> int:
                 beam_width=args.beam_width,
                 stop_token_ids=args.stop_token_ids,
                 ignore_eos=args.ignore_eos,
+                stop=args.stop,
+                include_stop_str_in_output=args.include_stop_str_in_output,
+                min_tokens=args.min_tokens,
                 logprobs=args.logprobs,
                 skip_text=args.skip_text,
             )
@@ -310,6 +331,8 @@ def _chunk_json(chunk: GenerateChunk) -> dict[str, object]:
         }
         if seq.stop_token_id is not None:
             obj["stop_token_id"] = seq.stop_token_id
+        if seq.stop_string is not None:
+            obj["stop_string"] = seq.stop_string
         if seq.error_message is not None:
             obj["error_message"] = seq.error_message
         if seq.logprobs:

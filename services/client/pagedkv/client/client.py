@@ -79,6 +79,9 @@ def generate_request(
     beam_width: int = 0,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    stop: str | Sequence[str] = (),
+    include_stop_str_in_output: bool = False,
+    min_tokens: int = 0,
     logprobs: int | None = None,
     cache_salt: str = "",
     priority: int = 0,
@@ -103,6 +106,9 @@ def generate_request(
             _check_uint(f"stop_token_ids[{i}]", t) for i, t in enumerate(stop_token_ids)
         ],
         ignore_eos=ignore_eos,
+        stop=[stop] if isinstance(stop, str) else stop,
+        include_stop_str_in_output=include_stop_str_in_output,
+        min_tokens=_check_uint("min_tokens", min_tokens),
     )
     if max_tokens is not None:
         sampling.max_tokens = _check_uint("max_tokens", max_tokens)
@@ -260,6 +266,9 @@ class Client:
         beam_width: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
         logprobs: int | None = None,
         cache_salt: str = "",
         priority: int = 0,
@@ -275,7 +284,11 @@ class Client:
         ``SamplingParams`` in common.proto; None leaves a field to the
         scheduler's default. Lower ``priority`` is more important; an empty
         ``request_id`` gets a uuid4 hex. ``skip_text``: token ids only, no
-        text is made (every chunk's text is empty). A stream that breaks (its scheduler
+        text is made (every chunk's text is empty). ``stop``: stop strings
+        (one string is one stop string); the text ends before the one that
+        ends first (after it with ``include_stop_str_in_output``), and the
+        sequence's last chunk names it (``SequenceChunk.stop_string``).
+        A stream that breaks (its scheduler
         gone) continues on the next target, unless ``n`` > 1 or beam search.
         Raises a ``PagedkvError`` when the call fails, also after some
         chunks, and ``IncompleteStreamError`` when it ends without a final
@@ -293,6 +306,9 @@ class Client:
             beam_width=beam_width,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             cache_salt=cache_salt,
             priority=priority,
@@ -353,6 +369,9 @@ class Client:
         beam_width: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
         logprobs: int | None = None,
         cache_salt: str = "",
         priority: int = 0,
@@ -374,6 +393,9 @@ class Client:
             beam_width=beam_width,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             cache_salt=cache_salt,
             priority=priority,
@@ -483,6 +505,9 @@ class AsyncClient:
         beam_width: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
         logprobs: int | None = None,
         cache_salt: str = "",
         priority: int = 0,
@@ -507,6 +532,9 @@ class AsyncClient:
             beam_width=beam_width,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             cache_salt=cache_salt,
             priority=priority,
@@ -575,6 +603,9 @@ class AsyncClient:
         beam_width: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
         logprobs: int | None = None,
         cache_salt: str = "",
         priority: int = 0,
@@ -595,6 +626,9 @@ class AsyncClient:
             beam_width=beam_width,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             cache_salt=cache_salt,
             priority=priority,

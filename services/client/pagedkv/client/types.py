@@ -22,7 +22,8 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     """Reached max_tokens or the model's max_model_len."""
     STOP = "stop"
-    """Generated one of stop_token_ids (see ``SequenceChunk.stop_token_id``)."""
+    """Generated one of stop_token_ids, or its text reached a stop string (see
+    ``SequenceChunk.stop_token_id`` and ``stop_string``)."""
     EOS = "eos"
     """Generated one of the model's EOS tokens."""
     ABORT = "abort"
@@ -72,6 +73,9 @@ class SequenceChunk:
     """With ``FinishReason.STOP``: the stop token that ended it."""
     error_message: str | None
     """With ``FinishReason.ERROR``: what failed, for humans."""
+    stop_string: str | None = None
+    """With ``FinishReason.STOP`` by a stop string: which one (then
+    ``stop_token_id`` is None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,8 @@ class Completion:
     """Per index; None for a sequence the stream never finished."""
     usage: Usage
     beams: tuple[Beam, ...]
+    stop_strings: tuple[str | None, ...] = ()
+    """Per index: the stop string that ended the sequence, or None."""
 
     @property
     def text(self) -> str:
@@ -168,6 +174,7 @@ class Completion:
         token_ids: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprob]] = {}
         finish_reasons: dict[int, FinishReason | None] = {}
+        stop_strings: dict[int, str] = {}
         usage: Usage | None = None
         beams: tuple[Beam, ...] = ()
         for chunk in chunks:
@@ -177,6 +184,8 @@ class Completion:
                 token_ids.setdefault(seq.index, []).extend(seq.token_ids)
                 logprobs.setdefault(seq.index, []).extend(seq.logprobs)
                 finish_reasons[seq.index] = seq.finish_reason or finish_reasons.get(seq.index)
+                if seq.stop_string is not None:
+                    stop_strings[seq.index] = seq.stop_string
             beams = chunk.beams or beams
             usage = chunk.usage or usage
         if request_id is None or usage is None:
@@ -190,6 +199,7 @@ class Completion:
             finish_reasons=tuple(finish_reasons.get(i) for i in indices),
             usage=usage,
             beams=beams,
+            stop_strings=tuple(stop_strings.get(i) for i in indices),
         )
 
 
@@ -337,6 +347,7 @@ def chunk_from_proto(msg: scheduler_pb2.GenerateResponse) -> GenerateChunk:
                 finish_reason=finish_reason_from_proto(out.finish_reason),
                 stop_token_id=out.stop_token_id if out.HasField("stop_token_id") else None,
                 error_message=out.error_message or None,
+                stop_string=out.stop_string or None,
             )
             for out in msg.outputs
         ),

@@ -34,8 +34,11 @@ log = get_logger(__name__)
 
 class PendingOutput(NamedTuple):
     """One sequence's news in a chunk (``seq_index``: its index in the
-    generation). ``finish_reason`` None: not finished. A tuple: the step loop
-    makes one per sequence with news, and a tuple is the cheapest to make."""
+    generation). ``finish_reason`` None: not finished. ``text``: text the
+    step loop made already (a sequence with stop strings; its detokenizer is
+    then None), and ``stop_string`` the one that finished it. A tuple: the
+    step loop makes one per sequence with news, and a tuple is the cheapest
+    to make."""
 
     seq_index: int
     token_ids: list[int]
@@ -44,6 +47,8 @@ class PendingOutput(NamedTuple):
     finish_reason: int | None = None
     stop_token_id: int | None = None
     error_message: str = ""
+    text: str = ""
+    stop_string: str = ""
 
 
 class PendingChunk(NamedTuple):
@@ -60,11 +65,11 @@ class PendingChunk(NamedTuple):
         (and flushes it on the sequence's last output)."""
         response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
         for pending in self.outputs:
-            text = ""
+            text = pending.text
             detokenizer = pending.detokenizer
             if detokenizer is not None:
                 if pending.token_ids:
-                    text = detokenizer.push(pending.token_ids)
+                    text += detokenizer.push(pending.token_ids)
                 if pending.finish_reason is not None:
                     text += detokenizer.flush()
             output = response.outputs.add(
@@ -78,6 +83,7 @@ class PendingChunk(NamedTuple):
                 if pending.stop_token_id is not None:
                     output.stop_token_id = pending.stop_token_id
                 output.error_message = pending.error_message
+                output.stop_string = pending.stop_string
         if self.usage is not None:
             response.usage.CopyFrom(self.usage)
         if self.placement is not None:
@@ -86,8 +92,8 @@ class PendingChunk(NamedTuple):
 
 
 def merge(chunks: list[PendingChunk]) -> PendingChunk:
-    """Consecutive chunks of one generation as one: each sequence's tokens
-    and logprobs in order, its finish from the chunk that has it, the usage
+    """Consecutive chunks of one generation as one: each sequence's tokens,
+    logprobs and text in order, its finish from the chunk that has it, the usage
     of the last chunk and the placement of the first."""
     if len(chunks) == 1:
         return chunks[0]
@@ -106,6 +112,8 @@ def merge(chunks: list[PendingChunk]) -> PendingChunk:
                 output.finish_reason,
                 output.stop_token_id,
                 output.error_message,
+                earlier.text + output.text,
+                output.stop_string,
             )
     first, last = chunks[0], chunks[-1]
     return PendingChunk(first.request_id, list(merged.values()), last.usage, first.placement)

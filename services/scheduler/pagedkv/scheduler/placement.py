@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pagedkv.common.errors import ResourceExhausted
+from pagedkv.common.errors import InvalidArgument, ResourceExhausted
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.sequence import Generation, Sequence
+from pagedkv.scheduler.stop_strings import StopMatcher
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.validation import resumed_token_ids, validate_sampling
 from pagedkv.v1 import executor_pb2, scheduler_pb2
@@ -36,9 +38,15 @@ def new_generation(
     A resumed call (``resumed_token_ids``) gets one sequence whose token
     history is the prompt plus the resumed tokens, counted as outputs
     (max_tokens, usage); its detokenizer has skipped their text.
+
+    With stop strings, each sequence's detokenizer is owned by its stop
+    matcher (see stop_strings.py), which needs a tokenizer.
     """
     sampling = request.sampling
     valid = validate_sampling(sampling, len(prompt), info)
+    if sampling.stop and tokenizer is None:
+        why = "skip_text" if request.skip_text else "a model without a tokenizer"
+        raise InvalidArgument(f"sampling.stop: not supported with {why}")
     resumed = resumed_token_ids(request, valid, len(prompt), info)
     n, max_tokens = valid.n, valid.max_tokens
     generation = Generation(
@@ -65,12 +73,7 @@ def new_generation(
             priority=request.priority,
         )
         seq_request.num_prompt_tokens = len(prompt)  # the resumed tokens are outputs
-        detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer else None
-        if detokenizer is not None:
-            detokenizer.skip(resumed)
-        generation.sequences.append(
-            Sequence(generation, index, seq_request, detokenizer=detokenizer)
-        )
+        generation.sequences.append(_sequence(generation, index, seq_request, resumed))
     history = len(prompt) + len(resumed)
     needed = -(-(history + 1) // info.block_size) + n
     usable = max(s.info.num_blocks - 1 for s in schedulers.values())
@@ -79,6 +82,22 @@ def new_generation(
             f"prompt: {history} tokens need {needed} blocks; executors have at most {usable}"
         )
     return generation
+
+
+def _sequence(generation: Generation, index: int, request: Request, resumed: list[int]) -> Sequence:
+    """Sequence ``index`` with its text maker (none without a tokenizer),
+    past the ``resumed`` tokens' text."""
+    tokenizer = generation.tokenizer
+    if tokenizer is None:
+        return Sequence(generation, index, request)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    sampling = generation.sampling
+    if not sampling.stop:
+        detokenizer.skip(resumed)
+        return Sequence(generation, index, request, detokenizer=detokenizer)
+    matcher = StopMatcher(detokenizer, sampling.stop, sampling.include_stop_str_in_output)
+    matcher.skip(resumed)
+    return Sequence(generation, index, request, stop_matcher=matcher)
 
 
 def place(

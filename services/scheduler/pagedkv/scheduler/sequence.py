@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.chunks import ChunkQueue, PendingChunk, PendingOutput
 from pagedkv.scheduler.request import Request
+from pagedkv.scheduler.stop_strings import StopMatcher
 from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
@@ -66,7 +67,12 @@ class Sequence:
     # Output since the last chunk, and logprobs per output token.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
+    # Its text: made lazily from pending_token_ids by the detokenizer when
+    # its stream reads a chunk, or, with stop strings, eagerly by the stop
+    # matcher (which then owns the detokenizer) into pending_text.
     detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopMatcher | None = None
+    pending_text: str = ""
     admitted: bool = False  # admitted once (cached prompt tokens are counted then)
     finish_reported: bool = False  # its finishing chunk was queued
     # Its state on its executor while it holds a row there (see ExecutorRow);
@@ -111,6 +117,19 @@ class Sequence:
         if reason is None and len(self.request.token_ids) >= self.max_num_tokens:
             return _LENGTH
         return reason
+
+    def push_text(self, token: int) -> str | None:
+        """With stop strings (``stop_matcher``), the text check of a sampled
+        token just appended: pushes it through the matcher, adds the text it
+        releases to ``pending_text`` and returns the stop string it
+        completes, or None when the sequence goes on (or has no matcher)."""
+        matcher = self.stop_matcher
+        if matcher is None:
+            return None
+        released = matcher.push((token,))
+        if released.text:
+            self.pending_text += released.text
+        return released.stop
 
     def stop_index(self, tokens: list[int]) -> tuple[int, int | None]:
         """``stop_reason`` of each of ``tokens`` appended in turn, at once
@@ -165,7 +184,7 @@ class Generation:
     forked: bool = False  # the other n - 1 sequences were forked from the first
     done: bool = False
     beam: BeamSearch | None = None  # beam search (beam_width >= 2)
-    tokenizer: TextTokenizer | None = None  # for the beams' text
+    tokenizer: TextTokenizer | None = None  # the text of beams and sequences; None: none
     reserved_rows: list[int] = field(default_factory=list)  # rows kept for its forks
     # The scheduler's own serial number of this call: sequences are named
     # from it, never from the client's request_id (which is free text).
@@ -183,7 +202,13 @@ class Generation:
         eos, stop = FinishReason.FINISH_REASON_EOS, FinishReason.FINISH_REASON_STOP
         self.stop_reasons = {token: eos for token in self.eos_token_ids}
         self.stop_reasons.update({token: stop for token in self.stop_token_ids})
-        self.plain = self.beam is None and self.n == 1 and not self.sampling.HasField("logprobs")
+        sampling = self.sampling
+        self.plain = (
+            self.beam is None
+            and self.n == 1
+            and not sampling.HasField("logprobs")
+            and not sampling.stop
+        )
 
     def new_seq_id(self) -> str:
         """A name for a new sequence of this generation (its block-core
@@ -230,8 +255,13 @@ class Generation:
             if not finished:
                 all_finished = False
             tokens = seq.pending_token_ids
+            matcher = seq.stop_matcher
             if finished and not seq.finish_reported:
                 seq.finish_reported = True
+                stop_string = ""
+                if matcher is not None:  # held text goes out, unless a stop string ended it
+                    seq.pending_text += matcher.flush()
+                    stop_string = matcher.stopped or ""
                 output = PendingOutput(
                     seq.index,
                     tokens,
@@ -240,13 +270,19 @@ class Generation:
                     seq.finish_reason,
                     seq.stop_token_id,
                     seq.error_message,
+                    seq.pending_text,
+                    stop_string,
                 )
             elif tokens:
-                output = PendingOutput(seq.index, tokens, seq.pending_logprobs, seq.detokenizer)
+                output = PendingOutput(
+                    seq.index, tokens, seq.pending_logprobs, seq.detokenizer, text=seq.pending_text
+                )
             else:
                 continue
             outputs.append(output)
             seq.pending_token_ids = []
+            if seq.pending_text:
+                seq.pending_text = ""
             if seq.pending_logprobs:
                 seq.pending_logprobs = []
         usage = None

@@ -3,17 +3,21 @@
 A step's response holds one sample per entry that asked for one, in entry
 order (``ScheduledStep.sampled``). Each sample of a live sequence is appended
 to its request and to its pending output, then checked once
-(``Sequence.stop_reason``); a finished sequence is released at once. Beams
-keep their candidates until every live beam of the generation has them (see
-groups.py). Text is not made here: a chunk's text deltas are decoded when its
+(``Sequence.stop_reason``, and with stop strings ``Sequence.push_text``); a
+finished sequence is released at once. Beams keep their candidates until
+every live beam of the generation has them (see groups.py). Text is not made
+here, except for sequences with stop strings (their text is matched as it
+grows, see stop_strings.py): a chunk's text deltas are decoded when its
 stream reads it (chunks.py).
 
-The common sample (no beam search, no logprobs, no forks to make) takes a
-short path through plain lists; the others go through ``_apply_sample``. A
-decode window's samples (one round per step, each round in entry order) are
-applied per sequence instead: a plain sequence's tokens of every round go in
-at once, cut at the first that stops it (``Sequence.stop_index``, the same
-check token by token); the others' samples one by one, round after round.
+The common sample (no beam search, no logprobs, no stop strings, no forks to
+make) takes a short path through plain lists; the others go through
+``_apply_sample``. A decode window's samples (one round per step, each round
+in entry order) are applied per sequence instead: a plain sequence's tokens
+of every round go in at once, cut at the first that stops it
+(``Sequence.stop_index``, the same check token by token); the others'
+samples one by one, round after round, so that the samples after the one
+that stops a sequence (a stop string too) are dropped.
 """
 
 from __future__ import annotations
@@ -177,7 +181,11 @@ def _apply_sample(
     seq.request.append_output_token_ids(token)
     seq.pending_token_ids.append(token)
     reason = seq.stop_reason(token)
-    if reason is not None:
+    stop_string = seq.push_text(token)
+    if stop_string is not None:
+        reason = _STOP
+        seq.finish(reason)
+    elif reason is not None:
         seq.finish(reason, token if reason == _STOP else None)
     if generation.n > 1 and not generation.forked and seq.index == 0:
         fork_samples(scheduler, seq)  # before a release: they share its prompt blocks

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.scheduler.beam import BeamSearch
+from pagedkv.scheduler.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 
 MAX_N = 64
@@ -81,6 +82,9 @@ def validate_sampling(
             raise InvalidArgument(
                 f"sampling.stop_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
             )
+    _check_stop_strings(sampling)
+    if sampling.min_tokens:
+        raise InvalidArgument("sampling.min_tokens: not supported yet")
     n = sampling.n or 1
     beam = None
     if sampling.beam_width > 1:
@@ -91,11 +95,27 @@ def validate_sampling(
                 f"sampling.beam_width: {sampling.beam_width} > {info.max_logprobs} "
                 "(the executors' max_logprobs)"
             )
+        if sampling.stop:
+            raise InvalidArgument("sampling.stop: not supported with beam search")
         width = sampling.beam_width
         beam = BeamSearch(width, min(2 * width, info.max_logprobs))
     if n > MAX_N:
         raise InvalidArgument(f"sampling.n: {n} > {MAX_N}")
     return ValidSampling(n, max_tokens, beam)
+
+
+def _check_stop_strings(sampling: common_pb2.SamplingParams) -> None:
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(
+            f"sampling.stop: {len(sampling.stop)} stop strings > {MAX_STOP_STRINGS}"
+        )
+    for i, stop in enumerate(sampling.stop):
+        if not stop:
+            raise InvalidArgument(f"sampling.stop[{i}]: empty")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(
+                f"sampling.stop[{i}]: {len(stop)} characters > {MAX_STOP_STRING_CHARS}"
+            )
 
 
 def resumed_token_ids(
