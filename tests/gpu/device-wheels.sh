@@ -55,4 +55,18 @@ echo "device-wheels: downloading ${pins[*]} into $WHEEL_DIR"
   --platform manylinux1_x86_64 \
   --dest "$WHEEL_DIR" "${pins[@]}"
 
+# The gateway (FastAPI, uvicorn, Jinja2) and the HTTP client of `pagedkv bench
+# serve --gateway` (aiohttp), with their dependencies (pydantic's compiled
+# core, aiohttp's multidict, yarl and the like), resolved for that machine at
+# the pins of constraints.txt and requirements-dev.txt where they have one.
+HTTP_PACKAGES=(fastapi starlette pydantic uvicorn jinja2 aiohttp)
+echo "device-wheels: downloading ${HTTP_PACKAGES[*]} with their dependencies into $WHEEL_DIR"
+"$PYTHON" -m pip download --quiet --only-binary=:all: \
+  --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 \
+  -c constraints.txt -c requirements-dev.txt \
+  --dest "$WHEEL_DIR" "${HTTP_PACKAGES[@]}"
+
 ls -1 "$WHEEL_DIR"

@@ -21,6 +21,10 @@
 #   bash tests/gpu/run-serve-bench.sh cold       # ~1.1B: cold paths, 160 requests at 4/s
 #                                            # on a fresh server, windows of 8 then single
 #                                            # steps (TTFT p99 against p50; three minutes)
+#   bash tests/gpu/run-serve-bench.sh gateway    # ~1.1B: 64 and 256 x (512 -> 256), each
+#                                            # twice, over gRPC then through one pagedkv
+#                                            # gateway process (HTTP) on the same stack
+#                                            # (bench serve --gateway; a minute or two)
 #
 # WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
@@ -35,8 +39,15 @@
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
 # gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
-# serve-cold-h200 / serve-cold-single-h200 (cold); set
-# DEVICE_NAME for another GPU.
+# serve-cold-h200 / serve-cold-single-h200 (cold) and serve-gateway-h200
+# (gateway); set DEVICE_NAME for another GPU.
+#
+# A dry run of a mode's commands on a machine without a GPU: DEVICE=cpu runs
+# them on the CPU (dtype auto); for the gateway mode PRESET (default
+# llama-1.1b) and BATCHES (default 64x512x256,256x512x256,64x512x256,
+# 256x512x256) shrink it, e.g.
+#   DEVICE=cpu PRESET=tiny BATCHES=4x16x8,8x16x8 DEVICE_NAME=cpu-dry-run \
+#     OUT=/some/dir bash tests/gpu/run-serve-bench.sh gateway
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -46,7 +57,11 @@ RESULTS=${OUT:-tests/benchmarks/results}
 NAME=${DEVICE_NAME:-h200}
 
 bench() {
-  "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
+  if [[ "${DEVICE:-cuda}" == cpu ]]; then
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cpu "$@"
+  else
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
+  fi
 }
 
 setup
@@ -110,8 +125,16 @@ case "${1:-1b}" in
     bench --preset llama-1.1b --rates 4 --num-requests 160 --fixed-batch '' --no-hf \
       --decode-window 1 --output "$RESULTS/serve-cold-single-$NAME.json"
     ;;
+  gateway)
+    # Each shape twice, alternating, on prompts of their own: every row is a
+    # gRPC run and, right after, the same shape through the gateway.
+    bench --preset "${PRESET:-llama-1.1b}" --rates '' --gateway --no-hf \
+      --fixed-batch "${BATCHES:-64x512x256,256x512x256,64x512x256,256x512x256}" "${tuned[@]}" \
+      --output "$RESULTS/serve-gateway-$NAME.json"
+    ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps or cold, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold or" \
+      "gateway, not $1" >&2
     exit 2
     ;;
 esac
