@@ -82,8 +82,11 @@ def test_an_uncached_hub_id_says_it_is_not_in_the_local_cache(
 ) -> None:
     assert main(["serve", "--model", "some-org/some-model"]) == 2
     line = _one_line_error(capsys.readouterr().err)
-    assert line.startswith("pagedkv serve: --model some-org/some-model: no such directory, and ")
-    assert "no config.json of this hub id in the local Hugging Face cache" in line
+    assert line == (
+        f"pagedkv serve: --model some-org/some-model: not a directory and not in the Hugging "
+        f"Face cache at {empty_hub_cache} (models are not downloaded at run time; set "
+        "HF_HUB_CACHE or HF_HOME)"
+    )
 
 
 def test_a_cached_hub_id_passes_and_one_cached_without_config_does_not(

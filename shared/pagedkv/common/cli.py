@@ -27,10 +27,10 @@ import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
 from typing import Any
 
 from pagedkv.common.logging import configure_logging
+from pagedkv.common.model_source import ModelNotFound, resolve_model
 
 ENTRY_POINT_GROUP = "pagedkv.commands"
 
@@ -223,32 +223,16 @@ def check_model_argument(model: str) -> None:
     """Checks that ``model`` names a model the executors can load offline.
 
     A model is a directory holding ``config.json``, or a Hugging Face hub id
-    (``name`` or ``org/name``) whose ``config.json`` is in the local hub cache
-    (``HF_HUB_CACHE``): models are never downloaded at run time. Reads the
-    file system only and imports nothing heavy (huggingface_hub, only for a
-    hub id, and only if installed). Raises ``ModelArgumentError``.
+    (``name`` or ``org/name``) whose snapshot in the local hub cache holds
+    one (see ``pagedkv.common.model_source``): models are never downloaded
+    at run time. Reads the file system only. Raises ``ModelArgumentError``.
     """
-    path = Path(model)
-    if path.exists():
-        if not path.is_dir():
-            raise ModelArgumentError("not a directory")
-        if not (path / "config.json").is_file():
-            raise ModelArgumentError("not a model directory: no config.json")
-        return
     try:
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub.errors import HFValidationError
-    except ImportError:  # no hub library, so no hub cache to look in
-        raise ModelArgumentError("no such directory") from None
-    try:
-        config = try_to_load_from_cache(model, "config.json")
-    except HFValidationError:  # not of the form name or org/name
-        raise ModelArgumentError("no such directory") from None
-    if not isinstance(config, str):
-        raise ModelArgumentError(
-            "no such directory, and no config.json of this hub id in the local Hugging Face "
-            "cache (models are not downloaded at run time)"
-        )
+        path = resolve_model(model)
+    except ModelNotFound as exc:
+        raise ModelArgumentError(str(exc)) from None
+    if not (path / "config.json").is_file():
+        raise ModelArgumentError("not a model directory: no config.json")
 
 
 def build_parser() -> argparse.ArgumentParser:

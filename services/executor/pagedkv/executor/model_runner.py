@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagedkv.common.logging import get_logger
+from pagedkv.common.model_source import resolve_model
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
@@ -83,7 +84,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.backend = get_backend(config.kernel_backend)
-        hf_config = AutoConfig.from_pretrained(config.model)
+        model_dir = resolve_model(config.model)  # a directory, or a cached hub id's snapshot
+        hf_config = AutoConfig.from_pretrained(model_dir)
         self.spec: ModelSpec = model_spec_from_config(hf_config, config.max_model_len)
         self.dtype = self._resolve_dtype(hf_config)
         attention.register()
@@ -92,7 +94,7 @@ class ModelRunner:
             with self.device:
                 model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         self.model = model.to(self.device).eval()
         self.fused = self._fuse() if config.fused_ops else None
         dtype_name = str(self.dtype).removeprefix("torch.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from pagedkv.common.cli import (
@@ -12,6 +13,7 @@ from pagedkv.common.cli import (
     add_redis_secret_arguments,
     add_server_tls_arguments,
 )
+from pagedkv.common.model_source import ModelNotFound, resolve_model
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +74,9 @@ def register_router(subparsers: Any, name: str) -> None:
         help="serve Prometheus metrics on this port, on --host (default: none, no metrics)",
     )
     parser.add_argument(
-        "--model", help="model directory for the tokenizer (default: the executors' model id)"
+        "--model",
+        help="model directory, or a hub id in the local Hugging Face cache, for the tokenizer "
+        "(default: the executors' model id)",
     )
     parser.add_argument(
         "--refresh-interval",
@@ -102,6 +106,12 @@ def register_router(subparsers: Any, name: str) -> None:
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        try:
+            resolve_model(args.model)
+        except ModelNotFound as exc:
+            print(f"pagedkv router: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
     from pagedkv.router.server import run_router
 
     return run_router(args)

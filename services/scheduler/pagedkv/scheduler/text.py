@@ -21,6 +21,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from pagedkv.common.model_source import model_dir_or_none
+
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder writes for bytes that are not (yet) valid UTF-8."""
 
@@ -63,11 +65,14 @@ class TextTokenizer:
     def from_model_dir(cls, path: str | Path) -> TextTokenizer | None:
         """Load ``<path>/tokenizer.json``; None when the model dir has none.
 
+        ``path`` may also be a Hugging Face id in the local cache (see
+        ``pagedkv.common.model_source``); None when it is not there.
         A model served without a tokenizer takes prompts as token ids only.
         A file that exists but does not parse raises ``tokenizers``' exception.
         """
-        file = Path(path) / TOKENIZER_FILE
-        if not file.is_file():
+        directory = model_dir_or_none(str(path))
+        file = None if directory is None else directory / TOKENIZER_FILE
+        if file is None or not file.is_file():
             return None
         return cls(Tokenizer.from_file(str(file)))
 
