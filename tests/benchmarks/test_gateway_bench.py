@@ -101,10 +101,10 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     argv = ["--model", str(model), "--gateway", "--rates", "inf", "--num-requests", "3"]
     argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
     argv += ["--warmup-requests", "2", "--fixed-batch", f"3x12x5,2x{too_long}x3", "--no-hf"]
-    argv += ["--num-blocks", "128", "--decode-window", "1", "--output", str(output)]
+    argv += ["--num-blocks", "128", "--decode-window", "1", "--grpc-text", "--output", str(output)]
     assert main(_args(argv)) == 1  # the refused batch
     report = json.loads(output.read_text())
-    assert report["settings"]["gateway"] is True
+    assert report["settings"]["gateway"] is True and report["settings"]["grpc_text"] is True
     assert {"pagedkv-gateway", "aiohttp"} <= set(report["machine"])
     (rate,) = report["rates"]
     for summary in (rate["summary"], rate["http"]["summary"]):
@@ -132,5 +132,6 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     text = output.with_suffix(".md").read_text()
     assert "| pagedkv gateway (HTTP) | 3 x (12 -> 5) | 3/3 |" in text
     assert "## Through the gateway (HTTP) against gRPC, same stack" in text
+    assert "over gRPC (with the outputs' text)" in text
     assert f"- fixed batch 2 x ({too_long} -> 3) over HTTP: 2 of 2 requests failed" in text
     assert output.with_suffix(".png").stat().st_size > 0

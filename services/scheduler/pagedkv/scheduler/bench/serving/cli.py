@@ -139,6 +139,12 @@ def register(subparsers: Any, name: str) -> None:
         "of the scheduler (the OpenAI API over HTTP, streamed), right after its gRPC run, and "
         "compare: output tok/s, TTFT and ITL, the gateway's CPU per 1,000 tokens",
     )
+    parser.add_argument(
+        "--grpc-text",
+        action="store_true",
+        help="the gRPC requests ask for the outputs' text, as the gateway's do (default: "
+        "token ids only, skip_text)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output",

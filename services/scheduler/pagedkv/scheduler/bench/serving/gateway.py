@@ -95,10 +95,15 @@ def _timed(load: Load, slo: Slo, gateway: Gateway | None) -> tuple[dict[str, Any
 
 
 def timed_grpc(
-    target: str, requests: Sequence[BenchRequest], arrivals: Sequence[float], slo: Slo
+    target: str,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    slo: Slo,
+    text: bool = False,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """A gRPC run's summary (with the client's CPU) and its results."""
-    return _timed(lambda: asyncio.run(run_load(target, requests, arrivals)), slo, None)
+    """A gRPC run's summary (with the client's CPU) and its results; with
+    ``text`` the scheduler makes the outputs' text, as for the gateway."""
+    return _timed(lambda: asyncio.run(run_load(target, requests, arrivals, text)), slo, None)
 
 
 def timed_http(
@@ -132,16 +137,18 @@ def comparison(grpc: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def markdown_lines(batches: Sequence[dict[str, Any]]) -> list[str]:
-    """The fixed batches that ran both ways: a row each."""
+def markdown_lines(batches: Sequence[dict[str, Any]], grpc_text: bool) -> list[str]:
+    """The fixed batches that ran both ways: a row each (``grpc_text``:
+    whether the gRPC runs asked for text)."""
     rows = [b for b in batches if "http" in b]
     if not rows:
         return []
+    asked = "with the outputs' text" if grpc_text else "token ids only, no text"
     lines = [
         "## Through the gateway (HTTP) against gRPC, same stack",
         "",
-        "Each fixed batch over gRPC, then on prompts of its own through one `pagedkv "
-        "gateway` process (`POST /v1/completions`, streamed). Tokens per event: output "
+        f"Each fixed batch over gRPC ({asked}), then on prompts of its own through one "
+        "`pagedkv gateway` process (`POST /v1/completions`, streamed). Tokens per event: output "
         "tokens over the chunks (gRPC) or events (HTTP) that carried them. CPU: the "
         "gateway's and the benchmark client's CPU seconds per second of the run (the "
         "client near 1.0 would be the bottleneck).",

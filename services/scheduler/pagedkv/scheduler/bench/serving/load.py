@@ -4,8 +4,9 @@ An open loop: each request is sent at its own time whatever the server's
 state (the queue grows when the rate is above what the server sustains), and
 its stream is read to the end; every chunk with tokens is timed on arrival.
 Greedy sampling with ``ignore_eos``, so each request generates exactly its
-``max_tokens``, and ``skip_text`` (tokens are only counted, so the scheduler
-makes no text, as a client that detokenizes itself would ask). The raw
+``max_tokens``, and ``skip_text`` unless ``text`` is asked for (tokens are
+only counted, so the scheduler makes no text, as a client that detokenizes
+itself would ask). The raw
 Scheduler stub is used (the scheduler side does not
 depend on the SDK); a failed call is recorded, never raised.
 """
@@ -60,6 +61,7 @@ async def _send(
     request: BenchRequest,
     scheduled: float,
     start: float,
+    text: bool,
 ) -> RequestResult:
     delay = start + scheduled - time.perf_counter()
     if delay > 0:
@@ -70,7 +72,7 @@ async def _send(
         sampling=common_pb2.SamplingParams(
             temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True
         ),
-        skip_text=True,  # only tokens are counted: the scheduler makes no text
+        skip_text=not text,  # only tokens are counted: no text unless asked for
     )
     sent = time.perf_counter() - start
     times: list[float] = []
@@ -106,17 +108,17 @@ async def _send(
 
 
 async def run_load(
-    target: str, requests: Sequence[BenchRequest], arrivals: Sequence[float]
+    target: str, requests: Sequence[BenchRequest], arrivals: Sequence[float], text: bool = False
 ) -> tuple[list[RequestResult], float]:
     """Every request's result, in order, and the seconds from the start to
-    the last end."""
+    the last end; with ``text`` the scheduler makes the outputs' text."""
     assert len(requests) == len(arrivals)
     options = [("grpc.max_concurrent_streams", 0)]
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(_send(stub, r, t, start) for r, t in zip(requests, arrivals, strict=True))
+            *(_send(stub, r, t, start, text) for r, t in zip(requests, arrivals, strict=True))
         )
         seconds = time.perf_counter() - start
     return list(results), seconds

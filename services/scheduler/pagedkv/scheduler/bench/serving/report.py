@@ -100,7 +100,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 )
         if notes:
             lines += ["", *notes]
-        through_gateway = gateway_lines(report["fixed_batches"])
+        through_gateway = gateway_lines(report["fixed_batches"], settings.get("grpc_text", False))
         lines += ["", *through_gateway] if through_gateway else []
     timeline = report.get("timeline")
     if timeline and "error" in timeline:

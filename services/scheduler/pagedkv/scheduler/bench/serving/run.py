@@ -104,7 +104,7 @@ def _serve_runs(
         at = i * ways * args.num_requests
         part = requests[at : at + args.num_requests]
         arrivals = poisson_arrivals(len(part), rate, seed=args.seed + i)
-        summary, results = timed_grpc(target, part, arrivals, slo)
+        summary, results = timed_grpc(target, part, arrivals, slo, args.grpc_text)
         log.info("rate done", rate=rate, output_tokens_per_s=round(summary["output_tokens_per_s"]))
         label = reporting.rate_label(rate)
         row = {"rate": label, "summary": summary, "requests": request_rows(results)}
@@ -119,7 +119,7 @@ def _serve_runs(
             row["http"] = {"summary": summary, "requests": request_rows(results)}
         out["rates"].append(row)
     out["fixed_batches"], out["fixed_batch_marks"] = run_fixed_batches(
-        target, batches, mix.vocab_size, slo, seed=args.seed + 1000, gateway=gateway
+        target, batches, mix.vocab_size, slo, args.seed + 1000, gateway, args.grpc_text
     )
     stats = asyncio.run(server_stats(target))
     out["server"] = {
@@ -170,16 +170,18 @@ def run_fixed_batches(
     slo: Slo,
     seed: int,
     gateway: Gateway | None = None,
+    grpc_text: bool = False,
 ) -> tuple[list[dict[str, Any]], list[float]]:
-    """Each batch sent at once (batch i's prompts from ``seed + i``): a row
-    per batch, and the ``perf_counter`` before and after each gRPC run.
+    """Each batch sent at once (batch i's prompts from ``seed + i``; over
+    gRPC with the outputs' text when ``grpc_text``): a row per batch, and
+    the ``perf_counter`` before and after each gRPC run.
     Through ``gateway`` too, right after (prompts from ``seed + i +
     HTTP_SEED_OFFSET``): the row's ``http`` and ``gateway`` (comparison)."""
     rows, marks = [], []
     for i, b in enumerate(batches):
         part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i)
         marks.append(time.perf_counter())
-        summary, _ = timed_grpc(target, part, [0.0] * len(part), slo)
+        summary, _ = timed_grpc(target, part, [0.0] * len(part), slo, grpc_text)
         marks.append(time.perf_counter())
         log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
         row: dict[str, Any] = {**b._asdict(), "pagedkv": summary}
@@ -275,6 +277,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "step_trace",
         "sweep",
         "gateway",
+        "grpc_text",
         "seed",
         "target",
     ]
@@ -286,6 +289,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
             "num_requests",
             "hf_repeat",
             "gateway",
+            "grpc_text",
         )
         keys = [k for k in keys if k not in unused and not k.startswith(("timeline", "step_"))]
     name = args.model if args.model is not None else f"preset {args.preset}"
