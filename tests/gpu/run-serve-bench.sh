@@ -40,7 +40,8 @@
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
 # gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
 # serve-cold-h200 / serve-cold-single-h200 (cold) and serve-gateway-h200
-# (gateway); set DEVICE_NAME for another GPU.
+# (gateway; serve-gateway-text-h200 with GRPC_TEXT=1, the gRPC runs then
+# asking for text as the gateway does); set DEVICE_NAME for another GPU.
 #
 # A dry run of a mode's commands on a machine without a GPU: DEVICE=cpu runs
 # them on the CPU (dtype auto); for the gateway mode PRESET (default
@@ -128,9 +129,12 @@ case "${1:-1b}" in
   gateway)
     # Each shape twice, alternating, on prompts of their own: every row is a
     # gRPC run and, right after, the same shape through the gateway.
-    bench --preset "${PRESET:-llama-1.1b}" --rates '' --gateway --no-hf \
+    # GRPC_TEXT=1: the gRPC runs ask for text too (serve-gateway-text-NAME).
+    text=() suffix=''
+    [[ "${GRPC_TEXT:-0}" == 1 ]] && text=(--grpc-text) suffix=-text
+    bench --preset "${PRESET:-llama-1.1b}" --rates '' --gateway --no-hf "${text[@]}" \
       --fixed-batch "${BATCHES:-64x512x256,256x512x256,64x512x256,256x512x256}" "${tuned[@]}" \
-      --output "$RESULTS/serve-gateway-$NAME.json"
+      --output "$RESULTS/serve-gateway$suffix-$NAME.json"
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold or" \
