@@ -243,3 +243,9 @@ def test_rendering_leaves_the_callers_messages_unchanged(model_dirs: dict[str, P
     messages = [{"role": "user", "content": parts, "name": None}]
     _template(model_dirs["qwen2"]).render(messages)
     assert messages == [{"role": "user", "content": parts, "name": None}]
+
+
+def test_extra_variables_cannot_replace_the_messages(model_dirs: dict[str, Path]) -> None:
+    template = _template(model_dirs["qwen2"])
+    extra = {"messages": [ASSISTANT], "bos_token": "<B>"}
+    assert template.render([USER], **extra) == template.render([USER])

@@ -138,6 +138,7 @@ class ChatTemplate:
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         *,
         add_generation_prompt: bool = True,
         **extra: Any,
@@ -147,7 +148,8 @@ class ChatTemplate:
         ``add_generation_prompt`` ends it with what starts the assistant's
         reply. ``extra`` become template variables too (``tools``,
         ``documents`` default to None; an extra named like a special token
-        replaces it). Inputs are copied as plain JSON data first; the
+        replaces it; ``messages`` and ``add_generation_prompt`` are the
+        arguments, whatever ``extra`` holds). Inputs are copied as plain JSON data first; the
         caller's objects are never changed. Raises ``ChatTemplateError``.
         """
         variables: dict[str, Any] = {"tools": None, "documents": None}
