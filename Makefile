@@ -56,8 +56,8 @@ lint: setup
 
 # Runs the images' install steps (deploy/install.sh) in fresh temporary venvs,
 # since no container daemon builds the images here: the scheduler set must
-# give working `pagedkv scheduler` and `pagedkv router` commands, import the
-# gateway with its HTTP stack (FastAPI, uvicorn, Jinja2), list no command that
+# give working `pagedkv scheduler`, `router` and `gateway` commands, import the
+# gateway's app with its HTTP stack (FastAPI, uvicorn, Jinja2), list no command that
 # needs the executor part (serve, executor, make-tiny-model) and hold neither
 # torch nor transformers, the executor set a `pagedkv executor` command (torch
 # as pip finds it: CPU here, CUDA in the image).
@@ -68,7 +68,8 @@ image-install-check:
 		{ cat "$$tmp/scheduler.log"; exit 1; }; \
 	"$$tmp/scheduler/bin/pagedkv" scheduler --help >/dev/null && \
 	"$$tmp/scheduler/bin/pagedkv" router --help >/dev/null && \
-	"$$tmp/scheduler/bin/python" -c "import fastapi, uvicorn, jinja2, pagedkv.gateway" && \
+	"$$tmp/scheduler/bin/pagedkv" gateway --help >/dev/null && \
+	"$$tmp/scheduler/bin/python" -c "import fastapi, uvicorn, jinja2, pagedkv.gateway.app" && \
 	if "$$tmp/scheduler/bin/pagedkv" --help | grep -Eq '^    (serve|executor|make-tiny-model) '; then \
 		echo "image-install-check: the scheduler set lists commands it cannot run"; exit 1; fi && \
 	for module in torch transformers; do \

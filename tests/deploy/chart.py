@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ VALUE_SETS: dict[str, Values] = {
     "tls": {
         "tls": {"enabled": True, "generate": True},
         "auth": {"enabled": True},
+        "gateway": {"enabled": True},
     },
     "tls-existing-secrets": {
         "tls": {
@@ -46,14 +48,31 @@ VALUE_SETS: dict[str, Values] = {
                 "router": "router-cert",
                 "scheduler": "scheduler-cert",
                 "executor": "executor-cert",
+                "gateway": "gateway-cert",
             },
         },
         "auth": {"enabled": True, "existingSecret": "pagedkv-tokens"},
+        "gateway": {
+            "enabled": True,
+            "auth": {"existingSecret": "api-keys", "tokensKey": "keys.txt"},
+        },
+        "networkPolicy": {
+            "routerClients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+            "gatewayClients": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}],
+            "metricsScrapers": [{"namespaceSelector": {"matchLabels": {"monitoring": "true"}}}],
+        },
     },
     "scaled": {
         "router": {"replicas": 3},
         "scheduler": {"replicas": 4},
         "executor": {"replicas": 8, "maxModelLen": 8192, "enforceEager": True},
+        "gateway": {
+            "enabled": True,
+            "replicas": 2,
+            "servedModelName": "qwen",
+            "drainTimeout": 120,
+            "service": {"type": "LoadBalancer", "port": 80},
+        },
         "model": {
             "persistentVolumeClaim": {"claimName": ""},
             "hostPath": {"path": "/mnt/models"},
@@ -68,6 +87,7 @@ VALUE_SETS: dict[str, Values] = {
         "router": {"enabled": False},
         "redis": {"auth": {"enabled": False}},
         "networkPolicy": {"enabled": False},
+        "gateway": {"enabled": True, "port": 8080},
     },
 }
 
@@ -136,12 +156,38 @@ def named(objects: list[Manifest], kind: str, component: str) -> Manifest:
 
 
 def workloads(objects: list[Manifest]) -> Iterator[Manifest]:
-    """The pagedkv Deployments and StatefulSets (not the bundled Redis)."""
+    """The pagedkv Deployments and StatefulSets (not the bundled Redis), the
+    HTTP gateway included."""
     for o in objects:
         if o["kind"] in ("Deployment", "StatefulSet") and (
             o["metadata"]["labels"]["app.kubernetes.io/component"] != "redis"
         ):
             yield o
+
+
+def grpc_servers(objects: list[Manifest]) -> Iterator[Manifest]:
+    """The gRPC tiers' workloads (routers, schedulers, executors): those
+    with Redis and gRPC health; not the HTTP gateway."""
+    for o in workloads(objects):
+        if o["metadata"]["labels"]["app.kubernetes.io/component"] != "gateway":
+            yield o
+
+
+def container_of(workload: Manifest) -> dict[str, Any]:
+    """The workload's one container."""
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """Each --flag followed by a value (not another flag)."""
+    return {
+        flag: value
+        for flag, value in itertools.pairwise(args)
+        if flag.startswith("--") and not value.startswith("--")
+    }
 
 
 def load_values_file() -> Values:

@@ -37,22 +37,22 @@ def test_chart_lints_clean(name: str) -> None:
 def _validate_service_monitor(monitor: Manifest, services: list[Manifest]) -> None:
     """The prometheus-operator CRD ships no schema in kubernetes-validate, so
     its shape is checked here: the fields we set, and a port every selected
-    Service has."""
+    Service has. The release's monitor selects routers and schedulers (port
+    `metrics`), the gateway's its Service (`/metrics` of port `http`)."""
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
     assert set(monitor["spec"]) == {"selector", "endpoints"}
-    selected = {
-        expr["key"]: set(expr["values"]) for expr in monitor["spec"]["selector"]["matchExpressions"]
-    }
+    selector = monitor["spec"]["selector"]
+    selected = {k: {v} for k, v in selector.get("matchLabels", {}).items()}
+    selected |= {expr["key"]: set(expr["values"]) for expr in selector.get("matchExpressions", [])}
     matching = [
         s for s in services if all(s["metadata"]["labels"].get(k) in v for k, v in selected.items())
     ]
-    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in matching} == {
-        "router",
-        "scheduler",
-    }
+    components = {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in matching}
+    gateway = monitor["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    assert components == ({"gateway"} if gateway else {"router", "scheduler"})
     for endpoint in monitor["spec"]["endpoints"]:
-        assert set(endpoint) == {"port", "interval"}
+        assert set(endpoint) == ({"port", "path", "interval"} if gateway else {"port", "interval"})
         for service in matching:
             assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
 
@@ -87,7 +87,7 @@ def test_replica_counts_are_independent_per_tier() -> None:
         for o in objects
         if o["kind"] in ("Deployment", "StatefulSet")
     }
-    assert replicas == {"router": 3, "scheduler": 4, "executor": 8, "redis": 1}
+    assert replicas == {"router": 3, "scheduler": 4, "executor": 8, "redis": 1, "gateway": 2}
 
 
 def test_an_external_redis_renders_no_redis_of_ours() -> None:
@@ -101,6 +101,15 @@ def test_notes_say_where_clients_connect() -> None:
     assert "demo-pagedkv-router.llm.svc:50051" in notes
     assert "client-token" in notes
     assert "pagedkv stats --target localhost:50051 --tls-ca ca.crt --token-file token" in notes
+    assert "http://demo-pagedkv-gateway.llm.svc:8000/v1" in notes
+    assert 'curl http://localhost:8000/v1/models -H "Authorization: Bearer $(cat token)"' in notes
+
+
+def test_notes_name_the_gateway_api_keys_secret() -> None:
+    notes = render(values_for("tls-existing-secrets"))["pagedkv/templates/NOTES.txt"]
+    assert "API_KEY: one line of keys.txt in Secret api-keys." in notes
+    without = render(values_for("defaults"))["pagedkv/templates/NOTES.txt"]
+    assert "demo-pagedkv-gateway" not in without
 
 
 @pytest.mark.parametrize(
@@ -123,6 +132,16 @@ def test_notes_say_where_clients_connect() -> None:
         ),
         ({"tls": {"generate": True}}, "set tls.enabled=true too"),
         ({"tls": {"enabled": True}}, "tls.existingSecrets.scheduler is required"),
+        (
+            {
+                "tls": {
+                    "enabled": True,
+                    "existingSecrets": {"router": "r", "scheduler": "s", "executor": "e"},
+                },
+                "gateway": {"enabled": True},
+            },
+            "tls.existingSecrets.gateway is required",
+        ),
         (
             {"model": {"hubCache": True, "mountOnSchedulers": True}},
             "model.mountOnSchedulers needs a model directory",

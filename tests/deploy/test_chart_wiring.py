@@ -5,7 +5,6 @@ grace periods that cover each tier's drain, and the NetworkPolicy's tiers."""
 from __future__ import annotations
 
 import base64
-import itertools
 import posixpath
 from typing import Any
 
@@ -16,6 +15,9 @@ from tests.deploy.chart import (
     NAMESPACE,
     VALUE_SETS,
     Manifest,
+    container_of,
+    flag_values,
+    grpc_servers,
     manifests,
     manifests_of,
     named,
@@ -30,35 +32,22 @@ SECRET_FLAGS = ("-file", "--tls-", "-tls-")
 """Flags whose value is a path to secret material."""
 
 
-def _container(workload: Manifest) -> dict[str, Any]:
-    containers = workload["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    container: dict[str, Any] = containers[0]
-    return container
-
-
 def _component(obj: Manifest) -> str:
     component: str = obj["metadata"]["labels"]["app.kubernetes.io/component"]
     return component
 
 
-def _flag_values(args: list[str]) -> dict[str, str]:
-    """Each --flag followed by a value (not another flag)."""
-    return {
-        flag: value
-        for flag, value in itertools.pairwise(args)
-        if flag.startswith("--") and not value.startswith("--")
-    }
-
-
 def _served_port(args: list[str]) -> int:
-    return int(_flag_values(args)["--port"])
+    return int(flag_values(args)["--port"])
 
 
 def _expected_secret(flag: str, component: str, values: dict[str, Any]) -> str:
     if "tls" in flag:
         existing = values.get("tls", {}).get("existingSecrets", {}).get(component)
         return existing or f"demo-pagedkv-{component}-tls"
+    api_keys = values.get("gateway", {}).get("auth", {}).get("existingSecret")
+    if component == "gateway" and flag == "--auth-token-file" and api_keys:
+        return str(api_keys)
     if "token" in flag:
         return values.get("auth", {}).get("existingSecret") or "demo-pagedkv-auth"
     assert flag == "--redis-password-file", flag
@@ -68,9 +57,9 @@ def _expected_secret(flag: str, component: str, values: dict[str, Any]) -> str:
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_probes_ask_grpc_health_on_a_port_the_server_listens_on(name: str) -> None:
     tls = bool(values_for(name).get("tls", {}).get("enabled"))
-    for workload in workloads(manifests_of(name)):
-        container = _container(workload)
-        flags = _flag_values(container["args"])
+    for workload in grpc_servers(manifests_of(name)):
+        container = container_of(workload)
+        flags = flag_values(container["args"])
         served = {int(flags["--port"])}
         if tls:
             # The kubelet's gRPC probe speaks no TLS: it asks the plaintext health port.
@@ -92,19 +81,19 @@ def test_probes_ask_grpc_health_on_a_port_the_server_listens_on(name: str) -> No
 
 def test_the_executors_startup_probe_covers_a_long_model_load() -> None:
     executor = named(manifests_of("defaults"), "StatefulSet", "executor")
-    startup = _container(executor)["startupProbe"]
+    startup = container_of(executor)["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_every_executor_asks_for_exactly_one_gpu(name: str) -> None:
     executor = named(manifests_of(name), "StatefulSet", "executor")
-    resources = _container(executor)["resources"]
+    resources = container_of(executor)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == 1
     assert resources["requests"]["nvidia.com/gpu"] == 1
-    args = _container(executor)["args"]
-    assert _flag_values(args)["--device"] == "cuda"
-    sizing = {k: v for k, v in _flag_values(args).items() if k in SIZING_FLAGS}
+    args = container_of(executor)["args"]
+    assert flag_values(args)["--device"] == "cuda"
+    sizing = {k: v for k, v in flag_values(args).items() if k in SIZING_FLAGS}
     num_blocks = values_for(name).get("executor", {}).get("numBlocks")
     expected = {"--num-blocks": str(num_blocks)} if num_blocks else {SIZING_FLAGS[1]: "0.9"}
     assert sizing == expected
@@ -113,7 +102,7 @@ def test_every_executor_asks_for_exactly_one_gpu(name: str) -> None:
 def test_schedulers_and_routers_ask_for_no_gpu() -> None:
     objects = manifests_of("scaled")
     for component in ("router", "scheduler"):
-        resources = _container(named(objects, "Deployment", component))["resources"]
+        resources = container_of(named(objects, "Deployment", component))["resources"]
         assert not any("gpu" in k for part in resources.values() for k in part)
 
 
@@ -123,12 +112,12 @@ def test_executors_advertise_their_stable_name_under_the_headless_service() -> N
     service = named(objects, "Service", "executor")
     assert service["spec"]["clusterIP"] == "None"
     assert executor["spec"]["serviceName"] == service["metadata"]["name"]
-    flags = _flag_values(_container(executor)["args"])
+    flags = flag_values(container_of(executor)["args"])
     assert flags["--host"] == "0.0.0.0"
     assert flags["--advertise-address"] == (
         f"$(POD_NAME).{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:50061"
     )
-    env = {e["name"]: e for e in _container(executor)["env"]}
+    env = {e["name"]: e for e in container_of(executor)["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
@@ -138,8 +127,8 @@ def test_every_process_reaches_the_same_redis(name: str) -> None:
     expected = values.get("redis", {}).get("url") or (
         f"redis://demo-pagedkv-redis.{NAMESPACE}.svc.cluster.local:6379/0"
     )
-    for workload in workloads(manifests(values)):
-        flags = _flag_values(_container(workload)["args"])
+    for workload in grpc_servers(manifests(values)):
+        flags = flag_values(container_of(workload)["args"])
         assert flags["--redis-url"] == expected
         assert flags["--host"] == "0.0.0.0"
 
@@ -152,9 +141,9 @@ def test_secret_files_lie_under_a_mount_of_the_right_secret(name: str) -> None:
     checked = 0
     for workload in workloads(objects):
         component = _component(workload)
-        container = _container(workload)
+        container = container_of(workload)
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
-        for flag, path in _flag_values(container["args"]).items():
+        for flag, path in flag_values(container["args"]).items():
             if not any(marker in flag for marker in SECRET_FLAGS) or flag.endswith("server-name"):
                 continue
             mounts = [
@@ -178,7 +167,7 @@ def test_routers_check_scheduler_certificates_against_the_scheduler_service() ->
     # Schedulers register pod IPs, which the generated certificate cannot
     # name; it names the scheduler Service, and routers check that name.
     objects = manifests_of("tls")
-    router = _flag_values(_container(named(objects, "Deployment", "router"))["args"])
+    router = flag_values(container_of(named(objects, "Deployment", "router"))["args"])
     service = named(objects, "Service", "scheduler")["metadata"]["name"]
     name, namespace, svc = router["--scheduler-tls-server-name"].split(".")
     assert (name, svc) == (service, "svc")
@@ -188,7 +177,7 @@ def test_routers_check_scheduler_certificates_against_the_scheduler_service() ->
 def test_tls_on_gives_every_tier_its_certificate_and_executors_mutual_tls() -> None:
     objects = manifests_of("tls")
     flags = {
-        component: _flag_values(_container(named(objects, kind, component))["args"])
+        component: flag_values(container_of(named(objects, kind, component))["args"])
         for component, kind in (
             ("router", "Deployment"),
             ("scheduler", "Deployment"),
@@ -220,7 +209,7 @@ def test_generated_tokens_include_the_one_routers_present() -> None:
 def test_generated_certificates_share_one_ca() -> None:
     objects = manifests_of("tls")
     ca = next(s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == "demo-pagedkv-ca")
-    for component in ("router", "scheduler", "executor"):
+    for component in ("router", "scheduler", "executor", "gateway"):
         secret = named(objects, "Secret", component)
         assert secret["type"] == "kubernetes.io/tls"
         assert secret["data"]["ca.crt"] == ca["data"]["tls.crt"]
@@ -230,8 +219,8 @@ def test_generated_certificates_share_one_ca() -> None:
 def test_the_grace_period_covers_the_prestop_and_the_drain(name: str) -> None:
     for workload in workloads(manifests_of(name)):
         pod = workload["spec"]["template"]["spec"]
-        container = _container(workload)
-        drain = float(_flag_values(container["args"])["--drain-timeout"])
+        container = container_of(workload)
+        drain = float(flag_values(container["args"])["--drain-timeout"])
         pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 5
 
@@ -240,7 +229,7 @@ def test_a_longer_drain_lengthens_the_grace_period() -> None:
     values = values_for("defaults")
     values["scheduler"] = {"drainTimeout": 120.5, "preStopSleepSeconds": 0}
     scheduler = named(manifests(values), "Deployment", "scheduler")
-    assert "lifecycle" not in _container(scheduler)
+    assert "lifecycle" not in container_of(scheduler)
     assert scheduler["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 131
 
 
@@ -251,7 +240,7 @@ def test_pods_run_as_non_root_on_a_read_only_root(name: str) -> None:
         pod = workload["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["automountServiceAccountToken"] is False
-        container = _container(workload)
+        container = container_of(workload)
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
@@ -262,18 +251,18 @@ def test_the_model_volume_is_mounted_read_only() -> None:
     for name in ("defaults", "scaled"):
         objects = manifests_of(name)
         executor = named(objects, "StatefulSet", "executor")
-        mount = next(m for m in _container(executor)["volumeMounts"] if m["name"] == "model")
+        mount = next(m for m in container_of(executor)["volumeMounts"] if m["name"] == "model")
         assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
-        model = _flag_values(_container(executor)["args"])["--model"]
+        model = flag_values(container_of(executor)["args"])["--model"]
         assert model == "/models/Qwen2.5-0.5B"
     scheduler = named(manifests_of("scaled"), "Deployment", "scheduler")
-    assert _flag_values(_container(scheduler)["args"])["--model"] == "/models/Qwen2.5-0.5B"
+    assert flag_values(container_of(scheduler)["args"])["--model"] == "/models/Qwen2.5-0.5B"
 
 
 def test_a_hub_cache_passes_the_hub_id_and_points_hf_hub_cache_at_it() -> None:
     executor = named(manifests_of("hub-cache-no-router"), "StatefulSet", "executor")
-    assert _flag_values(_container(executor)["args"])["--model"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    env = {e["name"]: e.get("value") for e in _container(executor)["env"]}
+    assert flag_values(container_of(executor)["args"])["--model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    env = {e["name"]: e.get("value") for e in container_of(executor)["env"]}
     assert env["HF_HUB_CACHE"] == "/models"
 
 
@@ -316,7 +305,7 @@ def test_every_tier_has_a_disruption_budget() -> None:
     budgets = {
         _component(b): b["spec"]["maxUnavailable"] for b in of_kind(objects, "PodDisruptionBudget")
     }
-    assert budgets == {"router": 1, "scheduler": 1, "executor": 1}
+    assert budgets == {"router": 1, "scheduler": 1, "executor": 1, "gateway": 1}
 
 
 def test_generated_certificates_name_what_clients_dial_and_serve_both_ends() -> None:
@@ -348,7 +337,7 @@ def test_generated_certificates_name_what_clients_dial_and_serve_both_ends() -> 
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         names[component] = set(san.get_values_for_type(x509.DNSName))
     executor = named(objects, "StatefulSet", "executor")
-    dialed = _flag_values(_container(executor)["args"])["--advertise-address"]
+    dialed = flag_values(container_of(executor)["args"])["--advertise-address"]
     host = dialed.rsplit(":", 1)[0].replace("$(POD_NAME)", "*")
     assert host in names["executor"]
     assert f"demo-pagedkv-router.{NAMESPACE}.svc" in names["router"]

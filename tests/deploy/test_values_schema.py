@@ -65,6 +65,15 @@ def test_the_value_sets_meet_the_schema(name: str) -> None:
         ({"tls": {"enabled": "yes"}}, "/tls/enabled"),
         ({"model": {"mountPath": "models"}}, "/model/mountPath"),
         ({"serviceMonitor": {"interval": "often"}}, "/serviceMonitor/interval"),
+        ({"gateway": {"enabled": "true"}}, "/gateway/enabled"),
+        ({"gateway": {"port": 0}}, "/gateway/port"),
+        ({"gateway": {"replicas": 1.5}}, "/gateway/replicas"),
+        ({"gateway": {"service": {"type": "ExternalName"}}}, "/gateway/service/type"),
+        ({"gateway": {"auth": {"tokensKey": ""}}}, "/gateway/auth/tokensKey"),
+        ({"gateway": {"auth": {"secret": "keys"}}}, "secret"),
+        ({"gateway": {"drainTimeout": -1}}, "/gateway/drainTimeout"),
+        ({"gateway": {"extraArgs": "--x"}}, "/gateway/extraArgs"),
+        ({"networkPolicy": {"gatewayClients": {}}}, "/networkPolicy/gatewayClients"),
     ],
 )
 def test_the_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:

@@ -1,5 +1,5 @@
 {{/*
-The command lines of the three tiers (after the image's ENTRYPOINT, pagedkv).
+The command lines of the tiers and the gateway (after the image's ENTRYPOINT, pagedkv).
 Each flag is one list item and its value the next, all strings; the paths of
 --tls-*, --*-token-file and --redis-password-file lie under the Secret
 mounts of _pod.tpl.
@@ -137,6 +137,54 @@ name: their certificates are checked against their Service's name instead. */}}
 {{- $args = concat $args (list
     "--auth-token-file" (printf "%s/tokens" $paths.authDir)
     "--scheduler-token-file" (printf "%s/internal-token" $paths.authDir)) -}}
+{{- end -}}
+{{- $args = concat $args $v.extraArgs -}}
+{{- include "pagedkv.argList" $args -}}
+{{- end -}}
+
+{{/* What the gateway calls: the router Service, or the scheduler Service
+without routers, by the name their certificates carry. */}}
+{{- define "pagedkv.gateway.target" -}}
+{{- $front := ternary "router" "scheduler" .Values.router.enabled -}}
+{{- $svc := include "pagedkv.componentName" (dict "ctx" . "component" $front) -}}
+{{- printf "%s.%s.svc:%d" $svc .Release.Namespace (int (get .Values $front).service.port) -}}
+{{- end -}}
+
+{{/* The gateway's bearer tokens (--auth-token-file): its own API keys' Secret, else the
+chart's tokens with auth.enabled; empty: it asks none. */}}
+{{- define "pagedkv.gateway.tokensPath" -}}
+{{- $paths := include "pagedkv.paths" . | fromYaml -}}
+{{- if .Values.gateway.auth.existingSecret -}}
+{{- printf "%s/tokens" $paths.apiKeysDir -}}
+{{- else if .Values.auth.enabled -}}
+{{- printf "%s/tokens" $paths.authDir -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedkv.gateway.args" -}}
+{{- $v := .Values.gateway -}}
+{{- $paths := include "pagedkv.paths" . | fromYaml -}}
+{{- $args := list "--log-format" .Values.logFormat "gateway"
+    "--target" (include "pagedkv.gateway.target" .)
+    "--model" (include "pagedkv.modelArg" .)
+    "--served-model-name" (default .Values.model.name $v.servedModelName)
+    "--host" "0.0.0.0"
+    "--port" (toString $v.port)
+    "--drain-timeout" (toString $v.drainTimeout) -}}
+{{- with include "pagedkv.gateway.tokensPath" . -}}
+{{- $args = concat $args (list "--auth-token-file" .) -}}
+{{- end -}}
+{{- /* Credentials towards its targets, as the routers' towards schedulers. */}}
+{{- if .Values.auth.enabled -}}
+{{- $args = concat $args (list "--token-file" (printf "%s/internal-token" $paths.authDir)) -}}
+{{- end -}}
+{{- if .Values.tls.enabled -}}
+{{- $args = concat $args (list "--tls-ca" (printf "%s/ca.crt" $paths.tlsDir)) -}}
+{{- if .Values.tls.requireClientCertificates -}}
+{{- $args = concat $args (list
+    "--tls-cert" (printf "%s/tls.crt" $paths.tlsDir)
+    "--tls-key" (printf "%s/tls.key" $paths.tlsDir)) -}}
+{{- end -}}
 {{- end -}}
 {{- $args = concat $args $v.extraArgs -}}
 {{- include "pagedkv.argList" $args -}}

@@ -121,6 +121,7 @@ message saying what to set. Every workload template includes it.
 {{- if and .Values.tls.enabled (not .Values.tls.generate) -}}
 {{- $tiers := list "scheduler" "executor" -}}
 {{- if .Values.router.enabled -}}{{- $tiers = append $tiers "router" -}}{{- end -}}
+{{- if .Values.gateway.enabled -}}{{- $tiers = append $tiers "gateway" -}}{{- end -}}
 {{- range $tiers -}}
 {{- if not (get $.Values.tls.existingSecrets .) -}}
 {{- fail (printf "tls.existingSecrets.%s is required with tls.enabled unless tls.generate is true" .) -}}

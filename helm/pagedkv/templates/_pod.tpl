@@ -7,9 +7,11 @@ security contexts. The flags that name these paths are built in _args.tpl.
 tlsDir: /etc/pagedkv/tls
 authDir: /etc/pagedkv/auth
 redisDir: /etc/pagedkv/redis
+apiKeysDir: /etc/pagedkv/api-keys
 {{- end -}}
 
-{{/* Volumes of a pagedkv pod: (dict "ctx" $ "component" "scheduler" "auth" true "model" false). */}}
+{{/* Volumes of a pagedkv pod: (dict "ctx" $ "component" "scheduler" "auth" true "redis" true
+"model" false); "redis": the Redis password (every tier but the gateway, which has no Redis). */}}
 {{- define "pagedkv.volumes" -}}
 {{- $ctx := .ctx -}}
 - name: tmp
@@ -28,7 +30,7 @@ redisDir: /etc/pagedkv/redis
     secretName: {{ include "pagedkv.authSecretName" $ctx }}
     defaultMode: 0440
 {{- end }}
-{{- if $ctx.Values.redis.auth.enabled }}
+{{- if and .redis $ctx.Values.redis.auth.enabled }}
 - name: redis-password
   secret:
     secretName: {{ include "pagedkv.redisSecretName" $ctx }}
@@ -69,7 +71,7 @@ redisDir: /etc/pagedkv/redis
   mountPath: {{ $paths.authDir }}
   readOnly: true
 {{- end }}
-{{- if $ctx.Values.redis.auth.enabled }}
+{{- if and .redis $ctx.Values.redis.auth.enabled }}
 - name: redis-password
   mountPath: {{ $paths.redisDir }}
   readOnly: true
