@@ -283,7 +283,7 @@ def test_the_rendered_command_line_runs_and_its_probes_need_no_token(
         renamed[mount["mountPath"]] = str(folder)
     renamed[flags["--model"]] = str(tiny_model)
     replaced = {
-        flags["--target"]: "127.0.0.1:9",  # discard: nothing serves there
+        flags["--target"]: "127.0.0.1:9",  # no gRPC server there: no target serves
         "0.0.0.0": "127.0.0.1",
         flags["--port"]: "0",
     }
