@@ -205,8 +205,34 @@ def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def _batch_panels(ttft: Any, tpot: Any, batches: list[dict[str, Any]]) -> None:
+    """Without rates: TTFT p50/p99 and TPOT/ITL p50 of each fixed batch run,
+    as bars per batch (gRPC, and HTTP beside it where it ran)."""
+    labels = [f"{b['batch']} x ({b['prompt_len']} -> {b['max_tokens']})" for b in batches]
+    engines = [("pagedkv", "gRPC")] + ([("http", "HTTP")] if "http" in batches[0] else [])
+    width = 0.8 / len(engines)
+    for j, (key, name) in enumerate(engines):
+        x = [i + (j - (len(engines) - 1) / 2) * width for i in range(len(batches))]
+        for ax, metric, quantiles in (
+            (ttft, "ttft_ms", ("p99", "p50")),
+            (tpot, "itl_ms", ("p50",)),
+        ):
+            for q in quantiles:
+                values = [b[key][metric][q] or 0.0 for b in batches]
+                hatch = "//" if q == "p99" else None
+                ax.bar(x, values, width, color=f"C{j}", hatch=hatch, label=f"{name} {q}")
+        tpot.plot(x, [b[key]["tpot_ms"]["p50"] or 0.0 for b in batches], "k_", markersize=14)
+    for ax, title in ((ttft, "time to first token"), (tpot, "ITL p50 (bars), TPOT p50 (-)")):
+        ax.set_xticks(range(len(batches)), labels, rotation=15)
+        ax.set_xlabel("fixed batch, in run order")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend()
+
+
 def plot(report: Mapping[str, Any], path: Path) -> None:
-    """Three panels: TTFT vs rate, TPOT and ITL vs rate, output tok/s vs concurrency."""
+    """Three panels: TTFT vs rate, TPOT and ITL vs rate (without rates: per
+    fixed batch run), output tok/s vs concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,7 +242,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     labels = [run["rate"] for run in runs]
     x = list(range(len(runs)))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for q, style in (("p50", "-o"), ("p99", "--o")):
+    if not runs and report["fixed_batches"]:
+        _batch_panels(axes[0], axes[1], report["fixed_batches"])
+    for q, style in (("p50", "-o"), ("p99", "--o")) if runs else ():
         axes[0].plot(
             x, [r["summary"]["ttft_ms"][q] for r in runs], style, color="C0", label=f"TTFT {q}"
         )
@@ -227,6 +255,8 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
             x, [r["summary"]["itl_ms"][q] for r in runs], style, color="C2", label=f"ITL {q}"
         )
     for ax, title in ((axes[0], "time to first token"), (axes[1], "time per output token")):
+        if not runs:
+            break
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")
@@ -235,7 +265,8 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         ax.legend()
     concurrency = [r["summary"]["mean_concurrency"] for r in runs]
     throughput = [r["summary"]["output_tokens_per_s"] for r in runs]
-    axes[2].plot(concurrency, throughput, "-o", label="pagedkv, Poisson rates")
+    if runs:
+        axes[2].plot(concurrency, throughput, "-o", label="pagedkv, Poisson rates")
     for c, t, label in zip(concurrency, throughput, labels, strict=True):
         axes[2].annotate(f"{label}/s", (c, t), textcoords="offset points", xytext=(4, -10))
     http = [r["http"]["summary"] for r in runs if "http" in r]
