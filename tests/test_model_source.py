@@ -197,18 +197,34 @@ def test_scheduler_and_router_refuse_an_uncached_model_in_one_line(
         )
 
 
-@pytest.mark.slow  # an executor and a scheduler start (about 20 s on two cores)
-def test_serve_of_a_cached_id_generates_text(hub_cache: Path, tiny_model: Path) -> None:
-    """``pagedkv serve org/name``: the executor loads the snapshot, the
-    scheduler encodes the text prompt with the snapshot's tokenizer."""
-    from pagedkv.client import Client
-    from tests.processes import ServedProcess
+@pytest.mark.slow  # a tiny model made, an executor, a scheduler and a gateway started: ~20 s
+def test_serve_of_a_cached_id_generates_text_over_grpc_and_http(
+    hub_cache: Path, tiny_model: Path
+) -> None:
+    """``pagedkv serve org/name --http-port``: the executor loads the
+    snapshot, the scheduler encodes text with its tokenizer, the gateway
+    renders chats with its template."""
+    import httpx
 
-    cache_model(hub_cache, REPO_ID, tiny_model)
-    command = [sys.executable, "-m", "pagedkv.common.cli", "serve", REPO_ID]
-    command += ["--port", "0", "--num-blocks", "32"]
-    with ServedProcess(command) as process, Client(process.target, timeout=60) as client:
-        completion = client.generate_text("Hello", max_tokens=4, temperature=0, ignore_eos=True)
+    from pagedkv.client import Client
+    from pagedkv.gateway.chat_template import ChatTemplate
+    from pagedkv.scheduler.text import TextTokenizer
+    from tests.gateway.stack import ServeWithGateway
+
+    snapshot = cache_model(hub_cache, REPO_ID, tiny_model)
+    with ServeWithGateway(REPO_ID, num_blocks=32) as stack:  # type: ignore[arg-type]
+        assert f"model {REPO_ID}" in stack.ready_line
+        with Client(stack.target, timeout=60) as client:
+            completion = client.generate_text("Hello", max_tokens=4, temperature=0)
         assert completion.usage.prompt_tokens == 5
         assert len(completion.token_ids[0]) == 4
-        assert f"model {REPO_ID}" in process.ready_line
+        messages = [{"role": "user", "content": "Hi"}]
+        body = {"model": REPO_ID, "messages": messages, "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    template = ChatTemplate.from_model_dir(snapshot)
+    tokenizer = TextTokenizer.from_model_dir(snapshot)
+    assert template is not None and tokenizer is not None
+    prompt_ids = tokenizer.encode(template.render(messages))
+    assert prompt_ids[0] == 256  # the template's bos_token, one token
+    assert response.json()["usage"]["prompt_tokens"] == len(prompt_ids)
