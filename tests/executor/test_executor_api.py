@@ -391,6 +391,20 @@ BAD_INPUTS = [
         "Step", "new_requests[0].sampling.logprobs", new_requests=b_with(logprobs=MAX_LOGPROBS + 1)
     ),
     bad("Allocate", "new_requests[0].sampling.top_p", new_requests=e_with(top_p=2.0)),
+    bad(
+        "Step",
+        "new_requests[0].sampling.stop_token_ids",
+        new_requests=b_with(min_tokens=2, stop_token_ids=[VOCAB_SIZE]),
+    ),
+    bad(
+        "Step",
+        "new_requests[0].num_prompt_tokens",
+        new_requests=[
+            executor_pb2.NewRequest(
+                request_id="B", row=2, prompt_token_ids=Q_B, num_prompt_tokens=len(Q_B) + 1
+            )
+        ],
+    ),
 ]
 BASES = {"Step": VALID_STEP, "Allocate": VALID_ALLOCATE, "CopyBlocks": VALID_COPY}
 REQUESTS = {

@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 import torch
 
+from pagedkv.executor.rows import RowSampling
 from pagedkv.executor.sampler import (
     SamplingParamsBatch,
     murmur3_32,
     sample,
     seeded_exponentials,
 )
+from pagedkv.v1 import common_pb2
 
 # Chi-square critical values at p = 1e-6, by degrees of freedom: a correct
 # sampler stays below them. The seeded tests are deterministic, so a pass
@@ -248,6 +250,49 @@ def test_top_logprobs_are_the_most_likely_raw_tokens_in_order() -> None:
     assert bool((output.top_logprobs.diff(dim=-1) <= 0).all())
 
 
+def test_banned_tokens_are_never_chosen_and_logprobs_stay_raw() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    best = logits.argmax(-1).tolist()
+    banned = [(0, [best[0]]), (2, [best[2], 7]), (3, list(range(49))), (5, [best[5]])]
+    greedy = build(6, temperature=[0.0, 0.0, 0.0, 0.0, 1.0, 1.0], seeds=[None] * 4 + [1, 2])
+    params = greedy.with_banned(banned)
+    assert params.num_banned == 1 + 2 + 49 + 1
+    output = sample(logits, params, torch.Generator().manual_seed(4))
+    chosen = output.token_ids.tolist()
+    assert chosen[0] == logits[0].topk(2).indices[1].item()  # the best but the banned
+    assert chosen[1] == best[1]  # rows without bans as before
+    assert chosen[2] not in (best[2], 7)
+    assert chosen[3] == 49  # the only token left
+    assert chosen[5] != best[5]
+    raw = logits.log_softmax(-1).gather(1, output.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(output.logprobs, raw)
+    # Random rows never draw a banned token, however often they draw.
+    many = torch.randn(1, 8).expand(512, -1).contiguous()
+    draws = sample(
+        many,
+        build(512, seeds=list(range(512))).with_banned([(i, [0, 3]) for i in range(512)]),
+    ).token_ids
+    assert not set(draws.tolist()) & {0, 3}
+    assert len(set(draws.tolist())) == 6
+
+
+def test_with_banned_replaces_the_bans_and_none_costs_nothing() -> None:
+    params = build(2, temperature=0.0)
+    assert params.with_banned([]) is params
+    banned = params.with_banned([(1, [4, 5])])
+    assert (banned.banned_rows.tolist(), banned.banned_ids.tolist()) == ([1, 1], [4, 5])
+    assert banned.with_banned([]).num_banned == 0
+    built = SamplingParamsBatch.build(
+        temperature=[0.0, 0.0],
+        top_k=[0, 0],
+        top_p=[1.0, 1.0],
+        seeds=[None, None],
+        positions=[0, 1],
+        banned=[(0, [2])],
+    )
+    assert (built.num_banned, built.banned_ids.tolist()) == (1, [2])
+
+
 def test_an_empty_batch_gives_empty_outputs() -> None:
     params = build(0, max_num_logprobs=3)
     output = sample(torch.empty(0, 10), params)
@@ -372,5 +417,20 @@ def test_build_and_sample_never_wait_for_the_device() -> None:
             device="cuda",
         )
         sample(logits, params)
+        sample(logits, params.with_banned([(0, [1, 2]), (3, [7])]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_min_tokens_bans_stop_and_eos_tokens_until_the_prompt_plus_min_tokens() -> None:
+    params = common_pb2.SamplingParams(min_tokens=3, stop_token_ids=[9, 4])
+    assert RowSampling.from_proto(params, eos_token_ids=(2,), num_prompt_tokens=10) == RowSampling(
+        1.0, 1.0, 0, None, 0, min_tokens_until=13, min_tokens_ids=(2, 4, 9)
+    )
+    params.ignore_eos = True
+    assert RowSampling.from_proto(params, (2,), 10).min_tokens_ids == (4, 9)
+    params.ClearField("stop_token_ids")  # nothing to ban: no minimum
+    assert RowSampling.from_proto(params, (2,), 10).min_tokens_until == 0
+    assert RowSampling.from_proto(common_pb2.SamplingParams(stop_token_ids=[9]), (2,), 10) == (
+        RowSampling(1.0, 1.0, 0, None, 0)
+    )

@@ -152,6 +152,14 @@ def test_skipped_tokens_leave_the_state_pushing_them_would_have() -> None:
         assert skipped.push(ids("P")) == pushed.push(ids("P"))
 
 
+def test_a_stop_string_completed_before_matching_may_begin_is_not_a_match_later() -> None:
+    m = matcher(["ab"])
+    assert m.push(ids("xa"), match=False) == Released("x")
+    assert m.push(ids("b"), match=False) == Released("ab")
+    assert m.push(ids("c")) == Released("c")
+    assert m.push(ids("ab")) == Released("", "ab")
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_duplicate_stop_strings_are_one(include: bool) -> None:
     released, stop = push_all(matcher(["ab", "ab"], include), one_by_one("zab"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,6 +76,17 @@ class RunnerConfig:
 DEFAULT_CPU_NUM_BLOCKS = 2048
 
 
+class _ParamsCache(NamedTuple):
+    """The sampling params last built, for the rows (and their params'
+    version) of ``key``; ``minimums``: (index, position from which its
+    banned tokens may be sampled, those tokens) of each row with a minimum
+    of outputs (``sampling.min_tokens``)."""
+
+    key: tuple[int, bytes]
+    params: SamplingParamsBatch
+    minimums: list[tuple[int, int, tuple[int, ...]]]
+
+
 class ModelRunner:
     """The model, its KV memory and the rows of one executor."""
 
@@ -112,7 +124,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
-        self._params_cache: tuple[tuple[int, bytes], SamplingParamsBatch] | None = None
+        self._params_cache: _ParamsCache | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
         self.limits = Limits(
@@ -123,6 +135,7 @@ class ModelRunner:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_logprobs=config.max_logprobs,
             group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
+            eos_token_ids=self.spec.eos_token_ids,
         )
 
     def _fuse(self) -> FusedDecoder | None:
@@ -308,7 +321,7 @@ class ModelRunner:
         """Samples ``logits`` (the model's dtype): an all-greedy batch without
         top logprobs in the backend's one pass over them, else the sampler on
         a float32 copy."""
-        if params.all_greedy and not params.max_num_logprobs:
+        if params.all_greedy and not params.max_num_logprobs and not params.num_banned:
             token_ids, logprobs = self.backend.greedy_sample(logits)
             empty = (len(token_ids), 0)
             return SamplerOutput(
@@ -362,16 +375,26 @@ class ModelRunner:
         """The params of ``rows`` sampling at ``positions``. Decode steps
         sample the same rows step after step: their params are built once
         and kept while no row changes (only seeded rows read the positions,
-        which then go to the device each step)."""
+        which then go to the device each step, and rows with a minimum of
+        outputs not reached, whose banned tokens are set each step)."""
         key = (self.rows.sampling_version, rows.tobytes())
         cached = self._params_cache
-        if cached is not None and cached[0] == key:
-            params = cached[1]
+        if cached is not None and cached.key == key:
+            params = cached.params
             if params.any_seeded:
                 params = dataclasses.replace(params, positions=to_device(positions, self.device))
-            return params
-        params = self._build_sampling_params(rows, positions)
-        self._params_cache = (key, params)
+        else:
+            params = self._build_sampling_params(rows, positions)
+            minimums = [
+                (i, s.min_tokens_until, s.min_tokens_ids)
+                for i, row in enumerate(rows.tolist())
+                if (s := self.rows.sampling[row]) is not None and s.min_tokens_ids
+            ]
+            cached = self._params_cache = _ParamsCache(key, params, minimums)
+        if cached.minimums or params.num_banned:
+            params = params.with_banned(
+                [(i, ids) for i, until, ids in cached.minimums if positions[i] < until]
+            )
         return params
 
     def _build_sampling_params(

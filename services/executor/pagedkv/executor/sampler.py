@@ -39,16 +39,21 @@ Where ``E`` comes from:
   costs about 25 elementwise int64 passes over ``[num_seeded_rows, vocab_size]``
   (two such int64 tensors alive at once), so it runs on the seeded rows only.
 
+Banned tokens (``sampling.min_tokens``: a row's stop and EOS tokens before
+its minimum of outputs) are taken out before all of this: their logits count
+as -inf when a token is chosen, greedy or random.
+
 Logprobs are under the raw model distribution (``log_softmax`` of the logits
-before temperature, top-k and top-p): the chosen token's always, and the
-``max_num_logprobs`` most likely tokens' per row, most likely first.
+before banned tokens, temperature, top-k and top-p): the chosen token's
+always, and the ``max_num_logprobs`` most likely tokens' per row, most likely
+first.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -82,6 +87,9 @@ class SamplingParamsBatch:
     max_top_k: int  # largest top_k of a random row; 0 when no random row uses top-k
     any_top_p: bool  # some random row has top_p < 1
     max_num_logprobs: int  # K: top logprobs returned per row (0: none)
+    banned_rows: Tensor  # int64 [B]: (row, token) pairs never sampled, with banned_ids
+    banned_ids: Tensor  # int64 [B]
+    num_banned: int  # B
 
     @property
     def num_rows(self) -> int:
@@ -105,11 +113,13 @@ class SamplingParamsBatch:
         seeds: Sequence[int | None],
         positions: Sequence[int] | Tensor,
         max_num_logprobs: int = 0,
+        banned: Sequence[tuple[int, Sequence[int]]] = (),
         device: torch.device | str = "cpu",
     ) -> SamplingParamsBatch:
         """One row per sampled entry, from host values.
 
         ``seeds[i]`` is None for an unseeded row, else a uint64 in ``[0, 2**64)``.
+        ``banned``: (row, token ids it may not sample) pairs (see ``with_banned``).
         ``positions`` may already be a tensor (then it is not checked: it would
         need a sync). The values reach a CUDA device in two non-blocking copies
         from pinned memory: the host does not wait. Raises ValueError, naming
@@ -144,7 +154,8 @@ class SamplingParamsBatch:
         floats = _to_device(torch.tensor([temperatures, list(top_p)], dtype=torch.float32), device)
         int_values = [*top_k, *(_to_int64(s) if s is not None else 0 for s in seeds), *seeded_rows]
         ints = _to_device(torch.tensor(int_values, dtype=torch.int64), device)
-        return cls(
+        no_bans = ints[:0]
+        params = cls(
             temperature=floats[0],
             top_k=ints[:num_rows],
             top_p=floats[1],
@@ -156,7 +167,26 @@ class SamplingParamsBatch:
             max_top_k=max(top_ks, default=0),
             any_top_p=any(top_p[i] < 1.0 for i in random_rows),
             max_num_logprobs=max_num_logprobs,
+            banned_rows=no_bans,
+            banned_ids=no_bans,
+            num_banned=0,
         )
+        return params.with_banned(banned) if banned else params
+
+    def with_banned(self, banned: Sequence[tuple[int, Sequence[int]]]) -> SamplingParamsBatch:
+        """These params with ``banned`` as their banned tokens: (row, token
+        ids) pairs, rows in ``[0, num_rows)``, ids below the vocabulary size
+        (not checked here: the executor checks them when a request comes).
+        One host-to-device copy, none when nothing is banned."""
+        rows = [row for row, ids in banned for _ in ids]
+        if not rows:
+            if not self.num_banned:
+                return self
+            empty = self.banned_rows[:0]
+            return replace(self, banned_rows=empty, banned_ids=empty, num_banned=0)
+        ids = [token for _, row_ids in banned for token in row_ids]
+        pairs = _to_device(torch.tensor([rows, ids], dtype=torch.int64), self.temperature.device)
+        return replace(self, banned_rows=pairs[0], banned_ids=pairs[1], num_banned=len(rows))
 
 
 class SamplerOutput(NamedTuple):
@@ -180,12 +210,16 @@ def sample(
     """
     _check_inputs(logits, params)
     log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
+    allowed = logits  # what a token is chosen from
+    if params.num_banned:
+        never = torch.full((), -math.inf, dtype=logits.dtype, device=logits.device)
+        allowed = logits.index_put((params.banned_rows, params.banned_ids), never)
     if params.all_greedy:  # the max and its first index in one pass
-        max_logits, token_ids = logits.max(dim=-1)
+        max_logits, token_ids = allowed.max(dim=-1)  # a chosen token is not banned
         logprobs = max_logits - log_normaliser.squeeze(1)
     else:
-        greedy_ids = logits.argmax(dim=-1)
-        random_ids = _sample_random(logits, params, generator)
+        greedy_ids = allowed.argmax(dim=-1)
+        random_ids = _sample_random(allowed, params, generator)
         token_ids = torch.where(params.temperature == 0, greedy_ids, random_ids)
         logprobs = (logits.gather(1, token_ids[:, None]) - log_normaliser).squeeze(1)
     if params.max_num_logprobs:

@@ -37,6 +37,7 @@ class Limits:
     max_num_batched_tokens: int
     max_logprobs: int
     group_windowed: tuple[bool, ...]  # per group: sliding window (the null block is allowed)
+    eos_token_ids: tuple[int, ...] = ()  # the model's (sampling.min_tokens masks them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,11 @@ def _check_sampling(name: str, sampling: RowSampling, limits: Limits) -> None:
         raise InvalidArgument(
             f"{name}.logprobs: {sampling.num_logprobs} > max_logprobs {limits.max_logprobs}"
         )
+    if sampling.min_tokens_ids and sampling.min_tokens_ids[-1] >= limits.vocab_size:
+        raise InvalidArgument(
+            f"{name}.stop_token_ids: token {sampling.min_tokens_ids[-1]} >= vocab_size "
+            f"{limits.vocab_size}"
+        )
 
 
 def _plan_new_requests(
@@ -154,7 +160,14 @@ def _plan_new_requests(
                 f"{limits.max_model_len}"
             )
         _check_tokens(f"{name}.prompt_token_ids", prompt, limits.vocab_size)
-        sampling = RowSampling.from_proto(message.sampling)
+        if message.num_prompt_tokens > len(prompt):
+            raise InvalidArgument(
+                f"{name}.num_prompt_tokens: {message.num_prompt_tokens} > "
+                f"{len(prompt)} prompt_token_ids"
+            )
+        sampling = RowSampling.from_proto(
+            message.sampling, limits.eos_token_ids, message.num_prompt_tokens or len(prompt)
+        )
         _check_sampling(f"{name}.sampling", sampling, limits)
         new_rows.append(NewRow(row, message.request_id, prompt, sampling))
     return new_rows

@@ -378,6 +378,7 @@ class ExecutorScheduler:
                         seq.placed.row,  # type: ignore[union-attr]
                         seq.request.token_ids[:],
                         seq.generation.sampling_for(seq.index),
+                        seq.generation.num_prompt_tokens,
                     )
                 )
             for seq, num, allocation in decisions:

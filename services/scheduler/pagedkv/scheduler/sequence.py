@@ -122,11 +122,13 @@ class Sequence:
         """With stop strings (``stop_matcher``), the text check of a sampled
         token just appended: pushes it through the matcher, adds the text it
         releases to ``pending_text`` and returns the stop string it
-        completes, or None when the sequence goes on (or has no matcher)."""
+        completes, or None when the sequence goes on (or has no matcher).
+        Before ``min_tokens`` outputs, no stop string is looked for."""
         matcher = self.stop_matcher
         if matcher is None:
             return None
-        released = matcher.push((token,))
+        may_stop = self.request.num_output_tokens >= self.generation.sampling.min_tokens
+        released = matcher.push((token,), may_stop)
         if released.text:
             self.pending_text += released.text
         return released.stop

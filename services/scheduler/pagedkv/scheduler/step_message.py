@@ -28,6 +28,7 @@ class NewRequestPlan:
     row: int
     token_ids: array[int]  # a copy of the request's whole history
     sampling: common_pb2.SamplingParams
+    num_prompt_tokens: int  # of token_ids, the prompt (outputs count from there)
 
 
 @dataclass(slots=True)
@@ -155,6 +156,7 @@ def encode_step(
             row=new.row,
             prompt_token_ids=new.token_ids,
             sampling=new.sampling,
+            num_prompt_tokens=new.num_prompt_tokens,
         )
     message.rows.extend(plan.rows)
     message.num_scheduled_tokens.extend(plan.num_scheduled_tokens)

@@ -45,7 +45,7 @@ class StopMatcher:
     match the matcher is spent (``stopped``): later pushes release nothing.
     """
 
-    __slots__ = ("_detokenizer", "_firsts", "_held", "_include", "_stops", "stopped")
+    __slots__ = ("_detokenizer", "_firsts", "_held", "_include", "_longest", "_stops", "stopped")
 
     def __init__(
         self, detokenizer: IncrementalDetokenizer, stops: Sequence[str], include: bool = False
@@ -56,6 +56,7 @@ class StopMatcher:
         self._detokenizer = detokenizer
         self._stops = tuple(dict.fromkeys(stops))
         self._firsts = frozenset(stop[0] for stop in self._stops)
+        self._longest = max(len(stop) for stop in self._stops)
         self._include = include
         self._held = ""
         self.stopped: str | None = None
@@ -66,9 +67,12 @@ class StopMatcher:
         """Text made but not released: a prefix of some stop string."""
         return self._held
 
-    def push(self, token_ids: Sequence[int]) -> Released:
+    def push(self, token_ids: Sequence[int], match: bool = True) -> Released:
         """Takes the next output tokens; returns the text they release and
-        the stop string they complete, if any (see the module's rule)."""
+        the stop string they complete, if any (see the module's rule).
+        ``match`` False: the sequence may not stop yet (``min_tokens``), so
+        no stop string is looked for; one completed now is never matched
+        later (only stop strings that end in new text are)."""
         if self.stopped is not None:
             return Released("")
         delta = self._detokenizer.push(token_ids)
@@ -77,7 +81,7 @@ class StopMatcher:
         before = len(self._held)
         held = self._held + delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
+        for stop in self._stops if match else ():
             # A new match ends in the delta: it starts at most len(stop) - 1 back.
             start = held.find(stop, max(before - len(stop) + 1, 0))
             if start >= 0:
@@ -114,9 +118,8 @@ class StopMatcher:
     def _hold_from(self, text: str) -> int:
         """Where the longest tail of ``text`` that is a prefix of some stop
         string starts (``len(text)``: none is)."""
-        longest = max(len(stop) for stop in self._stops)
         firsts = self._firsts
-        for i in range(max(len(text) - longest + 1, 0), len(text)):
+        for i in range(max(len(text) - self._longest + 1, 0), len(text)):
             if text[i] in firsts:
                 tail = text[i:]
                 if any(stop.startswith(tail) for stop in self._stops):

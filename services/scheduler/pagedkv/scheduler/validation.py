@@ -83,8 +83,10 @@ def validate_sampling(
                 f"sampling.stop_token_ids[{i}]: token {token} >= vocab_size {info.vocab_size}"
             )
     _check_stop_strings(sampling)
-    if sampling.min_tokens:
-        raise InvalidArgument("sampling.min_tokens: not supported yet")
+    if sampling.min_tokens > max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens: {sampling.min_tokens} > max_tokens {max_tokens}"
+        )
     n = sampling.n or 1
     beam = None
     if sampling.beam_width > 1:
@@ -97,6 +99,8 @@ def validate_sampling(
             )
         if sampling.stop:
             raise InvalidArgument("sampling.stop: not supported with beam search")
+        if sampling.min_tokens:
+            raise InvalidArgument("sampling.min_tokens: not supported with beam search")
         width = sampling.beam_width
         beam = BeamSearch(width, min(2 * width, info.max_logprobs))
     if n > MAX_N:
