@@ -98,7 +98,8 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     make_tiny_model(model, "llama", seed=7)
     output = tmp_path / "serve-gateway-cpu.json"
     too_long = MAX_POSITION_EMBEDDINGS + 8  # the second batch is refused both ways
-    argv = ["--model", str(model), "--gateway", "--rates", "inf", "--num-requests", "3"]
+    argv = ["--model", str(model), "--gateway", "--http-clients", "2"]
+    argv += ["--rates", "inf", "--num-requests", "3"]
     argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
     argv += ["--warmup-requests", "2", "--fixed-batch", f"3x12x5,2x{too_long}x3", "--no-hf"]
     argv += ["--num-blocks", "128", "--decode-window", "1", "--grpc-text", "--output", str(output)]
@@ -109,6 +110,8 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     (rate,) = report["rates"]
     for summary in (rate["summary"], rate["http"]["summary"]):
         assert summary["num_ok"] == summary["num_requests"] == 3
+    # The HTTP run's requests, dealt out to two client processes, come back in order.
+    assert [r["id"] for r in rate["http"]["requests"]] == ["mix-3", "mix-4", "mix-5"]
     assert [r["output"] for r in rate["http"]["requests"]] == [
         r["max_tokens"] for r in rate["http"]["requests"]
     ]
@@ -118,7 +121,7 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
         assert summary["output_tokens"] == 15 and summary["num_wrong_token_counts"] == 0
         assert 1 <= summary["num_chunks"] <= 15
         assert summary["ttft_ms"]["p50"] is not None and summary["client_cpu_s"] >= 0
-    assert done["http"]["gateway_cpu_s"] >= 0
+    assert done["http"]["gateway_cpu_s"] >= 0 and done["http"]["client_processes"] == 2
     assert set(done["gateway"]) == {
         "output_tokens_per_s_ratio",
         "ttft_p50_delta_ms",

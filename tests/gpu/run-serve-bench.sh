@@ -130,9 +130,12 @@ case "${1:-1b}" in
     # Each shape twice, alternating, on prompts of their own: every row is a
     # gRPC run and, right after, the same shape through the gateway.
     # GRPC_TEXT=1: the gRPC runs ask for text too (serve-gateway-text-NAME).
+    # The HTTP load comes from HTTP_CLIENTS processes (default 2), so that
+    # reading 45,000 tokens/s of JSON events keeps each well under a core.
     text=() suffix=''
     [[ "${GRPC_TEXT:-0}" == 1 ]] && text=(--grpc-text) suffix=-text
     bench --preset "${PRESET:-llama-1.1b}" --rates '' --gateway --no-hf "${text[@]}" \
+      --http-clients "${HTTP_CLIENTS:-2}" \
       --fixed-batch "${BATCHES:-64x512x256,256x512x256,64x512x256,256x512x256}" "${tuned[@]}" \
       --output "$RESULTS/serve-gateway$suffix-$NAME.json"
     ;;

@@ -140,6 +140,13 @@ def register(subparsers: Any, name: str) -> None:
         "compare: output tok/s, TTFT and ITL, the gateway's CPU per 1,000 tokens",
     )
     parser.add_argument(
+        "--http-clients",
+        type=int,
+        default=1,
+        help="with --gateway: send the HTTP load from this many client processes, the "
+        "requests dealt out round-robin, should one be near a core (default: 1)",
+    )
+    parser.add_argument(
         "--grpc-text",
         action="store_true",
         help="the gRPC requests ask for the outputs' text, as the gateway's do (default: "

@@ -3,11 +3,12 @@
 ``Gateway`` is ``pagedkv gateway`` as a child process in front of the
 benchmark's scheduler (one process, on a free port of 127.0.0.1), and the
 CPU time it used (``/proc/<pid>/stat``: user + system, every thread).
-``timed_http`` runs one load through it and adds to the run's summary the
-gateway's and the client's CPU seconds; ``timed_grpc`` adds the client's to
-a gRPC run's. ``comparison`` puts a fixed batch's two runs side by side as
-the issue's numbers: HTTP output tokens/s over gRPC's, the TTFT p50 and p99
-the gateway adds, and its CPU per 1,000 streamed tokens.
+``timed_http`` runs one load through it (from ``Gateway.num_clients``
+processes) and adds to the run's summary the gateway's and the client's CPU
+seconds; ``timed_grpc`` adds the client's to a gRPC run's. ``comparison``
+puts a fixed batch's two runs side by side as the issue's numbers: HTTP
+output tokens/s over gRPC's, the TTFT p50 and p99 the gateway adds, and its
+CPU per 1,000 streamed tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedkv.scheduler.bench.serving.http_load import run_load_http, served_model
+from pagedkv.scheduler.bench.serving.http_clients import run_load_http_processes
+from pagedkv.scheduler.bench.serving.http_load import served_model
 from pagedkv.scheduler.bench.serving.load import RequestResult, run_load
 from pagedkv.scheduler.bench.serving.metrics import Slo, summarize
 from pagedkv.scheduler.bench.serving.workload import BenchRequest
@@ -49,9 +51,11 @@ def _free_port() -> int:
 class Gateway:
     """``pagedkv gateway --target TARGET --model MODEL`` on 127.0.0.1, ready
     and serving once constructed: ``base_url``, ``model`` (the name
-    ``/v1/models`` gives, which requests name), ``pid``. ``stop`` ends it."""
+    ``/v1/models`` gives, which requests name), ``pid``; ``num_clients``:
+    the processes the benchmark's HTTP load is sent from. ``stop`` ends it."""
 
-    def __init__(self, target: str, model: str) -> None:
+    def __init__(self, target: str, model: str, num_clients: int = 1) -> None:
+        self.num_clients = num_clients
         command = [sys.executable, "-m", "pagedkv.common.cli", "--log-level", "warning"]
         command += ["gateway", "--target", target, "--model", model]
         command += ["--host", "127.0.0.1", "--port", str(_free_port())]
@@ -72,20 +76,22 @@ class Gateway:
         self.children.stop()
 
 
-Load = Callable[[], tuple[list[RequestResult], float]]
+Load = Callable[[], tuple[list[RequestResult], float, float]]
 
 
-def _timed(load: Load, slo: Slo, gateway: Gateway | None) -> tuple[dict[str, Any], list[Any]]:
-    """``load``'s summary with the client's CPU seconds (this process) and,
-    through ``gateway``, the gateway's; and its results."""
+def _timed(
+    load: Load, slo: Slo, gateway: Gateway | None, num_clients: int = 1
+) -> tuple[dict[str, Any], list[Any]]:
+    """``load``'s summary with the client's CPU seconds (``load`` says them;
+    ``client_cpu_per_s`` is per client process) and, through ``gateway``,
+    the gateway's; and its results."""
     gateway_before = gateway.cpu_seconds() if gateway is not None else 0.0
-    client_before = time.process_time()
-    results, seconds = load()
-    client = time.process_time() - client_before
+    results, seconds, client = load()
     summary = summarize(results, seconds, slo)
     tokens = max(summary["output_tokens"], 1)
+    summary["client_processes"] = num_clients
     summary["client_cpu_s"] = client
-    summary["client_cpu_per_s"] = client / seconds
+    summary["client_cpu_per_s"] = client / seconds / num_clients
     if gateway is not None:
         used = gateway.cpu_seconds() - gateway_before
         summary["gateway_cpu_s"] = used
@@ -103,7 +109,13 @@ def timed_grpc(
 ) -> tuple[dict[str, Any], list[Any]]:
     """A gRPC run's summary (with the client's CPU) and its results; with
     ``text`` the scheduler makes the outputs' text, as for the gateway."""
-    return _timed(lambda: asyncio.run(run_load(target, requests, arrivals, text)), slo, None)
+
+    def load() -> tuple[list[RequestResult], float, float]:
+        cpu = time.process_time()
+        results, seconds = asyncio.run(run_load(target, requests, arrivals, text))
+        return results, seconds, time.process_time() - cpu
+
+    return _timed(load, slo, None)
 
 
 def timed_http(
@@ -112,9 +124,12 @@ def timed_http(
     """An HTTP run's summary (with the client's and the gateway's CPU) and
     its results."""
     return _timed(
-        lambda: asyncio.run(run_load_http(gateway.base_url, gateway.model, requests, arrivals)),
+        lambda: run_load_http_processes(
+            gateway.base_url, gateway.model, requests, arrivals, gateway.num_clients
+        ),
         slo,
         gateway,
+        gateway.num_clients,
     )
 
 
@@ -150,13 +165,13 @@ def markdown_lines(batches: Sequence[dict[str, Any]], grpc_text: bool) -> list[s
         f"Each fixed batch over gRPC ({asked}), then on prompts of its own through one "
         "`pagedkv gateway` process (`POST /v1/completions`, streamed). Tokens per event: output "
         "tokens over the chunks (gRPC) or events (HTTP) that carried them. CPU: the "
-        "gateway's and the benchmark client's CPU seconds per second of the run (the "
-        "client near 1.0 would be the bottleneck).",
+        "gateway's and the benchmark client's CPU seconds per second of the run, the "
+        "client's per process (near 1.0 it would be the bottleneck: `--http-clients`).",
         "",
         "| requests x (prompt -> output) | output tok/s gRPC / HTTP | HTTP / gRPC | "
         "TTFT p50 gRPC / HTTP (ms) | TTFT p50 added (ms) | TTFT p99 added (ms) | "
         "ITL p50 gRPC / HTTP (ms) | tokens per event gRPC / HTTP | gateway CPU s per "
-        "1,000 tokens | CPU per s: gateway, client gRPC / HTTP |",
+        "1,000 tokens | CPU per s: gateway, client gRPC / HTTP (per process) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in rows:

@@ -150,15 +150,21 @@ async def _send(
 
 
 async def run_load_http(
-    base_url: str, model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float]
+    base_url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    start: float | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Every request's result, in order, and the seconds from the start to
-    the last end; ``model`` is the request's ``model`` field."""
+    the last end; ``model`` is the request's ``model`` field. ``start``: the
+    ``perf_counter`` the arrival times count from (default: now), which
+    processes share (it reads the system's monotonic clock)."""
     assert len(requests) == len(arrivals)
     connector = aiohttp.TCPConnector(limit=max(len(requests), 1))
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, connect=60.0)
     async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         results = await asyncio.gather(
             *(_send(session, model, r, t, start) for r, t in zip(requests, arrivals, strict=True))
         )

@@ -277,6 +277,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "step_trace",
         "sweep",
         "gateway",
+        "http_clients",
         "grpc_text",
         "seed",
         "target",
@@ -289,6 +290,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
             "num_requests",
             "hf_repeat",
             "gateway",
+            "http_clients",
             "grpc_text",
         )
         keys = [k for k in keys if k not in unused and not k.startswith(("timeline", "step_"))]
@@ -316,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
         gateway = None
         try:
             target = args.target or stack.target  # type: ignore[union-attr]
-            gateway = Gateway(target, model) if args.gateway else None
+            gateway = Gateway(target, model, args.http_clients) if args.gateway else None
             report: dict[str, Any] = _serve_runs(args, target, model, batches, gateway)
         finally:
             if gateway is not None:
