@@ -11,6 +11,7 @@ multi-byte characters span tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import grpc
 import pytest
 
 from pagedkv.client import Client
+from pagedkv.common.cli import main
 from pagedkv.v1 import common_pb2, scheduler_pb2
 from tests.executor.test_generation import model_dirs
 from tests.service.stack import Process, serve
@@ -143,6 +145,20 @@ def test_the_sdk_passes_stop_strings(stack: Process) -> None:
     assert completion.text == text[: text.find(stop)]
     assert completion.finish_reasons == ("stop",)
     assert completion.stop_strings == (stop,)
+
+
+def test_the_generate_command_passes_stop_strings(
+    stack: Process, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, text, _ = outputs(collect(stack.stub, request(temperature=0.0))[1])[0]
+    stop = stop_in(text, 2, 10)
+    args = ["generate", "--target", stack.target, "--prompt", PROMPT, "--json"]
+    args += ["--max-tokens", str(NUM_TOKENS), "--temperature", "0", "--ignore-eos"]
+    assert main([*args, "--stop", "\u2603", "--stop", stop, "--include-stop-str-in-output"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sequences = [seq for line in lines for seq in line["sequences"]]
+    assert "".join(seq["text"] for seq in sequences) == text[: text.find(stop) + len(stop)]
+    assert (sequences[-1]["finish_reason"], sequences[-1]["stop_string"]) == ("stop", stop)
 
 
 @pytest.mark.parametrize(
