@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -65,6 +68,30 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server with pagedkv's stop signals: the first SIGTERM or
+    SIGINT drains, a second one stops at once, and the process then exits
+    with status 0 (uvicorn's own re-raises the signal once it has stopped)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        log.info("gateway draining", signal=signal.Signals(sig).name)
+        self.should_exit = True
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (SO_REUSEADDR, so a restart
     can have the port at once); ListenError naming ``--port``."""
@@ -103,7 +130,7 @@ async def serve_gateway(
         timeout_graceful_shutdown=max(int(drain_timeout), 1),
         timeout_keep_alive=30,
     )
-    server = uvicorn.Server(uv_config)
+    server = _Server(uv_config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
