@@ -20,11 +20,12 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import uvicorn
 
+from pagedkv.client.resume import parse_targets
 from pagedkv.common.logging import get_logger
+from pagedkv.common.model_source import ModelNotFound, resolve_model
 from pagedkv.common.ports import ListenError, listening
 from pagedkv.common.security import TokenFile, client_tls_from_args
 from pagedkv.gateway.app import GatewayConfig, create_app
@@ -34,30 +35,16 @@ log = get_logger(__name__)
 READY_POLL_S = 0.01
 
 
-def model_directory(model: str) -> str:
-    """The directory of ``model`` (a directory, or a Hugging Face id in the
-    local cache); ValueError with a one-line message when there is none."""
-    try:
-        from pagedkv.common.model_source import resolve_model  # type: ignore[import-untyped, unused-ignore]
-    except ImportError:  # a common part without hub ids: directories only
-        if not Path(model, "config.json").is_file():
-            raise ValueError("not a model directory") from None
-        return model
-    return str(resolve_model(model))
-
-
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """ValueError (SecurityError, ModelNotFound) naming the option when one is wrong."""
-    from pagedkv.client.resume import parse_targets
-
     targets = parse_targets(args.target)
     try:
-        model_dir = model_directory(args.model)
-    except ValueError as exc:
+        model_dir = resolve_model(args.model)
+    except ModelNotFound as exc:
         raise ValueError(f"--model {args.model}: {exc}") from None
     names = tuple(n.strip() for n in (args.served_model_name or args.model).split(",") if n.strip())
     return GatewayConfig.from_model_dir(
-        Path(model_dir),
+        model_dir,
         targets=targets,
         served_model_names=names,
         auth_tokens=(None if args.auth_token_file is None else TokenFile(args.auth_token_file)),
