@@ -147,6 +147,24 @@ def test_the_sdk_passes_stop_strings(stack: Process) -> None:
     assert completion.stop_strings == (stop,)
 
 
+def test_a_resumed_stream_delivers_the_text_the_broken_one_held_back(stack: Process) -> None:
+    tokens, text, _ = outputs(collect(stack.stub, request(temperature=0.0))[1])[0]
+    stop = stop_in(text, 3, 12)
+    start = text.find(stop)
+    # The broken stream had delivered the tokens up to the stop string's first
+    # character, and of their text all but what may still become the stop.
+    k = text_upto(tokens, start + 1)
+    whole = text[: start + 1]
+    held = next(whole[i:] for i in range(len(whole) + 1) if stop.startswith(whole[i:]))
+    resumed = request(temperature=0.0, stop=[stop])
+    resumed.resumed_token_ids.extend(tokens[:k])
+    (got_tokens, got_text, last), *_ = outputs(collect(stack.stub, resumed)[1]).values()
+    assert got_text == text[len(whole) - len(held) : start]
+    assert got_tokens == tokens[k : text_upto(tokens, start + len(stop))]
+    assert (last.finish_reason, last.stop_string) == (STOP, stop)
+    assert_nothing_held(stack.stub)
+
+
 def test_the_generate_command_passes_stop_strings(
     stack: Process, capsys: pytest.CaptureFixture[str]
 ) -> None:
