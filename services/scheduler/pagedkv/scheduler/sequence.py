@@ -112,7 +112,8 @@ class Sequence:
 
     def stop_reason(self, token: int) -> int | None:
         """The one stop check of a sampled token just appended: its finish
-        reason, or None when the sequence goes on."""
+        reason, or None when the sequence goes on. Stop strings are the
+        text's (``push_text``), looked for after it."""
         reason = self.generation.stop_reasons.get(token)
         if reason is None and len(self.request.token_ids) >= self.max_num_tokens:
             return _LENGTH
