@@ -65,11 +65,12 @@ echo "device-wheels: downloading ${pins[*]} into $WHEEL_DIR"
   --platform manylinux1_x86_64 \
   --dest "$WHEEL_DIR" "${pins[@]}"
 
-# The gateway (FastAPI, uvicorn, Jinja2) and the HTTP client of `pagedkv bench
-# serve --gateway` (aiohttp), with their dependencies (pydantic's compiled
-# core, aiohttp's multidict, yarl and the like), resolved for that machine at
-# the pins of constraints.txt and requirements-dev.txt where they have one.
-HTTP_PACKAGES=(fastapi starlette pydantic uvicorn jinja2 aiohttp)
+# The gateway (FastAPI, uvicorn with httptools, Jinja2) and the HTTP client of
+# `pagedkv bench serve --gateway` (aiohttp), with their dependencies
+# (pydantic's compiled core, aiohttp's multidict, yarl and the like), resolved
+# for that machine at the pins of constraints.txt and requirements-dev.txt
+# where they have one.
+HTTP_PACKAGES=(fastapi starlette pydantic uvicorn httptools jinja2 aiohttp)
 echo "device-wheels: downloading ${HTTP_PACKAGES[*]} with their dependencies into $WHEEL_DIR"
 "$PYTHON" -m pip download --quiet --only-binary=:all: \
   --python-version 3.12 --implementation cp \
