@@ -9,16 +9,13 @@ without a template refuses chat with a 400. Responses are built as in
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pagedkv.gateway.chat_template import ChatTemplate, ChatTemplateError
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.logprobs import TokenStrings, chat_logprobs
 from pagedkv.gateway.protocol import ChatCompletionRequest
-from pagedkv.gateway.streaming import Update, Usage
-
-_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+from pagedkv.gateway.streaming import FINISH_JSON, Update, Usage, dumps, json_text
 
 
 def render(template: ChatTemplate | None, request: ChatCompletionRequest) -> str:
@@ -59,8 +56,8 @@ class ChatFormat:
     ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self._head = (
-            f'data: {{"id":{_DUMPS(request_id)},"object":"chat.completion.chunk",'
-            f'"created":{created},"model":{_DUMPS(model)},"choices":'
+            f'data: {{"id":{dumps(request_id)},"object":"chat.completion.chunk",'
+            f'"created":{created},"model":{dumps(model)},"choices":'
         ).encode()
         self._strings = strings if logprobs else None
         self._started = [False] * num_choices
@@ -73,33 +70,35 @@ class ChatFormat:
             return None
         return chat_logprobs(self._strings, update.token_ids, update.logprobs)
 
-    def _delta(self, update: Update) -> dict[str, str]:
+    def _delta(self, update: Update) -> bytes:
         if self._started[update.choice]:
-            return {"content": update.text}
+            return b'{"content":%s}' % json_text(update.text)
         self._started[update.choice] = True
-        return {"role": "assistant", "content": update.text}
+        return b'{"role":"assistant","content":%s}' % json_text(update.text)
 
     def event(self, updates: list[Update]) -> bytes | None:
-        """The SSE event of one chunk's updates; None when it says nothing."""
-        choices = []
+        """The SSE event of one chunk's updates; None when it says nothing.
+        Built from bytes directly: one JSON string per choice is encoded."""
+        parts = []
         for u in updates:
             if not (u.text or u.finish_reason or u.logprobs):
                 continue
             content = self._choice_logprobs(u)
-            choices.append(
-                {
-                    "index": u.choice,
-                    "delta": self._delta(u),
-                    "logprobs": None if content is None else {"content": content},
-                    "finish_reason": u.finish_reason,
-                }
+            parts.append(
+                b'{"index":%d,"delta":%s,"logprobs":%s,"finish_reason":%s}'
+                % (
+                    u.choice,
+                    self._delta(u),
+                    b"null" if content is None else b'{"content":%s}' % dumps(content).encode(),
+                    FINISH_JSON[u.finish_reason],
+                )
             )
-        if not choices:
+        if not parts:
             return None
-        return self._head + _DUMPS(choices).encode() + b"}\n\n"
+        return self._head + b"[" + b",".join(parts) + b"]}\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
-        return self._head + b'[],"usage":' + _DUMPS(usage.as_dict()).encode() + b"}\n\n"
+        return self._head + b'[],"usage":' + dumps(usage.as_dict()).encode() + b"}\n\n"
 
     def collect(self, updates: list[Update]) -> None:
         """Adds ``updates`` to the response that is not streamed."""

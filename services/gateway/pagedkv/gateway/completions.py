@@ -1,21 +1,18 @@
 """``/v1/completions`` responses: the whole object, or its stream's events.
 
-Events are built from plain dicts and ``json.dumps`` around a head that is
-serialized once per request (id, object, created, model), so a stream event
-costs one small ``json.dumps`` of its choices; one event per gRPC chunk
+Events are built as bytes around a head that is serialized once per request
+(id, object, created, model), so a stream event costs the JSON encoding of
+its texts (and logprobs, when asked for); one event per gRPC chunk
 (the scheduler already coalesces a stream's tokens), several tokens' text in
 it when the chunk had several.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pagedkv.gateway.logprobs import CompletionLogprobs, TokenStrings, merge_completion
-from pagedkv.gateway.streaming import Update, Usage
-
-_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+from pagedkv.gateway.streaming import FINISH_JSON, Update, Usage, dumps, json_text
 
 
 class CompletionFormat:
@@ -39,8 +36,8 @@ class CompletionFormat:
     ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self._head = (
-            f'data: {{"id":{_DUMPS(request_id)},"object":"{self.object_name}",'
-            f'"created":{created},"model":{_DUMPS(model)},"choices":'
+            f'data: {{"id":{dumps(request_id)},"object":"{self.object_name}",'
+            f'"created":{created},"model":{dumps(model)},"choices":'
         ).encode()
         self._logprobs = (
             [CompletionLogprobs(strings) for _ in range(num_choices)]
@@ -57,23 +54,28 @@ class CompletionFormat:
         return self._logprobs[update.choice].add(update.token_ids, update.logprobs)
 
     def event(self, updates: list[Update]) -> bytes | None:
-        """The SSE event of one chunk's updates; None when it says nothing."""
-        choices = [
-            {
-                "index": u.choice,
-                "text": u.text,
-                "logprobs": self._choice_logprobs(u),
-                "finish_reason": u.finish_reason,
-            }
-            for u in updates
-            if u.text or u.finish_reason or u.logprobs
-        ]
-        if not choices:
+        """The SSE event of one chunk's updates; None when it says nothing.
+        Built from bytes directly: one JSON string per choice is encoded."""
+        parts = []
+        for u in updates:
+            if not (u.text or u.finish_reason or u.logprobs):
+                continue
+            logprobs = self._choice_logprobs(u)
+            parts.append(
+                b'{"index":%d,"text":%s,"logprobs":%s,"finish_reason":%s}'
+                % (
+                    u.choice,
+                    json_text(u.text),
+                    b"null" if logprobs is None else dumps(logprobs).encode(),
+                    FINISH_JSON[u.finish_reason],
+                )
+            )
+        if not parts:
             return None
-        return self._head + _DUMPS(choices).encode() + b"}\n\n"
+        return self._head + b"[" + b",".join(parts) + b"]}\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
-        return self._head + b'[],"usage":' + _DUMPS(usage.as_dict()).encode() + b"}\n\n"
+        return self._head + b'[],"usage":' + dumps(usage.as_dict()).encode() + b"}\n\n"
 
     def collect(self, updates: list[Update]) -> None:
         """Adds ``updates`` to the response that is not streamed."""

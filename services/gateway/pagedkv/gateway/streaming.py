@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, Sequence
+from json.encoder import encode_basestring
 from typing import NamedTuple
 
 from pagedkv.client import AsyncClient
@@ -31,6 +33,17 @@ OPENAI_FINISH = {
     FinishReason.EOS: "stop",
 }
 """Finish reasons as OpenAI names them; ABORT and ERROR end with an error."""
+
+FINISH_JSON: dict[str | None, bytes] = {None: b"null", "length": b'"length"', "stop": b'"stop"'}
+"""A choice's ``finish_reason`` as JSON."""
+
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""Compact JSON, non-ASCII characters as they are (the body is UTF-8)."""
+
+
+def json_text(text: str) -> bytes:
+    """``text`` as a JSON string, UTF-8 (the C encoder, no dict around it)."""
+    return encode_basestring(text).encode()
 
 
 class Update(NamedTuple):
