@@ -70,7 +70,7 @@ from pagedkv.common.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-SCHEDULER_SIDE_COMMANDS = ["bench", "demo", "generate", "router", "scheduler", "stats"]
+SCHEDULER_SIDE_COMMANDS = ["bench", "demo", "gateway", "generate", "router", "scheduler", "stats"]
 SCHEDULER_SIDE_BENCHMARKS = ["blocks", "cluster-sim"]
 
 
