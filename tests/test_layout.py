@@ -36,6 +36,7 @@ def test_scheduler_side_imports_no_torch_triton_or_transformers() -> None:
         "pagedkv.router.scoring",
         "pagedkv.router.index",
         "pagedkv.client",
+        "pagedkv.gateway.server",
     )
     assert not {m for m in loaded if m.split(".")[0] in HEAVY or m.startswith(HEAVY)}
 
