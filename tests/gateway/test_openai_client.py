@@ -110,6 +110,22 @@ def test_a_token_id_prompt_and_a_stream_give_the_same_text(client, model) -> Non
     assert len({c.id for c in chunks}) == 1
 
 
+def test_continuous_usage_counts_the_prompt_and_the_tokens_so_far(gateway) -> None:
+    import httpx
+
+    body = {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body) as response:
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    usages = [json.loads(d)["usage"] for d in data]
+    assert all(u["prompt_tokens"] == len(PROMPT) for u in usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-2] == counts[-1] == NEW_TOKENS
+    assert "cached_tokens" in usages[-1]["prompt_tokens_details"]  # the scheduler's own
+
+
 def test_chat_is_hugging_face_greedy_on_the_rendered_template(client, model) -> None:
     completion = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_completion_tokens=NEW_TOKENS, temperature=0,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,17 @@ def _check_model(state: GatewayState, model: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def _num_prompt_tokens(state: GatewayState, prompts: list[str | Sequence[int]]) -> int:
+    """The prompts' tokens, as the scheduler will count them."""
+    num = 0
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            num += len(prompt)
+        elif state.strings is not None:
+            num += state.strings.num_tokens(prompt)
+    return num
 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
@@ -219,9 +230,12 @@ async def _generate(state: GatewayState, request: Request, endpoint: str) -> Res
                 parsed.logprobs is not None,
             )
         exchange = Exchange(endpoint, generation, fmt, state.metrics, started)
-        if parsed.stream:
-            return await exchange.stream(request, parsed.include_usage())
-        return await exchange.whole(request)
+        if not parsed.stream:
+            return await exchange.whole(request)
+        prompt_tokens = None
+        if parsed.continuous_usage():
+            prompt_tokens = _num_prompt_tokens(state, [r.text or r.token_ids.ids for r in requests])
+        return await exchange.stream(request, parsed.include_usage(), prompt_tokens)
     except ApiError as exc:
         if exc.status >= 500:
             log.warning("request failed", endpoint=endpoint, status=exc.status, error=exc.message)

@@ -76,9 +76,10 @@ class ChatFormat:
         self._started[update.choice] = True
         return b'{"role":"assistant","content":%s}' % json_text(update.text)
 
-    def event(self, updates: list[Update]) -> bytes | None:
+    def event(self, updates: list[Update], extra: bytes = b"") -> bytes | None:
         """The SSE event of one chunk's updates; None when it says nothing.
-        Built from bytes directly: one JSON string per choice is encoded."""
+        Built from bytes directly: one JSON string per choice is encoded.
+        ``extra``: more members of the event's object (``,"usage":{...}``)."""
         parts = []
         for u in updates:
             if not (u.text or u.finish_reason or u.logprobs):
@@ -95,7 +96,7 @@ class ChatFormat:
             )
         if not parts:
             return None
-        return self._head + b"[" + b",".join(parts) + b"]}\n\n"
+        return self._head + b"[" + b",".join(parts) + b"]" + extra + b"}\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
         return self._head + b'[],"usage":' + dumps(usage.as_dict()).encode() + b"}\n\n"

@@ -53,9 +53,10 @@ class CompletionFormat:
             return None
         return self._logprobs[update.choice].add(update.token_ids, update.logprobs)
 
-    def event(self, updates: list[Update]) -> bytes | None:
+    def event(self, updates: list[Update], extra: bytes = b"") -> bytes | None:
         """The SSE event of one chunk's updates; None when it says nothing.
-        Built from bytes directly: one JSON string per choice is encoded."""
+        Built from bytes directly: one JSON string per choice is encoded.
+        ``extra``: more members of the event's object (``,"usage":{...}``)."""
         parts = []
         for u in updates:
             if not (u.text or u.finish_reason or u.logprobs):
@@ -72,7 +73,7 @@ class CompletionFormat:
             )
         if not parts:
             return None
-        return self._head + b"[" + b",".join(parts) + b"]}\n\n"
+        return self._head + b"[" + b",".join(parts) + b"]" + extra + b"}\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
         return self._head + b'[],"usage":' + dumps(usage.as_dict()).encode() + b"}\n\n"

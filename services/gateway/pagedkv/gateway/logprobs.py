@@ -67,6 +67,11 @@ class TokenStrings:
         file = path / "tokenizer.json"
         return cls(Tokenizer.from_file(str(file))) if file.is_file() else None
 
+    def num_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as the scheduler encodes a text prompt (no
+        special tokens added)."""
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
     def get(self, token_id: int) -> tuple[str, bytes]:
         """The text and bytes of ``token_id``."""
         found = self._cache.get(token_id)

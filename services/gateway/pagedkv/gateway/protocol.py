@@ -26,7 +26,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
     """A last event with ``choices: []`` and the request's usage."""
     continuous_usage_stats: bool = False
-    """vLLM's usage on every event: not supported (only false)."""
+    """vLLM's usage so far on every event."""
 
 
 class ResponseFormat(_Body):
@@ -71,6 +71,9 @@ class SamplingFields(_Body):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -166,7 +169,6 @@ def check_supported(request: SamplingFields) -> None:
     options = request.stream_options
     if options is not None:
         _refuse_unless(request.stream, "stream_options", "only with stream: true")
-        _refuse_unless(not options.continuous_usage_stats, "stream_options.continuous_usage_stats")
     if isinstance(request, CompletionRequest):
         _refuse_unless(not request.echo, "echo")
         _refuse_unless(not request.suffix, "suffix")

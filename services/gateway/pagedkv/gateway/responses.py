@@ -5,7 +5,11 @@ A stream's first chunk is awaited before the answer starts, so a request
 the scheduler refuses (a prompt too long, a bad value) still gets its HTTP
 status (400, 429, 503 ...); after that, a failure ends the stream with one
 ``data: {"error": ...}`` event. A stream ends with ``data: [DONE]``, after
-a usage event when ``stream_options.include_usage``.
+a usage event when ``stream_options.include_usage``. With
+``stream_options.continuous_usage_stats`` every event carries the usage so
+far too: the prompt's tokens (counted by the gateway with the model's
+tokenizer, as the scheduler counts them) and the tokens generated up to it;
+the last usage is the scheduler's own.
 
 A client that goes away cancels the request's gRPC calls, so the scheduler
 frees its blocks: a stream's body is cancelled by Starlette on disconnect
@@ -28,7 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from pagedkv.client.types import GenerateChunk
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.metrics import GatewayMetrics
-from pagedkv.gateway.streaming import Generation, Update, Usage
+from pagedkv.gateway.streaming import Generation, Update, Usage, dumps
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -39,7 +43,7 @@ T = TypeVar("T")
 class ResponseFormat(Protocol):
     """An endpoint's response shapes (``CompletionFormat``, ``ChatFormat``)."""
 
-    def event(self, updates: list[Update]) -> bytes | None: ...
+    def event(self, updates: list[Update], extra: bytes = b"") -> bytes | None: ...
     def usage_event(self, usage: Usage) -> bytes: ...
     def collect(self, updates: list[Update]) -> None: ...
     def response(self, usage: Usage) -> dict[str, Any]: ...
@@ -122,8 +126,12 @@ class Exchange:
         generation.check_complete()
         return self.fmt.response(generation.usage)
 
-    async def stream(self, request: Request, include_usage: bool) -> Response:
-        """The event stream, started once the first chunk came."""
+    async def stream(
+        self, request: Request, include_usage: bool, prompt_tokens: int | None = None
+    ) -> Response:
+        """The event stream, started once the first chunk came.
+        ``prompt_tokens``: put the usage so far on every event (see the
+        module docstring); None: only on the usage event, if any."""
         chunks = self.generation.chunks()
         self.metrics.open_streams.inc()
         try:
@@ -142,30 +150,45 @@ class Exchange:
             self._ended()
             raise
         return StreamingResponse(
-            self._events(first, chunks, include_usage),
+            self._events(first, chunks, include_usage, prompt_tokens),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
+
+    def _event(
+        self, prompt_index: int, chunk: GenerateChunk, prompt_tokens: int | None
+    ) -> bytes | None:
+        updates = self._seen(self.generation.updates(prompt_index, chunk))
+        if prompt_tokens is None:
+            return self.fmt.event(updates)
+        completion_tokens = self.generation.num_output_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return self.fmt.event(updates, b',"usage":' + dumps(usage).encode())
 
     async def _events(
         self,
         first: tuple[int, GenerateChunk],
         chunks: AsyncGenerator[tuple[int, GenerateChunk], None],
         include_usage: bool,
+        prompt_tokens: int | None,
     ) -> AsyncIterator[bytes]:
-        generation, fmt = self.generation, self.fmt
+        generation = self.generation
         completed = False
         try:
-            event = fmt.event(self._seen(generation.updates(*first)))
+            event = self._event(*first, prompt_tokens)
             if event is not None:
                 yield event
             async for prompt_index, chunk in chunks:
-                event = fmt.event(self._seen(generation.updates(prompt_index, chunk)))
+                event = self._event(prompt_index, chunk, prompt_tokens)
                 if event is not None:
                     yield event
             generation.check_complete()
             if include_usage:
-                yield fmt.usage_event(generation.usage)
+                yield self.fmt.usage_event(generation.usage)
             yield DONE
             completed = True
         except ApiError as exc:
