@@ -3,10 +3,11 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (with ``--auth-token-file``, these need
 ``Authorization: Bearer <token>``, compared in constant time), ``GET
-/health`` (200 while a target serves, else 503) and ``GET /metrics``
-(Prometheus), both open. Every error is an ``ApiError`` in OpenAI's shape,
-unknown routes included. Bodies are parsed by the request models of
-``protocol`` (not by FastAPI's own validation, which answers 422).
+/health`` (200 while a target serves, else 503; how many serve, never
+their addresses) and ``GET /metrics`` (Prometheus), both open. Every
+error is an ``ApiError`` in OpenAI's shape, unknown routes included.
+Bodies are parsed by the request models of ``protocol`` (not by FastAPI's
+own validation, which answers 422).
 
 ``GatewayState`` holds what lives as long as the app: one ``AsyncClient``
 over every target (one channel each, streams resumed as the SDK does), the
@@ -159,9 +160,10 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        serving = await holder["state"].health.serving()
-        status = 200 if serving else 503
-        return answered("health", JSONResponse({"serving": list(serving)}, status_code=status))
+        health = holder["state"].health
+        serving = await health.serving()
+        body = {"num_serving": len(serving), "num_targets": len(health.targets)}
+        return answered("health", JSONResponse(body, status_code=200 if serving else 503))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
