@@ -36,7 +36,7 @@ from pagedkv.common.security import TlsConfig, TokenFile, presented_token
 from pagedkv.gateway.chat import ChatFormat, render
 from pagedkv.gateway.chat_template import ChatTemplate
 from pagedkv.gateway.completions import CompletionFormat
-from pagedkv.gateway.errors import ApiError, from_validation
+from pagedkv.gateway.errors import ApiError, from_validation, unsupported
 from pagedkv.gateway.health import TargetHealth
 from pagedkv.gateway.logprobs import TokenStrings
 from pagedkv.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -209,6 +209,9 @@ async def _generate(state: GatewayState, request: Request, endpoint: str) -> Res
             raise from_validation(exc) from None
         check_supported(parsed)
         _check_model(state, parsed.model)
+        logprobs = parsed.logprobs is True or type(parsed.logprobs) is int
+        if logprobs and state.strings is None:
+            raise unsupported("logprobs", "this model has no tokenizer.json to name the tokens")
         created = int(time.time())
         fmt: CompletionFormat | ChatFormat
         if isinstance(parsed, ChatCompletionRequest):
