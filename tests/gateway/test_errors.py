@@ -164,3 +164,26 @@ def test_without_a_serving_target_health_is_503_and_requests_too(models) -> None
         response = post(gateway.url, "completions", {"model": MODEL, "prompt": "Hi"})
         assert_error(response, 503, None, "no server at")
         assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--http-port", "-1"], "--http-port -1: a port"),
+        (["--served-model-name", "x"], "--served-model-name needs --http-port"),
+        (["--http-port", "0", "--tls-cert", "c", "--tls-key", "k"], "--scheduler-tls-ca"),
+    ],
+)
+def test_serve_refuses_wrong_gateway_options_in_one_line(args, words, capsys) -> None:
+    from pagedkv.common.cli import main
+
+    assert main(["serve", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_gateway_refuses_a_model_that_is_not_there(capsys, tmp_path) -> None:
+    from pagedkv.common.cli import main
+
+    missing = str(tmp_path / "missing")
+    assert main(["gateway", "--target", "127.0.0.1:1", "--model", missing, "--port", "0"]) == 2
+    assert f"--model {missing}: no such directory" in capsys.readouterr().err
