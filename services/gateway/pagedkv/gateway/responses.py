@@ -65,13 +65,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watch = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((job, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this task cancelled: so is the work
+        job.cancel()
+        raise
     finally:
         watch.cancel()
-        if not job.done():
-            job.cancel()
-            with contextlib.suppress(BaseException):
-                await job
-            raise ClientGone from None
+    if not job.done():
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)  # its calls cancelled
+        raise ClientGone
     return job.result()
 
 
