@@ -132,6 +132,12 @@ def test_scheduler_fields_become_openai_parameters(details, param) -> None:
     assert scheduler_param(details) == param
 
 
+def test_chat_names_the_prompt_messages_and_the_logprobs_top_logprobs() -> None:
+    assert scheduler_param("prompt: too long", "messages") == "messages"
+    assert scheduler_param("sampling.logprobs: 30 > max_logprobs 20", "messages") == "top_logprobs"
+    assert scheduler_param("sampling.top_p: 2", "messages") == "top_p"
+
+
 class _RpcError(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self._code, self._details = code, details

@@ -144,17 +144,22 @@ _SCHEDULER_PARAMS = {
 _FIELD = re.compile(r"^([a-z_.]+)(?:\[\d+\])?(?:\.[a-z_.\[\]\d]+)?:")
 
 
+_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+"""Where chat names a parameter otherwise (the prompt is its messages)."""
+
+
 def scheduler_param(details: str, prompt_param: str = "prompt") -> str | None:
     """The OpenAI parameter an INVALID_ARGUMENT's details name (the
     scheduler starts them with the field: "sampling.top_p: ...");
-    ``prompt_param``: what the prompt is called ("messages" for chat)."""
+    ``prompt_param``: what the prompt is called ("messages" for chat, whose
+    logprobs count is ``top_logprobs`` too)."""
     match = _FIELD.match(details)
     if match is None:
         return None
     field = match.group(1)
     for prefix, param in _SCHEDULER_PARAMS.items():
         if field == prefix or field.startswith(prefix + "."):
-            return prompt_param if param == "prompt" else param
+            return _CHAT_PARAMS.get(param, param) if prompt_param == "messages" else param
     return None
 
 
