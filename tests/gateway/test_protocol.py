@@ -189,3 +189,24 @@ def test_token_strings_of_sentencepiece_pieces() -> None:
     assert strings.get(1) == (" Hi", b" Hi")
     assert strings.get(2) == ("\ufffd", b"\xe2")
     assert strings.get(3) == ("there", b"there")
+
+
+def test_chat_template_kwargs_may_set_add_generation_prompt(tmp_path) -> None:
+    from pagedkv.gateway.chat import render
+    from pagedkv.gateway.chat_template import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m.content }};{% endfor %}"
+                            "{% if add_generation_prompt %}>{% endif %}{{ extra }}")  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+
+    def chat(**fields: object) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": messages, **fields}
+        return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+    assert render(template, chat()) == "hi;>"
+    assert render(template, chat(add_generation_prompt=False)) == "hi;"
+    kwargs = {"add_generation_prompt": False, "extra": "!"}
+    assert render(template, chat(chat_template_kwargs=kwargs)) == "hi;!"
+    with pytest.raises(ApiError) as refused:
+        render(None, chat())
+    assert refused.value.param == "messages"

@@ -29,12 +29,12 @@ def render(template: ChatTemplate | None, request: ChatCompletionRequest) -> str
             code="no_chat_template",
         )
     messages = [message.as_template_input() for message in request.messages]
+    variables = dict(request.chat_template_kwargs or {})
+    add_generation_prompt = bool(
+        variables.pop("add_generation_prompt", request.add_generation_prompt)
+    )
     try:
-        return template.render(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            **(request.chat_template_kwargs or {}),
-        )
+        return template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
     except ChatTemplateError as exc:
         param = exc.param or "messages"
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
