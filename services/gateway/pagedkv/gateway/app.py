@@ -158,6 +158,12 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         return answered("other", error.response())
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("request failed", path=request.url.path, error=repr(exc))
+        error = ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return answered("other", error.response())
+
     @app.get("/health")
     async def health() -> Response:
         health = holder["state"].health
