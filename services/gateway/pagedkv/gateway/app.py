@@ -53,8 +53,8 @@ class GatewayConfig:
     """What a gateway serves and how it reaches its targets.
 
     ``model_dir``: the model's directory (its tokenizer and chat template);
-    ``served_model_names``: the names requests may give as ``model``, the
-    first listed by ``/v1/models``; ``auth_tokens``: the bearer tokens
+    ``served_model_names``: the names requests may give as ``model``, all
+    listed by ``/v1/models``; ``auth_tokens``: the bearer tokens
     callers must present (None: none needed); ``tls`` and ``target_token``:
     the gateway's own credentials towards the targets. ``template`` and
     ``strings`` are read from ``model_dir`` by ``from_model_dir``."""
