@@ -247,6 +247,22 @@ def test_stop_strings_end_the_text_before_them(client, model) -> None:
     assert kept.choices[0].text == greedy[: greedy.index(stop) + len(stop)]
 
 
+def test_stop_token_ids_and_min_tokens_pass_through(client, model) -> None:
+    greedy = hf_greedy(model, list(PROMPT.encode()), NEW_TOKENS)
+    stop = greedy[0]
+    stopped = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
+    )  # fmt: skip
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].finish_reason == "stop"
+    later = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 4},
+    )  # fmt: skip
+    assert later.usage is not None and later.usage.completion_tokens >= 4
+
+
 def test_models_health_and_metrics(client, gateway) -> None:
     import httpx
 
