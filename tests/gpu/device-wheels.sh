@@ -89,6 +89,7 @@ LOADGEN_PACKAGES=(
   click datasets dill multiprocess faker ftfy wcwidth loguru culsans aiologic
   eval-type-backport more-itertools pydantic-settings python-dotenv h2 hpack hyperframe
   sanic sanic-routing html5tagger tracerite httptools ujson websockets
+  sniffio httpx2 httpcore2 truststore tzdata
 )
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "device-wheels: no dev environment in $VENV (make setup makes it)" >&2
