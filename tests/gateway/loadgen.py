@@ -89,14 +89,23 @@ def served_model(url: str, timeout: float = 120.0) -> str:
 
 
 def scenario(
-    url: str, model: str, tokenizer: Path, loads: Sequence[Load], report: Path
+    url: str,
+    model: str,
+    tokenizer: Path,
+    loads: Sequence[Load],
+    report: Path,
+    max_seconds: float | None = None,
 ) -> dict[str, Any]:
     """guidellm's scenario file: one sub-benchmark per load (they share the
     data, so the prompt and output lengths must agree), the JSON report to
-    ``report``. Only benchmark-wide statistics and per-request timings and
+    ``report``; ``max_seconds`` ends each benchmark early (the requests
+    still running count as incomplete). Only benchmark-wide statistics and per-request timings and
     token counts are kept, not the prompts and outputs (``sample_size: 0``)."""
     assert loads and len({(load.prompt_tokens, load.output_tokens) for load in loads}) == 1
     first = loads[0]
+    constraints: list[dict[str, Any]] = [{"kind": "max_requests", "count": first.num_requests}]
+    if max_seconds is not None:
+        constraints.append({"kind": "max_duration", "seconds": max_seconds})
     return {
         "spec": {
             "backend": {
@@ -114,7 +123,7 @@ def scenario(
                 }
             ],
             "tokenizer": {"kind": "hf_auto", "model": str(tokenizer)},
-            "constraints": [{"kind": "max_requests", "count": first.num_requests}],
+            "constraints": constraints,
             "metrics": {"kind": "generative", "sample_size": 0},
             "outputs": [{"kind": "json", "path": str(report)}],
         },
@@ -133,14 +142,18 @@ def run_guidellm(
     report: Path,
     *,
     worker_processes: int | None = None,
+    max_seconds: float | None = None,
+    capture: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``guidellm run`` on the scenario of ``loads`` (written beside
     ``report``) in this interpreter's environment, offline; its console
     output (progress lines and the result tables) is returned, not raised
-    on: the caller checks ``returncode``. ``worker_processes`` caps
+    on: the caller checks ``returncode``; with ``capture`` false it goes to
+    this process's instead, as it comes. ``worker_processes`` caps
     guidellm's client processes (default: guidellm's, 10)."""
     path = report.with_suffix(".scenario.json")
-    path.write_text(json.dumps(scenario(url, model, tokenizer, loads, report), indent=2))
+    spec = scenario(url, model, tokenizer, loads, report, max_seconds)
+    path.write_text(json.dumps(spec, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if worker_processes is not None:
         env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(worker_processes)
@@ -149,7 +162,7 @@ def run_guidellm(
         [*command, "--disable-console-interactive"],
         cwd=report.parent,
         env=env,
-        capture_output=True,
+        capture_output=capture,
         text=True,
         timeout=GUIDELLM_TIMEOUT_S,
         check=False,
@@ -208,13 +221,15 @@ def _free_port() -> int:
         return port
 
 
-def run_against_serve(bench: argparse.Namespace, loads: Sequence[Load], report: Path) -> int:
+def run_against_serve(
+    bench: argparse.Namespace, loads: Sequence[Load], report: Path, max_seconds: float
+) -> int:
     """Starts ``pagedkv serve MODEL --http-port PORT`` with ``bench``'s
     model (a preset's directory: ``config.json`` and a ``tokenizer.json`` of
     the whole vocabulary, to which a ``tokenizer_config.json`` is added so
     that guidellm's ``AutoTokenizer`` loads it) and server settings, runs
     guidellm's ``loads`` against it into ``report`` and stops it; guidellm's
-    exit status. Its console output goes to this process's."""
+    exit status. Its console output goes to this process's as it comes."""
     from pagedkv.scheduler.bench.serving import stack
 
     with stack.model_dir(bench) as model:
@@ -225,11 +240,12 @@ def run_against_serve(bench: argparse.Namespace, loads: Sequence[Load], report: 
         server = stack.ServeStack(model, [*stack.server_args(bench), "--http-port", str(port)])
         try:
             url = f"http://127.0.0.1:{port}"
-            run = run_guidellm(url, served_model(url), Path(model), loads, report)
+            name = served_model(url)
+            run = run_guidellm(
+                url, name, Path(model), loads, report, max_seconds=max_seconds, capture=False
+            )
         finally:
             server.stop()
-    print(run.stdout, flush=True)
-    print(run.stderr, file=sys.stderr, flush=True)
     return run.returncode
 
 
@@ -305,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="guidellm's JSON report, without its per-request records (a .md summary beside)",
     )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=120.0,
+        help="a benchmark ends after this long (its unfinished requests count as incomplete)",
+    )
     parser.add_argument("--device-name", default="h200", help="of the bench serve results")
     args, rest = parser.parse_known_args(argv)
     bench = bench_serve_options(rest)
@@ -315,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pagedkv-loadgen-") as tmp:
         raw = Path(tmp) / "guidellm.json"
-        status = run_against_serve(bench, loads, raw)
+        status = run_against_serve(bench, loads, raw, args.max_seconds)
         if status != 0:
             return status
         report = json.loads(raw.read_text())

@@ -12,8 +12,9 @@
 # settings of the committed serve-bench-NAME.json (WINDOW and DEPTH override
 # them). guidellm (`python -m tests.gateway.loadgen`) runs its concurrent
 # profile over /v1/completions, streamed: STREAMS (default 64,256) streams of
-# 512 -> 256 tokens, WAVES (default 4) requests per stream; about two
-# minutes. Its JSON report, without the per-request records, and a summary
+# 512 -> 256 tokens, WAVES (default 2) requests per stream, each benchmark
+# ended after MAX_SECONDS (default 90; its unfinished requests count as
+# incomplete); about four minutes with the server's start. Its JSON report, without the per-request records, and a summary
 # beside `pagedkv bench serve`'s fixed batches go to OUT when set (the
 # device's output folder), else tests/benchmarks/results, as
 # loadgen-guidellm-NAME.{json,md}, NAME being DEVICE_NAME (default h200).
@@ -53,8 +54,8 @@ PY
 )
 echo "run-loadgen: --decode-window ${WINDOW:-$window} --pipeline-depth ${DEPTH:-$depth}"
 
-"$PYTHON" -m tests.gateway.loadgen --streams "${STREAMS:-64,256}" --waves "${WAVES:-4}" \
-  --prompt-tokens 512 --output-tokens 256 --device-name "$NAME" \
+"$PYTHON" -m tests.gateway.loadgen --streams "${STREAMS:-64,256}" --waves "${WAVES:-2}" \
+  --max-seconds "${MAX_SECONDS:-90}" --prompt-tokens 512 --output-tokens 256 --device-name "$NAME" \
   --output "$RESULTS/loadgen-guidellm-$NAME.json" \
   --preset llama-1.1b --device cuda --dtype bfloat16 \
   --decode-window "${WINDOW:-$window}" --pipeline-depth "${DEPTH:-$depth}"
