@@ -37,6 +37,7 @@ from pagedkv.gateway.chat import ChatFormat, render
 from pagedkv.gateway.chat_template import ChatTemplate
 from pagedkv.gateway.completions import CompletionFormat
 from pagedkv.gateway.errors import ApiError, from_validation, unsupported
+from pagedkv.gateway.fastpath import GatewayApp
 from pagedkv.gateway.health import TargetHealth
 from pagedkv.gateway.logprobs import TokenStrings
 from pagedkv.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -132,8 +133,10 @@ def _num_prompt_tokens(state: GatewayState, prompts: list[str | Sequence[int]]) 
     return num
 
 
-def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
-    """The gateway app for ``config``; its state is made when it starts."""
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> GatewayApp:
+    """The gateway app for ``config``; its state is made when it starts.
+    The generation routes are served by ``GatewayApp`` itself (FastAPI's
+    routes for them stay, with the same handler)."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     holder: dict[str, GatewayState] = {}
 
@@ -196,7 +199,10 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     async def chat(request: Request) -> Response:
         return answered("chat", await _generate(holder["state"], request, "chat"))
 
-    return app
+    async def generate(request: Request, endpoint: str) -> Response:
+        return await _generate(holder["state"], request, endpoint)
+
+    return GatewayApp(app, generate, metrics)
 
 
 async def _generate(state: GatewayState, request: Request, endpoint: str) -> Response:
