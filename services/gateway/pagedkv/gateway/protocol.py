@@ -11,7 +11,7 @@ naming the parameter. docs/http.md lists them all.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,7 +76,10 @@ class SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
+"""Text, token ids, or a batch of either. Tried in this order, the first
+that fits wins (strict: no coercion, so at most one fits): a prompt of token
+ids is validated once, not by every member as "smart" unions do."""
 
 
 class CompletionRequest(SamplingFields):
@@ -93,14 +96,9 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        out: list[str | list[int]] = []
-        ids: list[int] = []
-        for item in prompt:
-            if isinstance(item, int):
-                ids.append(item)
-            else:
-                out.append(item)
-        return [ids] if ids else out
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]  # one prompt of token ids
+        return list(prompt)  # type: ignore[arg-type]  # a batch
 
 
 class TextPart(_Body):
