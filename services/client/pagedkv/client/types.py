@@ -327,58 +327,63 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
     return _FINISH_REASONS.get(value, FinishReason.ERROR)
 
 
+def _sequence_from_proto(out: scheduler_pb2.SequenceOutput) -> SequenceChunk:
+    logprobs = out.logprobs
+    return SequenceChunk(
+        out.index,
+        tuple(out.token_ids),
+        out.text_delta,
+        tuple(
+            TokenLogprob(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
+            for lp in logprobs
+        )
+        if logprobs
+        else (),
+        _FINISH_REASONS.get(out.finish_reason, FinishReason.ERROR),
+        out.stop_token_id if out.HasField("stop_token_id") else None,
+        out.error_message or None,
+        out.stop_string or None,
+    )
+
+
 def chunk_from_proto(msg: scheduler_pb2.GenerateResponse) -> GenerateChunk:
-    """One Generate stream message as a ``GenerateChunk``."""
+    """One Generate stream message as a ``GenerateChunk``. Called for every
+    message of every stream: what a message does not carry (beams,
+    logprobs, usage before the last one) costs nothing to skip."""
+    outputs, beams = msg.outputs, msg.beams
+    if len(outputs) == 1:
+        sequences: tuple[SequenceChunk, ...] = (_sequence_from_proto(outputs[0]),)
+    else:
+        sequences = tuple(_sequence_from_proto(out) for out in outputs)
     return GenerateChunk(
-        request_id=RequestId(msg.request_id),
-        sequences=tuple(
-            SequenceChunk(
-                index=out.index,
-                token_ids=tuple(out.token_ids),
-                text=out.text_delta,
-                logprobs=tuple(
-                    TokenLogprob(
-                        logprob=lp.logprob,
-                        top_token_ids=tuple(lp.top_token_ids),
-                        top_logprobs=tuple(lp.top_logprobs),
-                    )
-                    for lp in out.logprobs
-                ),
-                finish_reason=finish_reason_from_proto(out.finish_reason),
-                stop_token_id=out.stop_token_id if out.HasField("stop_token_id") else None,
-                error_message=out.error_message or None,
-                stop_string=out.stop_string or None,
-            )
-            for out in msg.outputs
-        ),
-        beams=tuple(
+        RequestId(msg.request_id),
+        sequences,
+        tuple(
             Beam(
                 token_ids=tuple(beam.token_ids),
                 text=beam.text,
                 cumulative_logprob=beam.cumulative_logprob,
                 finish_reason=finish_reason_from_proto(beam.finish_reason),
             )
-            for beam in msg.beams
-        ),
-        usage=(
-            Usage(
-                prompt_tokens=msg.usage.prompt_tokens,
-                cached_prompt_tokens=msg.usage.cached_prompt_tokens,
-                completion_tokens=msg.usage.completion_tokens,
-            )
-            if msg.HasField("usage")
-            else None
-        ),
-        placement=(
-            Placement(
-                executor=msg.placement.executor,
-                hint=scheduler_pb2.PlacementHint.Name(msg.placement.hint)
-                .removeprefix("PLACEMENT_HINT_")
-                .lower(),
-            )
-            if msg.HasField("placement")
-            else None
-        ),
+            for beam in beams
+        )
+        if beams
+        else (),
+        Usage(
+            prompt_tokens=msg.usage.prompt_tokens,
+            cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+            completion_tokens=msg.usage.completion_tokens,
+        )
+        if msg.HasField("usage")
+        else None,
+        Placement(
+            executor=msg.placement.executor,
+            hint=scheduler_pb2.PlacementHint.Name(msg.placement.hint)
+            .removeprefix("PLACEMENT_HINT_")
+            .lower(),
+        )
+        if msg.HasField("placement")
+        else None,
     )
 
 
