@@ -98,7 +98,7 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     make_tiny_model(model, "llama", seed=7)
     output = tmp_path / "serve-gateway-cpu.json"
     too_long = MAX_POSITION_EMBEDDINGS + 8  # the second batch is refused both ways
-    argv = ["--model", str(model), "--gateway", "--http-clients", "2"]
+    argv = ["--model", str(model), "--gateway", "--http-clients", "2", "--gateway-probe", "3"]
     argv += ["--rates", "inf", "--num-requests", "3"]
     argv += ["--mean-prompt-len", "20", "--mean-output-len", "6", "--system-prompt-len", "16"]
     argv += ["--warmup-requests", "2", "--fixed-batch", f"3x12x5,2x{too_long}x3", "--no-hf"]
@@ -132,7 +132,11 @@ def test_a_reduced_run_through_the_gateway_compares_it_with_grpc(tmp_path: Path)
     assert done["gateway"]["output_tokens_per_s_ratio"] > 0
     assert refused["pagedkv"]["num_failed"] == refused["http"]["num_failed"] == 2
     assert refused["http"]["first_error"].startswith("HTTP 400: ")
+    probe = report["gateway_probe"]
+    assert probe["grpc"]["num_ok"] == probe["http"]["num_ok"] == 3
+    assert probe["ttft_p50_added_ms"] is not None and probe["latency_p50_added_ms"] is not None
     text = output.with_suffix(".md").read_text()
+    assert "## One request at a time: what the gateway adds" in text
     assert "| pagedkv gateway (HTTP) | 3 x (12 -> 5) | 3/3 |" in text
     assert "## Through the gateway (HTTP) against gRPC, same stack" in text
     assert "over gRPC (with the outputs' text)" in text

@@ -132,10 +132,12 @@ case "${1:-1b}" in
     # GRPC_TEXT=1: the gRPC runs ask for text too (serve-gateway-text-NAME).
     # The HTTP load comes from HTTP_CLIENTS processes (default 2), so that
     # reading 45,000 tokens/s of JSON events keeps each well under a core.
+    # First PROBE requests (default 200) each way one at a time, alternating:
+    # the latency the gateway adds with nothing else in flight.
     text=() suffix=''
     [[ "${GRPC_TEXT:-0}" == 1 ]] && text=(--grpc-text) suffix=-text
     bench --preset "${PRESET:-llama-1.1b}" --rates '' --gateway --no-hf "${text[@]}" \
-      --http-clients "${HTTP_CLIENTS:-2}" \
+      --http-clients "${HTTP_CLIENTS:-2}" --gateway-probe "${PROBE:-200}" \
       --fixed-batch "${BATCHES:-64x512x256,256x512x256,64x512x256,256x512x256}" "${tuned[@]}" \
       --output "$RESULTS/serve-gateway$suffix-$NAME.json"
     ;;

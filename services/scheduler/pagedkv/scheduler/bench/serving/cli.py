@@ -147,6 +147,15 @@ def register(subparsers: Any, name: str) -> None:
         "requests dealt out round-robin, should one be near a core (default: 1)",
     )
     parser.add_argument(
+        "--gateway-probe",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --gateway: before the fixed batches, N requests each way one at a time, "
+        "alternating gRPC and HTTP, for the latency the gateway adds to a request with nothing "
+        "else in flight (default: 0, none)",
+    )
+    parser.add_argument(
         "--grpc-text",
         action="store_true",
         help="the gRPC requests ask for the outputs' text, as the gateway's do (default: "

@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedkv.scheduler.bench.serving.gateway import markdown_lines as gateway_lines
 from pagedkv.scheduler.bench.serving.metrics import failure_note, ms_cell
+from pagedkv.scheduler.bench.serving.probe import markdown_lines as probe_lines
 from pagedkv.scheduler.bench.serving.sweep import markdown_lines as sweep_lines
 
 
@@ -102,6 +103,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             lines += ["", *notes]
         through_gateway = gateway_lines(report["fixed_batches"], settings.get("grpc_text", False))
         lines += ["", *through_gateway] if through_gateway else []
+    if "gateway_probe" in report:
+        lines += ["", *probe_lines(report["gateway_probe"])]
     timeline = report.get("timeline")
     if timeline and "error" in timeline:
         lines += ["", f"GPU timeline: not measured ({timeline['error']})."]

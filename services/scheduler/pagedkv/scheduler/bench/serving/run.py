@@ -46,6 +46,7 @@ from pagedkv.scheduler.bench.serving.gateway import Gateway, comparison, timed_g
 from pagedkv.scheduler.bench.serving.http_load import run_load_http
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
 from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows
+from pagedkv.scheduler.bench.serving.probe import run_probe
 from pagedkv.scheduler.bench.serving.stack import (
     ServeStack,
     TimelineStack,
@@ -118,6 +119,16 @@ def _serve_runs(
             )
             row["http"] = {"summary": summary, "requests": request_rows(results)}
         out["rates"].append(row)
+    if gateway is not None and args.gateway_probe:
+        out["gateway_probe"] = run_probe(
+            target,
+            gateway.base_url,
+            gateway.model,
+            args.gateway_probe,
+            mix.vocab_size,
+            args.seed + 2000,
+        )
+        log.info("gateway probe done", ttft_p50_added_ms=out["gateway_probe"]["ttft_p50_added_ms"])
     out["fixed_batches"], out["fixed_batch_marks"] = run_fixed_batches(
         target, batches, mix.vocab_size, slo, args.seed + 1000, gateway, args.grpc_text
     )
@@ -278,6 +289,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "sweep",
         "gateway",
         "http_clients",
+        "gateway_probe",
         "grpc_text",
         "seed",
         "target",
@@ -291,6 +303,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
             "hf_repeat",
             "gateway",
             "http_clients",
+            "gateway_probe",
             "grpc_text",
         )
         keys = [k for k in keys if k not in unused and not k.startswith(("timeline", "step_"))]
@@ -367,6 +380,8 @@ def _all_ok(report: dict[str, Any]) -> bool:
     runs = [r["summary"] for r in report["rates"]] + [b["pagedkv"] for b in report["fixed_batches"]]
     runs += [r["http"]["summary"] for r in report["rates"] if "http" in r]
     runs += [b["http"] for b in report["fixed_batches"] if "http" in b]
+    if "gateway_probe" in report:
+        runs += [report["gateway_probe"]["grpc"], report["gateway_probe"]["http"]]
     for run in report.get("sweep", {}).get("runs", []):
         runs += [b["pagedkv"] for b in run["fixed_batches"]]
     return all(s["num_ok"] == s["num_requests"] for s in runs)
