@@ -249,6 +249,12 @@ def run_against_serve(
     return run.returncode
 
 
+def _guidellm() -> str:
+    import importlib.metadata as metadata
+
+    return metadata.version("guidellm")
+
+
 def _fixed_batch_rates(results: Path, name: str) -> dict[int, float]:
     """Output tok/s of the committed ``pagedkv bench serve`` fixed batches
     (gRPC) of device ``name``, by batch size: what guidellm's numbers stand
@@ -304,15 +310,17 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """This module's options and, from the rest, ``pagedkv bench serve``'s."""
     parser = argparse.ArgumentParser(
         prog="python -m tests.gateway.loadgen",
+        allow_abbrev=False,  # --device is bench serve's, not an abbreviation of --device-name
         description="guidellm against `pagedkv serve --http-port` on a serving-benchmark "
         "preset; the options it does not know are `pagedkv bench serve`'s (--preset, "
         "--device, --dtype, --decode-window, --pipeline-depth, ...)",
     )
     parser.add_argument("--streams", default="64,256", help="concurrent streams per benchmark")
-    parser.add_argument("--waves", type=int, default=4, help="requests per stream")
+    parser.add_argument("--waves", type=int, default=2, help="requests per stream")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument(
@@ -324,12 +332,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-seconds",
         type=float,
-        default=120.0,
+        default=90.0,
         help="a benchmark ends after this long (its unfinished requests count as incomplete)",
     )
     parser.add_argument("--device-name", default="h200", help="of the bench serve results")
     args, rest = parser.parse_known_args(argv)
-    bench = bench_serve_options(rest)
+    return args, bench_serve_options(rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, bench = parse_args(argv)
     loads = [
         Load(streams, streams * args.waves, args.prompt_tokens, args.output_tokens)
         for streams in (int(s) for s in args.streams.split(","))
@@ -341,9 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if status != 0:
             return status
         report = json.loads(raw.read_text())
+    from pagedkv.scheduler.bench.serving.run import machine
+
     benchmarks = read_report(report)
     for benchmark in report["benchmarks"]:
         del benchmark["requests"]
+    report["pagedkv_machine"] = {**machine(bench.device, gateway=True), "guidellm": _guidellm()}
     args.output.write_text(json.dumps(report, indent=1) + "\n")
     settings = (
         f"preset {bench.preset}, device {bench.device}, dtype {bench.dtype}, "
@@ -352,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     summary = markdown(benchmarks, loads, settings, _fixed_batch_rates(results, args.device_name))
+    summary += f"\nMachine: {json.dumps(report['pagedkv_machine'])}\n"
     args.output.with_suffix(".md").write_text(summary)
     print(summary)
     ok = all(b.num_errored == 0 and b.num_incomplete == 0 for b in benchmarks)

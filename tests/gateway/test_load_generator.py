@@ -5,7 +5,7 @@ parses with every request successful, each with the prompt and output
 lengths asked for (the server's usage as guidellm read it from the
 stream), and nothing left held by the scheduler afterwards.
 
-Slow: guidellm's start (its imports, a client process, the synthetic
+The profile is slow: guidellm's start (its imports, a client process, the synthetic
 prompts) takes 20 to 40 s on two busy cores before the first request.
 """
 
@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 
 from pagedkv.executor.tiny_model import make_tiny_model
-from tests.gateway.loadgen import Load, read_report, run_guidellm, served_model
+from tests.gateway.loadgen import Load, parse_args, read_report, run_guidellm, served_model
 from tests.gateway.stack import ServeWithGateway, nothing_held, wait_until
-
-pytestmark = pytest.mark.slow
 
 LOAD = Load(streams=8, num_requests=32, prompt_tokens=64, output_tokens=16)
 
@@ -32,6 +30,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def test_the_recipes_options_reach_the_server_and_the_report() -> None:
+    # --device is the serving benchmark's, never taken as short for --device-name.
+    argv = ["--streams", "64", "--output", "x.json", "--device-name", "h200"]
+    args, bench = parse_args([*argv, "--preset", "llama-1.1b", "--device", "cuda"])
+    assert (args.device_name, args.streams, args.waves, args.max_seconds) == ("h200", "64", 2, 90)
+    assert (bench.device, bench.preset) == ("cuda", "llama-1.1b")
+
+
+@pytest.mark.slow
 def test_guidellm_profile_succeeds_for_every_request(model: Path, tmp_path: Path) -> None:
     report = tmp_path / "guidellm.json"
     with ServeWithGateway(model, num_blocks=256) as serve:

@@ -249,6 +249,12 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
     return {**measures, "batch": batch._asdict()}
 
 
+def machine(device: str, gateway: bool = False) -> dict[str, Any]:
+    """The machine (its GPU on ``cuda``) and the versions a report records:
+    pagedkv's parts, torch and the rest, and with ``gateway`` its HTTP stack."""
+    return {**_machine(device), **_versions(gateway)}
+
+
 def _versions(gateway: bool = False) -> dict[str, str]:
     versions = {}
     for name in PACKAGES + (GATEWAY_PACKAGES if gateway else ()):
@@ -359,7 +365,7 @@ def _write(args: argparse.Namespace, model: str, report: dict[str, Any]) -> int:
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     described = ", ".join(f"{k} {shape[k]}" for k in (*keys, "vocab_size") if k in shape)
     report = {
-        "machine": {**_machine(args.device), **_versions(args.gateway)},
+        "machine": machine(args.device, args.gateway),
         "settings": _settings(args, model),
         "model_shape": described,
         **report,
