@@ -120,6 +120,13 @@ def test_an_unknown_model_or_route_is_404(stack) -> None:
     assert "error" in httpx.get(f"{stack.url}/v1/nothing").json()
 
 
+def test_another_method_on_a_generation_route_is_405(stack) -> None:
+    for path in ("completions", "chat/completions"):
+        answer = httpx.get(f"{stack.url}/v1/{path}")
+        assert answer.status_code == 405 and answer.headers["allow"] == "POST"
+        assert "use POST" in answer.json()["error"]["message"]
+
+
 def test_the_openai_client_raises_its_own_error_types(stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as bad:

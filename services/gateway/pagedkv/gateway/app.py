@@ -135,8 +135,7 @@ def _num_prompt_tokens(state: GatewayState, prompts: list[str | Sequence[int]]) 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> GatewayApp:
     """The gateway app for ``config``; its state is made when it starts.
-    The generation routes are served by ``GatewayApp`` itself (FastAPI's
-    routes for them stay, with the same handler)."""
+    The generation routes are ``GatewayApp``'s own; FastAPI serves the rest."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     holder: dict[str, GatewayState] = {}
 
@@ -190,14 +189,6 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
             for name in state.config.served_model_names
         ]
         return answered("models", JSONResponse({"object": "list", "data": data}))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return answered("completions", await _generate(holder["state"], request, "completions"))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return answered("chat", await _generate(holder["state"], request, "chat"))
 
     async def generate(request: Request, endpoint: str) -> Response:
         return await _generate(holder["state"], request, endpoint)

@@ -3,7 +3,7 @@
 The messages are rendered with the model's chat template
 (``pagedkv.gateway.chat_template``) and the text sent as the prompt; a model
 without a template refuses chat with a 400. Responses are built as in
-``pagedkv.gateway.completions``: a choice's first stream event carries
+``pagedkv.gateway.completions`` (``responses.ChoicesFormat``): a choice's first stream event carries
 ``delta.role`` ("assistant") with its first text, later ones the text alone.
 """
 
@@ -15,7 +15,8 @@ from pagedkv.gateway.chat_template import ChatTemplate, ChatTemplateError
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.logprobs import TokenStrings, chat_logprobs
 from pagedkv.gateway.protocol import ChatCompletionRequest
-from pagedkv.gateway.streaming import FINISH_JSON, Update, Usage, dumps, json_text
+from pagedkv.gateway.responses import ChoicesFormat
+from pagedkv.gateway.streaming import Update, dumps, json_text
 
 
 def render(template: ChatTemplate | None, request: ChatCompletionRequest) -> str:
@@ -40,10 +41,11 @@ def render(template: ChatTemplate | None, request: ChatCompletionRequest) -> str
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
 
 
-class ChatFormat:
+class ChatFormat(ChoicesFormat):
     """The response of one chat request (as ``CompletionFormat``)."""
 
     object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
 
     def __init__(
         self,
@@ -54,16 +56,10 @@ class ChatFormat:
         strings: TokenStrings | None,
         logprobs: bool,
     ) -> None:
-        self.request_id, self.created, self.model = request_id, created, model
-        self._head = (
-            f'data: {{"id":{dumps(request_id)},"object":"chat.completion.chunk",'
-            f'"created":{created},"model":{dumps(model)},"choices":'
-        ).encode()
+        super().__init__(request_id, created, model, num_choices)
         self._strings = strings if logprobs else None
         self._started = [False] * num_choices
-        self._texts: list[list[str]] = [[] for _ in range(num_choices)]
         self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(num_choices)]
-        self._finish: list[str | None] = [None] * num_choices
 
     def _choice_logprobs(self, update: Update) -> list[dict[str, Any]] | None:
         if self._strings is None:
@@ -76,57 +72,24 @@ class ChatFormat:
         self._started[update.choice] = True
         return b'{"role":"assistant","content":%s}' % json_text(update.text)
 
-    def event(self, updates: list[Update], extra: bytes = b"") -> bytes | None:
-        """The SSE event of one chunk's updates; None when it says nothing.
-        Built from bytes directly: one JSON string per choice is encoded.
-        ``extra``: more members of the event's object (``,"usage":{...}``)."""
-        parts = []
-        for u in updates:
-            if not (u.text or u.finish_reason or u.logprobs):
-                continue
-            content = self._choice_logprobs(u)
-            parts.append(
-                b'{"index":%d,"delta":%s,"logprobs":%s,"finish_reason":%s}'
-                % (
-                    u.choice,
-                    self._delta(u),
-                    b"null" if content is None else b'{"content":%s}' % dumps(content).encode(),
-                    FINISH_JSON[u.finish_reason],
-                )
-            )
-        if not parts:
-            return None
-        return self._head + b"[" + b",".join(parts) + b"]" + extra + b"}\n\n"
+    def _event_choice(self, update: Update, finish: bytes) -> bytes:
+        content = self._choice_logprobs(update)
+        return b'{"index":%d,"delta":%s,"logprobs":%s,"finish_reason":%s}' % (
+            update.choice,
+            self._delta(update),
+            b"null" if content is None else b'{"content":%s}' % dumps(content).encode(),
+            finish,
+        )
 
-    def usage_event(self, usage: Usage) -> bytes:
-        return self._head + b'[],"usage":' + dumps(usage.as_dict()).encode() + b"}\n\n"
+    def _collect_logprobs(self, update: Update) -> None:
+        content = self._choice_logprobs(update)
+        if content is not None:
+            self._logprobs[update.choice].extend(content)
 
-    def collect(self, updates: list[Update]) -> None:
-        """Adds ``updates`` to the response that is not streamed."""
-        for u in updates:
-            self._texts[u.choice].append(u.text)
-            if u.finish_reason is not None:
-                self._finish[u.choice] = u.finish_reason
-            content = self._choice_logprobs(u)
-            if content is not None:
-                self._logprobs[u.choice].extend(content)
-
-    def response(self, usage: Usage) -> dict[str, Any]:
-        """The whole response object."""
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(texts)},
-                "logprobs": None if self._strings is None else {"content": self._logprobs[i]},
-                "finish_reason": self._finish[i],
-            }
-            for i, texts in enumerate(self._texts)
-        ]
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {
-            "id": self.request_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage.as_dict(),
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None if self._strings is None else {"content": self._logprobs[index]},
+            "finish_reason": finish_reason,
         }

@@ -31,6 +31,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
 }
 

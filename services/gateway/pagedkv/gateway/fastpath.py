@@ -2,29 +2,25 @@
 middleware, which cost more CPU per request than the request's own work.
 
 ``GatewayApp`` is the ASGI app uvicorn serves: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` go straight to their handler (the same one
-FastAPI's routes call, with the same bearer check, errors and metrics);
-everything else (other methods and paths, the lifespan) goes to the
-FastAPI app. A stream's events are handed to the server's ``send`` as they
-come, the last one (``data: [DONE]``) together with the end of the body;
-a client that goes away cancels the stream (its gRPC calls with it), as
-Starlette's own streaming does.
+``POST /v1/chat/completions`` go straight to their handler (with the bearer
+check, errors and metrics of the other routes), and another method on their
+paths is answered 405; everything else (other paths, the lifespan) goes to
+the FastAPI app. A stream's events are handed to the server's ``send`` as
+they come (``responses.EventStream``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pagedkv.common.logging import get_logger
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.metrics import GatewayMetrics
-from pagedkv.gateway.responses import DONE
 
 log = get_logger(__name__)
 
@@ -48,12 +44,18 @@ class GatewayApp:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = ROUTES.get(scope["path"])
-            if endpoint is not None:
-                await self._generate(scope, receive, send, endpoint)
-                return
-        await self.fastapi(scope, receive, send)
+        endpoint = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.fastapi(scope, receive, send)
+        elif scope["method"] == "POST":
+            await self._generate(scope, receive, send, endpoint)
+        else:
+            method = scope["method"]
+            error = ApiError(405, f"{method} {scope['path']}: method not allowed (use POST)")
+            response = error.response()
+            response.headers["Allow"] = "POST"
+            self.metrics.requests.labels("other", "405").inc()
+            await response(scope, receive, send)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         request = Request(scope, receive)
@@ -64,43 +66,4 @@ class GatewayApp:
             error = ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error")
             response, endpoint = error.response(), "other"
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if isinstance(response, StreamingResponse):
-            await _stream(response, receive, send)
-        else:
-            await response(scope, receive, send)
-
-
-async def _stream(response: StreamingResponse, receive: Receive, send: Send) -> None:
-    """Sends ``response``'s events until they end or the client goes."""
-    body = asyncio.ensure_future(_send_body(response, send))
-    gone = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not body.done():
-            body.cancel()
-            await asyncio.gather(body, return_exceptions=True)
-    if not body.cancelled():
-        body.result()  # its error, if any
-
-
-async def _send_body(response: StreamingResponse, send: Send) -> None:
-    status, headers = response.status_code, response.raw_headers
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    last = b""
-    async for chunk in response.body_iterator:
-        if last:
-            await send({"type": "http.response.body", "body": last, "more_body": True})
-            last = b""
-        assert isinstance(chunk, bytes)  # the events of ``responses.Exchange``
-        if chunk == DONE:
-            last = chunk  # sent with the body's end
-            continue
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": last, "more_body": False})
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+        await response(scope, receive, send)  # a stream sends itself (responses.EventStream)
