@@ -16,7 +16,7 @@ from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.gateway import cpu_seconds
 from pagedkv.scheduler.bench.serving.http_load import _Stream, spread
 from pagedkv.scheduler.bench.serving.run import main
-from pagedkv.scheduler.bench.serving.stack import word_tokenizer
+from pagedkv.scheduler.bench.serving.stack import model_dir, word_tokenizer
 
 
 def _event(text: str | None = None, usage: dict[str, int] | None = None) -> bytes:
@@ -83,6 +83,18 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(), "serve")
     return parser.parse_args(["serve", *argv])
+
+
+def test_a_presets_directory_loads_with_transformers_auto_tokenizer() -> None:
+    # Load generators (guidellm) tokenize their prompts with AutoTokenizer.
+    from transformers import AutoTokenizer
+
+    args = _args(["--preset", "llama-1.1b"])
+    with model_dir(args) as model:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        assert tokenizer.decode([256, 257, 256 + 26]) == " a b aa"
+        assert len(tokenizer) == 32000
+    assert args.load_format == "dummy"
 
 
 def test_a_sweep_is_refused_with_the_gateway(capsys: pytest.CaptureFixture[str]) -> None:

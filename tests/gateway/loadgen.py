@@ -225,17 +225,14 @@ def run_against_serve(
     bench: argparse.Namespace, loads: Sequence[Load], report: Path, max_seconds: float
 ) -> int:
     """Starts ``pagedkv serve MODEL --http-port PORT`` with ``bench``'s
-    model (a preset's directory: ``config.json`` and a ``tokenizer.json`` of
-    the whole vocabulary, to which a ``tokenizer_config.json`` is added so
-    that guidellm's ``AutoTokenizer`` loads it) and server settings, runs
+    model (a preset's directory: ``config.json``, and a ``tokenizer.json`` of
+    the whole vocabulary with the ``tokenizer_config.json`` that guidellm's
+    ``AutoTokenizer`` needs) and server settings, runs
     guidellm's ``loads`` against it into ``report`` and stops it; guidellm's
     exit status. Its console output goes to this process's as it comes."""
     from pagedkv.scheduler.bench.serving import stack
 
     with stack.model_dir(bench) as model:
-        config = Path(model) / "tokenizer_config.json"
-        if not config.exists():
-            config.write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}) + "\n")
         port = _free_port()
         server = stack.ServeStack(model, [*stack.server_args(bench), "--http-port", str(port)])
         try:

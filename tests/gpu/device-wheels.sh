@@ -44,6 +44,15 @@ pinned() {  # pinned NAME FILE: NAME's version pinned in FILE ("name==version  #
     'tolower($1) == name { sub(/[[:space:]]*(#.*)?$/, "", $2); print $2 }' "$2"
 }
 
+download() {  # download [PIP OPTIONS] REQUIREMENTS...: wheels for that machine into WHEEL_DIR
+  "$PYTHON" -m pip download --quiet --only-binary=:all: \
+    --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 \
+    --dest "$WHEEL_DIR" "$@"
+}
+
 pins=()
 for name in "${PACKAGES[@]}"; do
   version=$(pinned "$name" constraints.txt)
@@ -58,12 +67,7 @@ mkdir -p "$WHEEL_DIR"
 rm -f "$WHEEL_DIR"/*.whl
 
 echo "device-wheels: downloading ${pins[*]} into $WHEEL_DIR"
-"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 \
-  --dest "$WHEEL_DIR" "${pins[@]}"
+download --no-deps "${pins[@]}"
 
 # The gateway (FastAPI, uvicorn with httptools, Jinja2) and the HTTP client of
 # `pagedkv bench serve --gateway` (aiohttp), with their dependencies
@@ -72,13 +76,7 @@ echo "device-wheels: downloading ${pins[*]} into $WHEEL_DIR"
 # where they have one.
 HTTP_PACKAGES=(fastapi starlette pydantic uvicorn httptools jinja2 aiohttp)
 echo "device-wheels: downloading ${HTTP_PACKAGES[*]} with their dependencies into $WHEEL_DIR"
-"$PYTHON" -m pip download --quiet --only-binary=:all: \
-  --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 \
-  -c constraints.txt -c requirements-dev.txt \
-  --dest "$WHEEL_DIR" "${HTTP_PACKAGES[@]}"
+download -c constraints.txt -c requirements-dev.txt "${HTTP_PACKAGES[@]}"
 
 # guidellm (pinned in requirements-dev.txt) and what it needs that the machine
 # lacks (or holds too old: click), at the dev environment's versions (datasets,
@@ -132,11 +130,6 @@ PY
 )
 read -ra loadgen <<<"guidellm==$version $needed"
 echo "device-wheels: downloading ${loadgen[*]} into $WHEEL_DIR"
-"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 \
-  --dest "$WHEEL_DIR" "${loadgen[@]}"
+download --no-deps "${loadgen[@]}"
 
 ls -1 "$WHEEL_DIR"

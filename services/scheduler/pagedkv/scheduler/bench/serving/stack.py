@@ -60,8 +60,10 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
 
 @contextlib.contextmanager
 def model_dir(args: argparse.Namespace) -> Iterator[str]:
-    """``args.model``, or the preset's directory (removed on exit); a llama
-    preset sets ``args.load_format`` to dummy (it has no weights)."""
+    """``args.model``, or the preset's directory (removed on exit:
+    ``config.json``, a ``tokenizer.json`` of the whole vocabulary and a
+    ``tokenizer_config.json``); a llama preset sets ``args.load_format`` to
+    dummy (it has no weights)."""
     if args.model is not None or args.preset == "tiny":
         with children.model_dir(args.model) as model:
             yield model
@@ -78,6 +80,10 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
         }
         (Path(root) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         word_tokenizer(int(config["vocab_size"])).save(str(Path(root) / "tokenizer.json"))
+        # What transformers' AutoTokenizer needs beside tokenizer.json (load
+        # generators such as guidellm tokenize their prompts with it).
+        tokenizer_config = {"tokenizer_class": "TokenizersBackend"}
+        (Path(root) / "tokenizer_config.json").write_text(json.dumps(tokenizer_config) + "\n")
         args.load_format = "dummy"
         yield root
 
