@@ -15,9 +15,10 @@ import pytest
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import configure_logging
+from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Sequence
-from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
+from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import hf_greedy, model_dirs

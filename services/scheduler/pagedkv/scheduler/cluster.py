@@ -27,13 +27,12 @@ import asyncio
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.exceptions
 
 from pagedkv.cluster.connection import connect, connect_sync, redacted
-from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
+from pagedkv.cluster.keys import Keys
 from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
 from pagedkv.cluster.leases import EpochsExhausted, Lease, LeaseHeld, LeaseTable, Renewed
 from pagedkv.cluster.load import ExecutorLoad, LoadPublisher
@@ -42,6 +41,7 @@ from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
+from pagedkv.scheduler.config import ClusterConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.lease_keeper import LeaseKeeper, Renewal
@@ -57,15 +57,6 @@ REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 MAX_LOOP_STALL_TTLS = 4
 """Lease TTLs the event loop may not run before the leases are left to
 expire (``lease_keeper.py``): a hung scheduler gives its executors up."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    redis_url: str
-    address: str = ""  # where this scheduler's API serves (its member record)
-    lease_ttl: float = 3.0  # seconds; the member task runs every lease_ttl / 4
-    prefix: str = DEFAULT_PREFIX
-    drain_timeout: float = 10.0  # seconds running requests get when an executor is given up
 
 
 class ClusterMember:

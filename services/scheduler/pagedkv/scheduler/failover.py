@@ -29,15 +29,13 @@ import socket
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.common.errors import ServiceError, Unavailable
 from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
-from pagedkv.common.security import TlsConfig
 from pagedkv.scheduler.cache_events import CacheEvent
-from pagedkv.scheduler.cluster import ClusterConfig
+from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.metrics import SchedulerMetrics
@@ -52,24 +50,6 @@ log = get_logger(__name__)
 PROBE_BACKOFF_S = (0.25, 5.0)  # first and longest wait between probes of a down executor
 MAX_UNATTRIBUTED_ERRORS = 3  # in a row on one executor: its generations fail
 EXECUTOR_DRAIN_MARGIN_S = 1.0  # a stopping executor's time kept to move what still runs
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    executors: tuple[str, ...]
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    executor_timeout: float = 120.0
-    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
-    scheduler_id: str = ""
-    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
-    # A Generate stream's pause after each message, seconds per open stream
-    # (capped at 50 ms; 0: a message every step): see chunks.py.
-    stream_pace_per_stream: float = 150e-6
-    # Most decode steps one step message may ask for (1: none; windows.py).
-    decode_window: int = 1
-    cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
-    executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)
 
 
 def _owner(info: executor_pb2.GetInfoResponse) -> str:

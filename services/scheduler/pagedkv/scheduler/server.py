@@ -15,9 +15,9 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
 from pagedkv.common.security import ServerSecurity, client_tls_from_args, server_security_from_args
-from pagedkv.scheduler.cluster import ClusterConfig
+from pagedkv.scheduler.config import ClusterConfig, SchedulerConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
-from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
+from pagedkv.scheduler.service import SchedulerService
 from pagedkv.scheduler.servicer import bind_server, start_server
 
 log = get_logger(__name__)

@@ -32,9 +32,10 @@ from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.step_trace import step_trace
 from pagedkv.scheduler.cluster import ClusterMember
+from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.failover import ExecutorFailover, Resync, SchedulerConfig, TakenOver
+from pagedkv.scheduler.failover import ExecutorFailover, Resync, TakenOver
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.placement import new_generation, place
 from pagedkv.scheduler.sequence import FinishReason, Generation

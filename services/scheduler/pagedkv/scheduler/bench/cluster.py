@@ -46,8 +46,8 @@ from pagedkv.scheduler.children import (
     executor_commands,
     model_dir,
 )
-from pagedkv.scheduler.cluster import ClusterConfig
-from pagedkv.scheduler.service import SchedulerConfig, SchedulerService
+from pagedkv.scheduler.config import ClusterConfig, SchedulerConfig
+from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 NOTES = """How to read it: every process (the schedulers, the executors, Redis and

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv.scheduler.children import ExecutorProcesses, executor_commands, model_dir
-from pagedkv.scheduler.service import SchedulerConfig, SchedulerService, StepTiming
+from pagedkv.scheduler.config import SchedulerConfig
+from pagedkv.scheduler.service import SchedulerService, StepTiming
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 

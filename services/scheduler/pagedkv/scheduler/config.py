@@ -1,0 +1,38 @@
+"""The scheduler's configuration: ``SchedulerConfig`` (what ``pagedkv
+scheduler`` and ``pagedkv serve`` build from their flags) and, with Redis,
+its ``ClusterConfig``. Plain values only: every part of the service reads
+its settings from here, and nothing here imports the service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.cluster.keys import DEFAULT_PREFIX
+from pagedkv.common.security import TlsConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    redis_url: str
+    address: str = ""  # where this scheduler's API serves (its member record)
+    lease_ttl: float = 3.0  # seconds; the member task runs every lease_ttl / 4
+    prefix: str = DEFAULT_PREFIX
+    drain_timeout: float = 10.0  # seconds running requests get when an executor is given up
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    executors: tuple[str, ...]
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    executor_timeout: float = 120.0
+    model_dir: str | None = None  # for the tokenizer; default: the executors' model id
+    scheduler_id: str = ""
+    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
+    # A Generate stream's pause after each message, seconds per open stream
+    # (capped at 50 ms; 0: a message every step): see chunks.py.
+    stream_pace_per_stream: float = 150e-6
+    # Most decode steps one step message may ask for (1: none; windows.py).
+    decode_window: int = 1
+    cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
+    executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)
