@@ -47,7 +47,7 @@ from pagedkv.client import (
     UnavailableError,
     Usage,
 )
-from pagedkv.client.client import generate_request
+from pagedkv.client.options import generate_request
 from pagedkv.client.types import chunk_from_proto, stats_from_proto
 from pagedkv.common.cli import main
 from pagedkv.common.ids import RequestId

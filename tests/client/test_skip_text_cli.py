@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pagedkv.client.client import generate_request
+from pagedkv.client.options import generate_request
 from pagedkv.common.cli import main
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 

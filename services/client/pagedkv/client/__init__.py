@@ -16,11 +16,16 @@ Security: ``Client(target, tls=TlsConfig(ca="ca.pem"), token="...")`` talks
 TLS (``cert``/``key`` too for mutual TLS) and sends a bearer token on every
 call (docs/security.md).
 
+The options of a request (``max_tokens``, ``temperature``, ``stop`` ...) are
+keyword arguments of ``generate``, declared once as ``GenerateOptions``
+(``pagedkv.client.options``).
+
 Results are frozen dataclasses (``pagedkv.client.types``); failed calls raise a
 ``PagedkvError`` subclass per gRPC status code (``pagedkv.client.errors``).
 """
 
-from pagedkv.client.client import AsyncClient, Client
+from pagedkv.client.async_client import AsyncClient
+from pagedkv.client.client import Client
 from pagedkv.client.errors import (
     AlreadyExistsError,
     CancelledError,
@@ -39,6 +44,7 @@ from pagedkv.client.errors import (
     UnimplementedError,
     error_from_rpc,
 )
+from pagedkv.client.options import GenerateOptions
 from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.types import (
     Beam,
@@ -72,6 +78,7 @@ __all__ = [
     "FailedPreconditionError",
     "FinishReason",
     "GenerateChunk",
+    "GenerateOptions",
     "IncompleteStreamError",
     "IntegrityCheck",
     "InternalError",

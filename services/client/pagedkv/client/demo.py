@@ -33,6 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedkv.client.async_client import AsyncClient
 from pagedkv.client.cli import (
     NULL_BLOCK_NOTE,
     client_security,
@@ -41,7 +42,6 @@ from pagedkv.client.cli import (
     internal_errors,
     table,
 )
-from pagedkv.client.client import AsyncClient
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.types import Completion, GenerateChunk, Stats
 from pagedkv.common.cli import installed
