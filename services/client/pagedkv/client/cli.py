@@ -5,28 +5,28 @@ The register functions only declare arguments; the handlers import the SDK
 and do the work. ``generate`` and ``stats`` exit 0 on success and 1 on a
 failed call, printing ``pagedkv: <CODE>: <details>`` to stderr; 2 for
 arguments the SDK refuses before calling.
+
+``pagedkv generate``'s request flags are the SDK's request options
+(``GenerateOptions``): ``GENERATE_FLAGS`` declares one flag per option, by
+the option's name, and ``generate_options`` reads them back under the same
+names, so no option is listed twice. What the commands print is
+``pagedkv.client.render``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from argparse import SUPPRESS
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT, add_client_tls_arguments
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
-    from pagedkv.client.types import (
-        ClusterView,
-        Completion,
-        ExecutorStats,
-        GenerateChunk,
-        Stats,
-    )
+    from pagedkv.client.options import GenerateOptions
+    from pagedkv.client.types import GenerateChunk
 
 _GENERATE_EPILOG = """\
 output:
@@ -44,19 +44,6 @@ output:
   --skip-text the scheduler makes no text: every "text" is empty (token ids
   only).
 """
-
-
-_TERMINAL_ESCAPES = {
-    code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)] if chr(code) not in "\n\t"
-}
-"""Control characters (Unicode category Cc) but newline and tab, to their
-escapes: a model can emit any byte, and a terminal acts on these."""
-
-
-def terminal_text(text: str) -> str:
-    """``text`` with control characters other than newline and tab shown as
-    escapes (ESC as ``\\x1b``), to write model output to a terminal."""
-    return text.translate(_TERMINAL_ESCAPES)
 
 
 def _token_id_list(value: str) -> list[int]:
@@ -132,6 +119,46 @@ def _targets(args: argparse.Namespace) -> list[str]:
     return [target for value in values for target in parse_targets(value)]
 
 
+GENERATE_FLAGS: dict[str, dict[str, Any]] = {
+    "max_tokens": {"type": int, "default": DEFAULT_MAX_TOKENS, "help": "tokens per sequence"},
+    "n": {"type": int, "help": "independent samples (default: 1)"},
+    "temperature": {"type": float, "help": "0: greedy (default: 1.0)"},
+    "top_p": {"type": float, "help": "nucleus sampling, in (0, 1] (default: 1.0, disabled)"},
+    "top_k": {"type": int, "help": "0: disabled (default)"},
+    "seed": {"type": int, "help": "for reproducible sampling (default: none, nondeterministic)"},
+    "beam_width": {"type": int, "help": ">= 2: beam search"},
+    "stop_token_ids": {"type": _token_id_list, "help": "e.g. 13,198 (default: none)"},
+    "ignore_eos": {"action": "store_true", "help": "do not stop at EOS"},
+    "stop": {
+        "action": "append",
+        "help": "a stop string: the text ends before it (repeat for several; default: none)",
+    },
+    "include_stop_str_in_output": {
+        "action": "store_true",
+        "help": "end the text after the stop string instead",
+    },
+    "min_tokens": {
+        "type": int,
+        "help": "tokens before EOS or a stop may end a sequence (default: 0)",
+    },
+    "logprobs": {"type": int, "help": "top-K logprobs per token (--json) (default: none)"},
+    "skip_text": {"action": "store_true", "help": "token ids only, no text (needs --json)"},
+}
+"""``pagedkv generate``'s flags, one per request option it sends (a key of
+``GenerateOptions``; the flag is its name with dashes: ``--max-tokens``),
+each with its ``add_argument`` arguments. A flag not given is not sent, so
+the SDK's default applies (``generate_options``); only ``--max-tokens`` has
+a default of its own. ``cache_salt``, ``priority`` and ``request_id`` have
+no flag."""
+
+
+def generate_options(args: argparse.Namespace) -> GenerateOptions:
+    """The request options of ``pagedkv generate``'s parsed flags: every one
+    given (``--token-ids`` and ``GENERATE_FLAGS``), under its option name."""
+    names = ("token_ids", *GENERATE_FLAGS)
+    return cast("GenerateOptions", {name: getattr(args, name) for name in names if name in args})
+
+
 def register_generate(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
@@ -150,47 +177,9 @@ def register_generate(subparsers: Any, name: str) -> None:
     prompt.add_argument(
         "--token-ids", type=_token_id_list, help="already-tokenized prompt, e.g. 1,2,3"
     )
-    parser.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per sequence"
-    )
-    parser.add_argument("--n", type=int, default=1, help="independent samples")
-    parser.add_argument("--temperature", type=float, help="0: greedy (default: 1.0)")
-    parser.add_argument(
-        "--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1.0, disabled)"
-    )
-    parser.add_argument("--top-k", type=int, default=0, help="0: disabled (default)")
-    parser.add_argument(
-        "--seed", type=int, help="for reproducible sampling (default: none, nondeterministic)"
-    )
-    parser.add_argument("--beam-width", type=int, default=0, help=">= 2: beam search")
-    parser.add_argument(
-        "--stop-token-ids", type=_token_id_list, default=[], help="e.g. 13,198 (default: none)"
-    )
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    parser.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        help="a stop string: the text ends before it (repeat for several; default: none)",
-    )
-    parser.add_argument(
-        "--include-stop-str-in-output",
-        action="store_true",
-        help="end the text after the stop string instead",
-    )
-    parser.add_argument(
-        "--min-tokens",
-        type=int,
-        default=0,
-        help="tokens before EOS or a stop may end a sequence (default: 0)",
-    )
-    parser.add_argument(
-        "--logprobs", type=int, help="top-K logprobs per token (--json) (default: none)"
-    )
+    for option, flag in GENERATE_FLAGS.items():
+        parser.add_argument("--" + option.replace("_", "-"), **{"default": SUPPRESS, **flag})
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
-    parser.add_argument(
-        "--skip-text", action="store_true", help="token ids only, no text (needs --json)"
-    )
     _add_security(parser)
     parser.set_defaults(handler=_run_generate)
 
@@ -253,12 +242,15 @@ def _fail(exc: PagedkvError) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedkv.client.client import Client
     from pagedkv.client.errors import PagedkvError
+    from pagedkv.client.render import chunk_json, completion_text, terminal_text
     from pagedkv.client.types import Completion
 
-    if args.skip_text and not args.json:
+    options = generate_options(args)
+    if options.get("skip_text") and not args.json:
         print("pagedkv generate: --skip-text makes no text to print; add --json", file=sys.stderr)
         return 2
-    streams_text = not args.json and args.n <= 1 and args.beam_width < 2
+    one_sequence = options.get("n", 1) <= 1 and options.get("beam_width", 0) < 2
+    streams_text = not args.json and one_sequence
     chunks: list[GenerateChunk] = []
     out = sys.stdout
     shown = terminal_text if out.isatty() else str
@@ -269,28 +261,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         with Client(_targets(args), timeout=args.timeout, **security) as client:
-            stream = client.generate(
-                args.prompt,
-                token_ids=args.token_ids,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                n=args.n,
-                beam_width=args.beam_width,
-                stop_token_ids=args.stop_token_ids,
-                ignore_eos=args.ignore_eos,
-                stop=args.stop,
-                include_stop_str_in_output=args.include_stop_str_in_output,
-                min_tokens=args.min_tokens,
-                logprobs=args.logprobs,
-                skip_text=args.skip_text,
-            )
-            for chunk in stream:
+            for chunk in client.generate(args.prompt, **options):
                 chunks.append(chunk)
                 if args.json:
-                    out.write(json.dumps(_chunk_json(chunk)) + "\n")
+                    out.write(json.dumps(chunk_json(chunk)) + "\n")
                 elif streams_text:
                     out.write(shown("".join(seq.text for seq in chunk.sequences)))
                 out.flush()
@@ -307,7 +281,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if streams_text:
         out.write("\n")
     else:
-        out.write(_completion_text(completion, shown))
+        out.write(completion_text(completion, shown))
     reasons = ",".join(r.value if r else "-" for r in completion.finish_reasons)
     usage = completion.usage
     print(
@@ -319,69 +293,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chunk_json(chunk: GenerateChunk) -> dict[str, object]:
-    """The --json line of one chunk (see the epilog)."""
-    sequences: list[dict[str, object]] = []
-    for seq in chunk.sequences:
-        obj: dict[str, object] = {
-            "index": seq.index,
-            "token_ids": list(seq.token_ids),
-            "text": seq.text,
-            "finish_reason": seq.finish_reason.value if seq.finish_reason else None,
-        }
-        if seq.stop_token_id is not None:
-            obj["stop_token_id"] = seq.stop_token_id
-        if seq.stop_string is not None:
-            obj["stop_string"] = seq.stop_string
-        if seq.error_message is not None:
-            obj["error_message"] = seq.error_message
-        if seq.logprobs:
-            obj["logprobs"] = [
-                {
-                    "logprob": lp.logprob,
-                    "top_token_ids": list(lp.top_token_ids),
-                    "top_logprobs": list(lp.top_logprobs),
-                }
-                for lp in seq.logprobs
-            ]
-        sequences.append(obj)
-    line: dict[str, object] = {"request_id": chunk.request_id, "sequences": sequences}
-    if chunk.beams:
-        line["beams"] = [
-            {
-                "token_ids": list(beam.token_ids),
-                "text": beam.text,
-                "cumulative_logprob": beam.cumulative_logprob,
-                "finish_reason": beam.finish_reason.value if beam.finish_reason else None,
-            }
-            for beam in chunk.beams
-        ]
-    if chunk.usage is not None:
-        line["usage"] = {
-            "prompt_tokens": chunk.usage.prompt_tokens,
-            "cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
-            "completion_tokens": chunk.usage.completion_tokens,
-        }
-    return line
-
-
-def _completion_text(completion: Completion, shown: Callable[[str], str]) -> str:
-    """Every sequence (or beam) under its own header, for --n > 1 and beam
-    search; each text passed through ``shown``."""
-    parts: list[str] = []
-    for i, text in enumerate(completion.texts):
-        reason = completion.finish_reasons[i]
-        parts.append(f"--- sequence {i} ({reason.value if reason else '-'}) ---\n{shown(text)}\n")
-    for i, beam in enumerate(completion.beams):
-        reason_text = beam.finish_reason.value if beam.finish_reason else "-"
-        header = f"beam {i} ({reason_text}, logprob {beam.cumulative_logprob:.4f})"
-        parts.append(f"--- {header} ---\n{shown(beam.text)}\n")
-    return "".join(parts)
-
-
 def _run_stats(args: argparse.Namespace) -> int:
     from pagedkv.client.client import Client
     from pagedkv.client.errors import PagedkvError
+    from pagedkv.client.render import stats_json, stats_table
 
     try:
         security = client_security(args)
@@ -396,100 +311,6 @@ def _run_stats(args: argparse.Namespace) -> int:
             except PagedkvError as exc:
                 code = _fail(exc)
                 continue
-            out = json.dumps(_stats_json(stats)) + "\n" if args.json else _stats_table(stats)
+            out = json.dumps(stats_json(stats)) + "\n" if args.json else stats_table(stats)
             sys.stdout.write(out)
     return code
-
-
-def _stats_json(stats: Stats) -> dict[str, object]:
-    """The --json object: every Stats field, plus each executor's hit rate."""
-    obj = dataclasses.asdict(stats)
-    for ex_obj, ex in zip(obj["executors"], stats.executors, strict=True):
-        ex_obj["prefix_cache_hit_rate"] = ex.prefix_cache_hit_rate
-    return obj
-
-
-NULL_BLOCK_NOTE = "usable blocks: all but the null block 0 of each pool, which holds no KV"
-SUSPECT_NOTE = "suspect: healthy, but its step in flight has run far longer than its recent steps"
-
-
-def executor_state(ex: ExecutorStats) -> str:
-    """ "healthy", "suspect" (healthy, a step running long) or "DOWN"."""
-    if not ex.healthy:
-        return "DOWN"
-    return "suspect" if ex.suspect else "healthy"
-
-
-def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], num_left: int = 1) -> list[str]:
-    """Lines of a table: the first ``num_left`` columns left-aligned, the
-    others (numbers) right-aligned."""
-    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
-    return [
-        "  ".join(
-            cell.ljust(width) if col < num_left else cell.rjust(width)
-            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in [header, *rows]
-    ]
-
-
-def _stats_table(stats: Stats) -> str:
-    """One row per executor, notes on what the table shows, why executors
-    are down, then the replica's load, internal errors and integrity."""
-    header = (
-        "EXECUTOR", "STATE", "FREE/USABLE BLOCKS", "KV USAGE", "PREFIX HIT RATE", "RECOVERIES"
-    )  # fmt: skip
-    rows = [
-        (
-            ex.address,
-            executor_state(ex),
-            f"{ex.num_free_blocks}/{ex.num_usable_blocks}",
-            f"{ex.kv_cache_usage:.1%}",
-            "-" if ex.prefix_cache_hit_rate is None else f"{ex.prefix_cache_hit_rate:.1%}",
-            str(ex.num_recoveries),
-        )
-        for ex in stats.executors
-    ]
-    who = "router" if stats.router is not None else "scheduler"
-    lines = [f"{who} {stats.scheduler_id or '-'}", *table(header, rows, 2), NULL_BLOCK_NOTE]
-    if any(ex.healthy and ex.suspect for ex in stats.executors):
-        lines.append(SUSPECT_NOTE)
-    lines += [f"{ex.address} is down: {ex.down_reason}" for ex in stats.executors if ex.down_reason]
-    lines.append(
-        f"running {stats.num_running}, waiting {stats.num_waiting}, "
-        f"preemptions {stats.num_preemptions}, {internal_errors(stats)}, "
-        f"integrity {integrity(stats)}" + (", DRAINING (admits nothing)" if stats.draining else "")
-    )
-    if stats.cluster is not None:
-        lines += _cluster_lines(stats.cluster)
-    if stats.router is not None:
-        router = stats.router
-        lines.append(
-            f"router policy {router.policy}: {router.num_indexed_blocks} cached blocks indexed "
-            f"over {router.num_followed_executors} executors, KV event lag "
-            f"{router.kv_event_lag_seconds * 1000:.0f} ms"
-        )
-        if router.unreachable_scheduler_ids:
-            lines.append("unreachable schedulers: " + ", ".join(router.unreachable_scheduler_ids))
-    return "\n".join(lines) + "\n"
-
-
-def _cluster_lines(cluster: ClusterView) -> list[str]:
-    """The cluster as Redis shows it: its schedulers, and who leases which executor."""
-    state = f"DEGRADED: {cluster.detail}" if cluster.degraded else "ok"
-    lines = [f"cluster {state}; schedulers: {', '.join(cluster.scheduler_ids) or '-'}"]
-    rows = [
-        (e.address, e.owner_id or "-", str(e.epoch) if e.epoch else "-", e.incarnation_id[:12])
-        for e in cluster.executors
-    ]
-    return lines + table(("REGISTERED EXECUTOR", "LEASED BY", "EPOCH", "INCARNATION"), rows, 2)
-
-
-def internal_errors(stats: Stats) -> str:
-    """ "internal errors N", pointing at the log when N > 0."""
-    n = stats.num_internal_errors
-    return f"internal errors {n}" + (" (see the scheduler's log)" if n else "")
-
-
-def integrity(stats: Stats) -> str:
-    return "ok" if stats.integrity.ok else f"FAILED: {stats.integrity.message}"

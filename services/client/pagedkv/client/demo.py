@@ -34,15 +34,9 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedkv.client.async_client import AsyncClient
-from pagedkv.client.cli import (
-    NULL_BLOCK_NOTE,
-    client_security,
-    executor_state,
-    integrity,
-    internal_errors,
-    table,
-)
+from pagedkv.client.cli import client_security
 from pagedkv.client.errors import PagedkvError
+from pagedkv.client.render import NULL_BLOCK_NOTE, executor_state, integrity, internal_errors, table
 from pagedkv.client.types import Completion, GenerateChunk, Stats
 from pagedkv.common.cli import installed
 
