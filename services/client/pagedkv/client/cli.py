@@ -126,7 +126,7 @@ GENERATE_FLAGS: dict[str, dict[str, Any]] = {
     "top_p": {"type": float, "help": "nucleus sampling, in (0, 1] (default: 1.0, disabled)"},
     "top_k": {"type": int, "help": "0: disabled (default)"},
     "seed": {"type": int, "help": "for reproducible sampling (default: none, nondeterministic)"},
-    "beam_width": {"type": int, "help": ">= 2: beam search"},
+    "beam_width": {"type": int, "help": ">= 2: beam search (default: 0, off)"},
     "stop_token_ids": {"type": _token_id_list, "help": "e.g. 13,198 (default: none)"},
     "ignore_eos": {"action": "store_true", "help": "do not stop at EOS"},
     "stop": {
