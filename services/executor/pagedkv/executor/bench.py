@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.common.step_contract import DEFAULT_DECODE_WINDOW
 from pagedkv.executor.bench_profile import kernel_times, profile_decode
 
 LLAMA_1B: dict[str, Any] = dict(
@@ -44,7 +45,7 @@ LLAMA_1B: dict[str, Any] = dict(
     max_position_embeddings=2048,
 )
 BATCH, CONTEXT, PREFILL_CHUNK = 64, 768, 8192
-WINDOW = 8  # the decode window measured beside single steps (the scheduler's default)
+WINDOW = DEFAULT_DECODE_WINDOW  # the decode window measured beside single steps
 
 
 def _model_dir(root: Path) -> Path:

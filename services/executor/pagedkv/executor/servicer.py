@@ -16,12 +16,12 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
 from pagedkv.common.security import ServerSecurity, bind, start_health_server
+from pagedkv.common.step_contract import MAX_MESSAGE_BYTES
 from pagedkv.executor.engine import Executor
 from pagedkv.executor.step_pipeline import StepPipeline
 from pagedkv.v1 import executor_pb2, executor_pb2_grpc
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):

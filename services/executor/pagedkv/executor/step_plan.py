@@ -17,6 +17,7 @@ import numpy as np
 
 from pagedkv.common.errors import AlreadyExists, InvalidArgument
 from pagedkv.common.ids import BlockHash, BlockId
+from pagedkv.common.step_contract import MAX_DECODE_STEPS, ONE_STEP
 from pagedkv.executor.block_tags import MAX_BLOCK_HASH_BYTES, TagColumns
 from pagedkv.executor.rows import Rows, RowSampling
 from pagedkv.v1 import executor_pb2
@@ -77,7 +78,7 @@ class StepPlan:
     num_scheduled: np.ndarray  # int64 [num_run]
     needs_sample: np.ndarray  # bool [num_run]
     tags: TagColumns  # set once the forward and sampling have finished
-    num_steps: int = 1  # a decode window's steps (see num_decode_steps)
+    num_steps: int = ONE_STEP  # a decode window's steps (see num_decode_steps)
 
     @property
     def num_tokens(self) -> int:
@@ -260,10 +261,6 @@ def _plan_tags(step: executor_pb2.StepRequest, limits: Limits) -> TagColumns:
     )
 
 
-MAX_DECODE_STEPS = 64
-"""The longest decode window a step may ask for."""
-
-
 def _plan_window(
     step: executor_pb2.StepRequest | None,
     num_new: int,
@@ -274,8 +271,8 @@ def _plan_window(
     """Checks a decode window (``num_decode_steps``); returns its steps (1:
     none)."""
     num_steps = step.num_decode_steps if step is not None else 0
-    if num_steps <= 1:
-        return 1
+    if num_steps <= ONE_STEP:  # 0 (unset) too
+        return ONE_STEP
     name = "num_decode_steps"
     if num_steps > MAX_DECODE_STEPS:
         raise InvalidArgument(f"{name}: {num_steps} > {MAX_DECODE_STEPS}")

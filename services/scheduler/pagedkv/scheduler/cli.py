@@ -16,12 +16,13 @@ from pagedkv.common.cli import (
     requires,
 )
 from pagedkv.common.model_source import ModelNotFound, resolve_model
+from pagedkv.common.step_contract import (
+    DEFAULT_DECODE_WINDOW,
+    DEFAULT_PIPELINE_DEPTH,
+    MAX_DECODE_STEPS,
+    ONE_STEP,
+)
 
-MAX_DECODE_WINDOW = 64  # the executor's limit on StepRequest.num_decode_steps
-# The scheduler's default --decode-window: on the H200 windows of 8 serve a
-# 64 x (512 -> 256) batch 1.9 times and a 256 one 1.8 times as fast as
-# single steps, 16 no faster (tests/benchmarks/results/serve-sweep-h200.md).
-DEFAULT_DECODE_WINDOW = 8
 MAX_PIPELINE_DEPTH = 8
 
 
@@ -57,16 +58,16 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step")
     parser.add_argument(
         "--decode-window",
-        type=_int_in(1, MAX_DECODE_WINDOW),
+        type=_int_in(ONE_STEP, MAX_DECODE_STEPS),
         default=DEFAULT_DECODE_WINDOW,
         help="most decode steps one step message asks an executor for, when every running "
         f"request is a plain decode and none waits (default {DEFAULT_DECODE_WINDOW}; 1: one "
-        f"step a message; at most {MAX_DECODE_WINDOW})",
+        f"step a message; at most {MAX_DECODE_STEPS})",
     )
     parser.add_argument(
         "--pipeline-depth",
         type=_int_in(1, MAX_PIPELINE_DEPTH),
-        default=2,
+        default=DEFAULT_PIPELINE_DEPTH,
         help="steps in flight per executor: the next ones are scheduled and sent while the "
         "executor runs the first (1: none ahead)",
     )

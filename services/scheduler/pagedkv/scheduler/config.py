@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pagedkv.cluster.keys import DEFAULT_PREFIX
 from pagedkv.common.security import TlsConfig
+from pagedkv.common.step_contract import DEFAULT_PIPELINE_DEPTH, ONE_STEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +29,13 @@ class SchedulerConfig:
     executor_timeout: float = 120.0
     model_dir: str | None = None  # for the tokenizer; default: the executors' model id
     scheduler_id: str = ""
-    pipeline_depth: int = 2  # steps in flight per executor (1: no async stepping)
+    # Steps in flight per executor (1: no async stepping).
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
     # A Generate stream's pause after each message, seconds per open stream
     # (capped at 50 ms; 0: a message every step): see chunks.py.
     stream_pace_per_stream: float = 150e-6
-    # Most decode steps one step message may ask for (1: none; windows.py).
-    decode_window: int = 1
+    # Most decode steps one step message may ask for (windows.py). One step
+    # here, unlike the CLI's default: see step_contract.ONE_STEP.
+    decode_window: int = ONE_STEP
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

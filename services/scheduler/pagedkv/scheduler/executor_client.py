@@ -22,12 +22,12 @@ import grpc
 from pagedkv.common.ids import MAX_EPOCH, BlockHash, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.security import TlsConfig, open_aio_channel
+from pagedkv.common.step_contract import MAX_MESSAGE_BYTES
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 log = get_logger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SUSPECT_FACTOR = 10.0  # a step this many times its recent maximum is suspect
 SUSPECT_FLOOR_S = 1.0  # ... and never before this
 PROBE_TIMEOUT_S = 5.0  # for the probes of an executor that is down

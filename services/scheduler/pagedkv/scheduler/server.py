@@ -26,7 +26,9 @@ log = get_logger(__name__)
 def config_from_args(
     args: argparse.Namespace, executors: list[str], port: int | None = None
 ) -> SchedulerConfig:
-    """``port``: the one the scheduler binds, for its member record.
+    """``args``: ``pagedkv scheduler``'s or ``pagedkv serve``'s (their scheduler
+    options, with the CLI's defaults). ``port``: the one the scheduler binds,
+    for its member record.
     ValueError (RedisUrlError, SecurityError) naming the option when one is wrong."""
     cluster = None
     if getattr(args, "redis_url", None):
@@ -47,8 +49,8 @@ def config_from_args(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         stream_pace_per_stream=getattr(args, "stream_pace_us", 150.0) * 1e-6,
-        decode_window=getattr(args, "decode_window", 1),
-        pipeline_depth=getattr(args, "pipeline_depth", 2),
+        decode_window=args.decode_window,
+        pipeline_depth=args.pipeline_depth,
         executor_timeout=args.executor_timeout,
         model_dir=args.model,
         cluster=cluster,

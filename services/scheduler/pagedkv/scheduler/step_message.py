@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedkv.common.ids import BlockId
+from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent, tag_changes
 from pagedkv.scheduler.kv_cache_types import BlockCopy
 from pagedkv.scheduler.sequence import ExecutorRow, Sequence
@@ -59,7 +60,7 @@ class StepPlan:
     block_table_starts: list[int] = field(default_factory=list)
     new_block_counts: list[int] = field(default_factory=list)
     new_block_ids: list[BlockId] = field(default_factory=list)
-    num_decode_steps: int = 1  # a decode window's steps (see windows.py)
+    num_decode_steps: int = ONE_STEP  # a decode window's steps (see windows.py)
 
     @classmethod
     def start(
@@ -167,6 +168,6 @@ def encode_step(
     message.block_table_starts.extend(plan.block_table_starts)
     message.new_block_counts.extend(plan.new_block_counts)
     message.new_block_ids.extend(plan.new_block_ids)
-    if plan.num_decode_steps > 1:
+    if plan.num_decode_steps > ONE_STEP:  # one step: left unset
         message.num_decode_steps = plan.num_decode_steps
     return tuple(before), message
