@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from pagedkv.client import AsyncClient, Client
-from pagedkv.client.types import stats_from_proto
+from pagedkv.client.stats import stats_from_proto
 from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT, main, target_with_port
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -48,7 +48,8 @@ from pagedkv.client import (
     Usage,
 )
 from pagedkv.client.options import generate_request
-from pagedkv.client.types import chunk_from_proto, stats_from_proto
+from pagedkv.client.stats import stats_from_proto
+from pagedkv.client.types import chunk_from_proto
 from pagedkv.common.cli import main
 from pagedkv.common.ids import RequestId
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc

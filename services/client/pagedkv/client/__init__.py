@@ -20,8 +20,9 @@ The options of a request (``max_tokens``, ``temperature``, ``stop`` ...) are
 keyword arguments of ``generate``, declared once as ``GenerateOptions``
 (``pagedkv.client.options``).
 
-Results are frozen dataclasses (``pagedkv.client.types``); failed calls raise a
-``PagedkvError`` subclass per gRPC status code (``pagedkv.client.errors``).
+Results are frozen dataclasses (``pagedkv.client.types``, and
+``pagedkv.client.stats`` for ``stats``); failed calls raise a ``PagedkvError``
+subclass per gRPC status code (``pagedkv.client.errors``).
 """
 
 from pagedkv.client.async_client import AsyncClient
@@ -46,19 +47,21 @@ from pagedkv.client.errors import (
 )
 from pagedkv.client.options import GenerateOptions
 from pagedkv.client.resume import ResumePolicy
-from pagedkv.client.types import (
-    Beam,
+from pagedkv.client.stats import (
     ClusterExecutor,
     ClusterView,
-    Completion,
     ExecutorStats,
+    IntegrityCheck,
+    RouterView,
+    Stats,
+)
+from pagedkv.client.types import (
+    Beam,
+    Completion,
     FinishReason,
     GenerateChunk,
-    IntegrityCheck,
     Placement,
-    RouterView,
     SequenceChunk,
-    Stats,
     TokenLogprob,
     Usage,
 )

@@ -37,7 +37,8 @@ from pagedkv.client.async_client import AsyncClient
 from pagedkv.client.cli import client_security
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.render import NULL_BLOCK_NOTE, executor_state, integrity, internal_errors, table
-from pagedkv.client.types import Completion, GenerateChunk, Stats
+from pagedkv.client.stats import Stats
+from pagedkv.client.types import Completion, GenerateChunk
 from pagedkv.common.cli import installed
 
 READY = re.compile(r"pagedkv serve ready on (\S+:\d+)")

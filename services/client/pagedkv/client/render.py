@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from pagedkv.client.types import ClusterView, Completion, ExecutorStats, GenerateChunk, Stats
+from pagedkv.client.stats import ClusterView, ExecutorStats, Stats
+from pagedkv.client.types import Completion, GenerateChunk
 
 _TERMINAL_ESCAPES = {
     code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)] if chr(code) not in "\n\t"
