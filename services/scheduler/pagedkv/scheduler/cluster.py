@@ -235,7 +235,7 @@ class ClusterMember:
             self.mirror.record(incarnation, map(_kv_event, events))
 
         self.mirror.track(incarnation, snapshot)
-        scheduler.on_cache_events = record
+        scheduler.listen_cache_events(record)
 
     def _loads(self) -> list[ExecutorLoad]:
         """The load of each executor held and in service (for routers)."""

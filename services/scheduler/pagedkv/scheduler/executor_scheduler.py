@@ -38,7 +38,7 @@ from pagedkv.scheduler.step_message import (
     encode_step,
 )
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
-from pagedkv.scheduler.windows import window_steps
+from pagedkv.scheduler.windows import Decision, Window, window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
@@ -57,11 +57,6 @@ def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
         )
         for group in info.kv_cache_groups
     ]
-
-
-# A decision of ``schedule``: a sequence, its tokens this step, and its
-# table changes (None: send the whole table).
-_Decision = tuple[Sequence, int, Allocation | None]
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
@@ -199,6 +194,38 @@ class ExecutorScheduler:
         self.running, self.waiting = [], []
         return moved
 
+    # -- giving the executor up ---------------------------------------------
+
+    def start_draining(self) -> None:
+        """Nothing new is admitted here from now on (the executor is being
+        given up, or the scheduler is stopping)."""
+        self.draining = True
+
+    def take_unstarted(self) -> list[Sequence]:
+        """Takes the waiting sequences that never ran here (none of their
+        state is on the executor, and no fork shares their blocks): they can
+        move to another executor as they are."""
+        unstarted = [s for s in self.waiting if s.row is None and not s.generation.forked]
+        if unstarted:
+            taken = set(unstarted)
+            self.waiting[:] = [s for s in self.waiting if s not in taken]
+        return unstarted
+
+    def give_up(self) -> None:
+        """Marks the executor given up: its step loop ends once no step is
+        in flight (``stopped`` is set then)."""
+        self.released = True
+
+    def loop_ended(self) -> None:
+        """The executor's step loop has ended: whoever waits on ``stopped``
+        goes on."""
+        self.stopped.set()
+
+    def listen_cache_events(self, listener: Callable[[list[CacheEvent]], None]) -> None:
+        """``listener`` receives every batch of cache events as it goes out
+        to the executor (the Redis prefix mirror); it must not block."""
+        self.on_cache_events = listener
+
     # -- scheduling -----------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
@@ -208,7 +235,7 @@ class ExecutorScheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _victim(self, decisions: list[_Decision], protected: Iterable[Sequence]) -> Sequence | None:
+    def _victim(self, decisions: list[Decision], protected: Iterable[Sequence]) -> Sequence | None:
         """The running sequence to preempt: the least important, newest one
         neither decided on this step nor in ``protected``."""
         keep = {decision[0] for decision in decisions}
@@ -220,7 +247,7 @@ class ExecutorScheduler:
         """The next step, or None when there is nothing to send. Makes the
         step's state changes (see ``_plan``) before encoding it."""
         budget = self.token_budget
-        decisions: list[_Decision] = []
+        decisions: list[Decision] = []
         decodes: list[Sequence] = []  # consecutive decodes, their slots not allocated yet
         preempted = False
         running = SequenceState.RUNNING
@@ -306,18 +333,22 @@ class ExecutorScheduler:
             decisions.append((seq, num_new, None))
             budget -= num_new
         self.current = None
-        if not decisions and not preempted and (stalled := stalled_beams(self)):
+        stalled = [] if decisions or preempted else stalled_beams(self.waiting, self.running)
+        if stalled:
             for seq in stalled:
                 self._preempt(seq)
             return self.schedule()  # the freed blocks admit what waited
         if not decisions and not self.freed_rows:
             return None
-        num_steps = window_steps(self, decisions) if not preempted else 1
-        plan, sampled = self._plan(decisions, num_steps)
+        window = Window(1, decisions)
+        if not preempted:
+            window = window_steps(self.decode_window, bool(self.waiting), self.kv, decisions)
+        num_steps = window.num_steps
+        plan, sampled = self._plan(window.decisions, num_steps)
         before, message = encode_step(self.owner, plan)
         return ScheduledStep(message, plan.num_scheduled_tokens, sampled * num_steps, before)
 
-    def _allocate_decodes(self, decodes: list[Sequence], decisions: list[_Decision]) -> bool:
+    def _allocate_decodes(self, decodes: list[Sequence], decisions: list[Decision]) -> bool:
         """Gives each of ``decodes`` (running in this order, each with one
         token to compute or one in flight) a slot, in one block-core call;
         on a miss preempts as ``schedule`` does and goes on from there.
@@ -347,7 +378,7 @@ class ExecutorScheduler:
         return preempted
 
     def _plan(
-        self, decisions: list[_Decision], num_steps: int = 1
+        self, decisions: list[Decision], num_steps: int = 1
     ) -> tuple[StepPlan, list[tuple[Sequence, ExecutorRow]]]:
         """Makes a step's state changes and returns what they send, and the
         samples it asks for (see ``ScheduledStep``): the requests' computed

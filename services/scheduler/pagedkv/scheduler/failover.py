@@ -387,13 +387,11 @@ class ExecutorFailover:
         scheduler = self.schedulers.get(address)
         if scheduler is None:
             return
-        scheduler.draining = True
+        scheduler.start_draining()
         log.info("executor draining", executor=address, running=len(scheduler.running))
         deadline = time.monotonic() + timeout
         while self.schedulers.get(address) is scheduler:
-            idle = [s for s in scheduler.waiting if s.row is None and not s.generation.forked]
-            for seq in idle:
-                scheduler.waiting.remove(seq)
+            idle = scheduler.take_unstarted()
             if idle and len(self.schedulers) > 1:
                 self._move_elsewhere(idle, why)
             else:
@@ -407,7 +405,7 @@ class ExecutorFailover:
         del self.schedulers[address]
         self._preemptions_of_down += scheduler.num_preemptions
         self._move_elsewhere(scheduler.evacuate(), why)
-        scheduler.released = True
+        scheduler.give_up()
         self._wake[address].set()
         await scheduler.stopped.wait()
         log.info("executor given up", executor=address)
@@ -422,7 +420,7 @@ class ExecutorFailover:
         scheduler = self.schedulers.get(address)
         if scheduler is None or scheduler.draining:
             return  # already being given up
-        scheduler.draining = True
+        scheduler.start_draining()
         why = f"executor {address} is stopping"
         timeout = max(0.0, seconds_left - EXECUTOR_DRAIN_MARGIN_S)
         log.info("executor stopping", executor=address, seconds_left=round(seconds_left, 1))

@@ -2,23 +2,36 @@
 parallel sampling, and the beams of a beam search (see beam.py for which
 beams survive a round).
 
-Both work on one executor's ``ExecutorScheduler``: they take rows from the
-generation's reserve, share blocks through ``KVCacheManager.fork`` and
-release through the scheduler, so its rows and running list keep one writer
-each (the scheduler's methods these functions call).
+Both work on one executor's scheduler through ``Rows``, the little they
+need of it: its block core (forks share blocks through
+``KVCacheManager.fork``) and the two methods that change its rows and
+running list (``start_running``, ``release``), so that those keep one
+writer, ``ExecutorScheduler`` itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
 
-if TYPE_CHECKING:
-    from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+
+class Rows(Protocol):
+    """What forks and beams need of their executor's scheduler."""
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+
+    def start_running(self, seq: Sequence) -> None:
+        """Runs a fork at once, on a row from its generation's reserve."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forgets a sequence: its blocks and row go back."""
 
 
-def fork_samples(scheduler: ExecutorScheduler, parent: Sequence) -> None:
+def fork_samples(rows: Rows, parent: Sequence) -> None:
     """The other n - 1 sequences share the parent's prompt blocks; each
     recomputes the last prompt token (copy-on-write of its block) to draw
     its own first token."""
@@ -30,14 +43,14 @@ def fork_samples(scheduler: ExecutorScheduler, parent: Sequence) -> None:
     parent_request.num_computed_tokens = len(prompt)
     for seq in generation.sequences[1:]:
         child = seq.request
-        scheduler.kv.fork(parent_request, child)
+        rows.kv.fork(parent_request, child)
         child.num_computed_tokens = len(prompt) - 1
         seq.admitted = True
-        scheduler.start_running(seq)
+        rows.start_running(seq)
     parent_request.num_computed_tokens = computed
 
 
-def beam_round(scheduler: ExecutorScheduler, generation: Generation) -> bool:
+def beam_round(rows: Rows, generation: Generation) -> bool:
     """Once every live beam has its candidates: prunes, forks and extends
     the beams. Returns whether the generation finished."""
     search = generation.beam
@@ -61,26 +74,26 @@ def beam_round(scheduler: ExecutorScheduler, generation: Generation) -> bool:
         seq.candidates = None
         if seq not in chosen:
             seq.finish(FinishReason.FINISH_REASON_UNSPECIFIED)
-            scheduler.release(seq)
+            rows.release(seq)
             generation.sequences.remove(seq)
     for seq, picks in chosen.items():
         for token, score in picks[1:]:
-            _extend_beam(scheduler, _fork_beam(scheduler, seq), token, score)
-        _extend_beam(scheduler, seq, *picks[0])
+            _extend_beam(rows, _fork_beam(rows, seq), token, score)
+        _extend_beam(rows, seq, *picks[0])
     if search.done or all(s.finished for s in generation.sequences):
         for seq in generation.sequences:
             if not seq.finished:
                 seq.finish(FinishReason.FINISH_REASON_LENGTH)
-                scheduler.release(seq)
+                rows.release(seq)
         return True
     return False
 
 
-def _fork_beam(scheduler: ExecutorScheduler, parent: Sequence) -> Sequence:
+def _fork_beam(rows: Rows, parent: Sequence) -> Sequence:
     generation = parent.generation
     assert generation.beam is not None
     generation.beam.num_forks += 1
-    kv = scheduler.kv
+    kv = rows.kv
     request = kv.make_request(
         generation.new_seq_id(),
         parent.request.token_ids,
@@ -93,11 +106,11 @@ def _fork_beam(scheduler: ExecutorScheduler, parent: Sequence) -> Sequence:
     child.admitted = True
     child.cum_logprob = parent.cum_logprob
     generation.sequences.append(child)
-    scheduler.start_running(child)
+    rows.start_running(child)
     return child
 
 
-def _extend_beam(scheduler: ExecutorScheduler, seq: Sequence, token: int, score: float) -> None:
+def _extend_beam(rows: Rows, seq: Sequence, token: int, score: float) -> None:
     """Appends the beam's chosen token; a beam at its length limit finishes."""
     generation = seq.generation
     assert generation.beam is not None and seq.placed is not None
@@ -112,10 +125,10 @@ def _extend_beam(scheduler: ExecutorScheduler, seq: Sequence, token: int, score:
             FinishReason.FINISH_REASON_LENGTH,
         )
         seq.finish(FinishReason.FINISH_REASON_LENGTH)
-        scheduler.release(seq)
+        rows.release(seq)
 
 
-def stalled_beams(scheduler: ExecutorScheduler) -> list[Sequence]:
+def stalled_beams(waiting: Seq[Sequence], running: Seq[Sequence]) -> list[Sequence]:
     """The running beams to preempt so that steps can come again, or none.
 
     When every running sequence is a beam waiting for its round (its
@@ -124,10 +137,10 @@ def stalled_beams(scheduler: ExecutorScheduler) -> list[Sequence]:
     beams' blocks keep out. Then the least important, newest of those beam
     searches is to be preempted whole, so that the older ones get their
     beams back (each of them fits the pool alone). Changes nothing."""
-    if not scheduler.waiting or not scheduler.running:
+    if not waiting or not running:
         return []
     stalled: dict[Generation, list[Sequence]] = {}
-    for seq in scheduler.running:
+    for seq in running:
         placed = seq.placed
         if (
             seq.generation.beam is None

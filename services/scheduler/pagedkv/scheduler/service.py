@@ -171,7 +171,7 @@ class SchedulerService(ExecutorFailover):
         log.info("scheduler draining", running=self.num_running, waiting=self.num_waiting)
         why = "the scheduler is stopping; resume on another replica"
         for scheduler in list(self.schedulers.values()):
-            scheduler.draining = True
+            scheduler.start_draining()
             for seq in list(scheduler.waiting):
                 if seq.row is None and not seq.generation.done:
                     self._hand_back(seq.generation, Unavailable(why))
@@ -320,12 +320,12 @@ class SchedulerService(ExecutorFailover):
             except Exception as exc:
                 if scheduler.released or self.schedulers.get(address) is not scheduler:
                     # given up, or out of service already: nothing to contain
-                    scheduler.stopped.set()
+                    scheduler.loop_ended()
                     return
                 if not await self._contain(address, scheduler, exc):
                     return
             else:
-                scheduler.stopped.set()  # released
+                scheduler.loop_ended()  # given up
                 return
 
     async def _contain(self, address: str, scheduler: ExecutorScheduler, exc: Exception) -> bool:

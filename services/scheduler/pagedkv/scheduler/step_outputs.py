@@ -18,20 +18,21 @@ of every round go in at once, cut at the first that stops it
 (``Sequence.stop_index``, the same check token by token); the others'
 samples one by one, round after round, so that the samples after the one
 that stops a sequence (a stop string too) are dropped.
+
+It changes the scheduler's rows and running list only through its methods
+(``groups.Rows``); a generation whose handling raised is returned with its
+error (``Processed.errors``), for the service to fail.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from pagedkv.scheduler.groups import beam_round, fork_samples
+from pagedkv.scheduler.groups import Rows, beam_round, fork_samples
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import ScheduledStep
 from pagedkv.v1 import executor_pb2, scheduler_pb2
-
-if TYPE_CHECKING:
-    from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 
 
 class Processed(NamedTuple):
@@ -44,7 +45,7 @@ class Processed(NamedTuple):
 
 
 def apply_outputs(
-    scheduler: ExecutorScheduler, step: ScheduledStep, response: executor_pb2.StepResponse
+    rows: Rows, step: ScheduledStep, response: executor_pb2.StepResponse
 ) -> Processed:
     """Applies a step's samples. A generation whose handling raises is
     left as it is and reported in ``errors``; the others go on. Raises
@@ -59,7 +60,7 @@ def apply_outputs(
         )
     num_steps = step.request.num_decode_steps
     if num_steps > 1:
-        return _apply_window(scheduler, sampled, tokens, response, num_steps)
+        return _apply_window(rows, sampled, tokens, response, num_steps)
     touched: set[Generation] = set()
     beams: set[Generation] = set()
     errors: list[tuple[Generation, Exception]] = []
@@ -79,32 +80,29 @@ def apply_outputs(
                 reason = seq.stop_reason(token)
                 if reason is not None:
                     seq.finish(reason, token if reason == _STOP else None)
-                    scheduler.release(seq)
+                    rows.release(seq)
                 add(generation)
                 continue
             if top_starts is None:
                 top_starts = list(accumulate(response.num_top_logprobs, initial=0))
-            if _apply_sample(scheduler, seq, response, k, slice(top_starts[k], top_starts[k + 1])):
+            if _apply_sample(rows, seq, response, k, slice(top_starts[k], top_starts[k + 1])):
                 add(generation)
             else:
                 beams.add(generation)
         except Exception as exc:
-            scheduler.current = seq
             errors.append((generation, exc))
     for generation in beams - {generation for generation, _ in errors}:
-        scheduler.current = generation.sequences[0] if generation.sequences else None
         try:
-            if beam_round(scheduler, generation):
+            if beam_round(rows, generation):
                 add(generation)
         except Exception as exc:
             errors.append((generation, exc))
-    scheduler.current = None
     failed = {generation for generation, _ in errors}
     return Processed(touched - failed if failed else touched, errors)
 
 
 def _apply_window(
-    scheduler: ExecutorScheduler,
+    rows: Rows,
     sampled: list[tuple[Sequence, ExecutorRow]],
     tokens: list[int],
     response: executor_pb2.StepResponse,
@@ -132,7 +130,7 @@ def _apply_window(
                 seq.pending_token_ids.extend(applied)
                 if reason is not None:
                     seq.finish(reason, applied[-1] if reason == _STOP else None)
-                    scheduler.release(seq)
+                    rows.release(seq)
                 touched.add(generation)
                 continue
             if top_starts is None:
@@ -142,18 +140,16 @@ def _apply_window(
                     break  # it stopped inside the window
                 placed.inflight_samples -= 1
                 top = slice(top_starts[k], top_starts[k + 1])
-                if _apply_sample(scheduler, seq, response, k, top):
+                if _apply_sample(rows, seq, response, k, top):
                     touched.add(generation)
         except Exception as exc:
-            scheduler.current = seq
             errors.append((generation, exc))
-    scheduler.current = None
     failed = {generation for generation, _ in errors}
     return Processed(touched - failed if failed else touched, errors)
 
 
 def _apply_sample(
-    scheduler: ExecutorScheduler,
+    rows: Rows,
     seq: Sequence,
     response: executor_pb2.StepResponse,
     k: int,
@@ -188,9 +184,9 @@ def _apply_sample(
     elif reason is not None:
         seq.finish(reason, token if reason == _STOP else None)
     if generation.n > 1 and not generation.forked and seq.index == 0:
-        fork_samples(scheduler, seq)  # before a release: they share its prompt blocks
+        fork_samples(rows, seq)  # before a release: they share its prompt blocks
     if reason is not None:
-        scheduler.release(seq)
+        rows.release(seq)
     return True
 
 

@@ -19,17 +19,23 @@ generation (``n`` = 1), its table already on the executor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation, TableUpdate
 from pagedkv.scheduler.sequence import Sequence
 
-if TYPE_CHECKING:
-    from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
-
-# A decision of ``ExecutorScheduler.schedule``: a sequence, its tokens this
-# step, and its table changes (None: send the whole table).
 Decision = tuple[Sequence, int, Allocation | None]
+"""A decision of ``ExecutorScheduler.schedule``: a sequence, its tokens this
+step, and its table changes (None: send the whole table)."""
+
+
+class Window(NamedTuple):
+    """How many decode steps a step runs (1: a plain step), and its
+    decisions with the slots of that many steps."""
+
+    num_steps: int
+    decisions: list[Decision]
 
 
 def merge_allocations(first: Allocation, then: Allocation) -> Allocation:
@@ -49,15 +55,16 @@ def merge_allocations(first: Allocation, then: Allocation) -> Allocation:
     return Allocation(tuple(merged))
 
 
-def window_steps(scheduler: ExecutorScheduler, decisions: list[Decision]) -> int:
-    """The decode steps this step can run (1: a plain step), having given
-    every entry the slots of a window that long (``decisions`` are updated
-    in place). Needs every decision to be a plain decode, nothing waiting,
-    and free blocks enough for every entry's window."""
-    limit = scheduler.decode_window
-    if limit <= 1 or scheduler.waiting or not decisions:
-        return 1
-    kv = scheduler.kv
+def window_steps(
+    limit: int, anything_waiting: bool, kv: KVCacheManager, decisions: list[Decision]
+) -> Window:
+    """The decode steps this step can run, up to ``limit``, with the
+    decisions' allocations grown to hold them (a new list; the block core
+    ``kv`` allocates the slots). Needs every decision to be a plain decode,
+    nothing waiting, and free blocks enough for every entry's window."""
+    plain = Window(1, decisions)
+    if limit <= 1 or anything_waiting or not decisions:
+        return plain
     num_steps = limit
     for seq, num, allocation in decisions:
         generation = seq.generation
@@ -70,22 +77,23 @@ def window_steps(scheduler: ExecutorScheduler, decisions: list[Decision]) -> int
             or placed is None
             or placed.table_lengths is None
         ):
-            return 1
+            return plain
         # Its positions computed .. computed + N - 1 stay below its end.
         num_steps = min(num_steps, seq.max_num_tokens - seq.request.num_computed_tokens)
     if num_steps <= 1:
-        return 1
+        return plain
     blocks_per_entry = -(-num_steps // kv.block_size) + 1
     if kv.pool.get_num_free_blocks() < blocks_per_entry * len(decisions):
-        return 1
+        return plain
     covers = kv.covers
+    windowed = list(decisions)
     for i, (seq, num, allocation) in enumerate(decisions):
         request = seq.request
         if covers(request, request.num_computed_tokens + num_steps):
             continue  # its blocks hold the window
         more = kv.allocate_slots(request, 0, num_lookahead_tokens=num_steps)
         if more is None:  # cannot happen with the blocks counted above
-            return 1
+            return Window(1, windowed)  # (the slots given so far stay in the tables)
         assert allocation is not None
-        decisions[i] = (seq, num, merge_allocations(allocation, more))
-    return num_steps
+        windowed[i] = (seq, num, merge_allocations(allocation, more))
+    return Window(num_steps, windowed)

@@ -1,0 +1,104 @@
+"""Who writes what: each piece of the scheduler's state has one writer.
+
+``ExecutorScheduler`` (executor_scheduler.py) alone changes its queues,
+rows, windows and flags; every other module of the services calls its
+methods (``start_draining``, ``take_unstarted``, ``give_up``, ``release``
+...) instead of assigning its fields or changing its lists in place. The
+check reads the source: an assignment (plain, augmented, annotated or by
+index) to ``<name>.<field>`` where the name holds an ``ExecutorScheduler``
+(``scheduler``, ``executor_scheduler``, ``self.schedulers[...]``), or a
+call of a list or event mutator on such a field.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEDULER = REPO / "services" / "scheduler" / "pagedkv" / "scheduler"
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "sort", "set", "add"}
+HOLDERS = {"scheduler", "executor_scheduler", "schedulers"}
+
+
+def _fields() -> set[str]:
+    """The attributes ``ExecutorScheduler.__init__`` sets."""
+    tree = ast.parse((SCHEDULER / "executor_scheduler.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ExecutorScheduler"]
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    fields = set()
+    for node in ast.walk(init):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and getattr(target.value, "id", "") == "self":
+                fields.add(target.attr)
+    return fields
+
+
+def _holder(node: ast.expr) -> bool:
+    """Whether ``node`` names an ExecutorScheduler (see the module docstring)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id in HOLDERS
+    return isinstance(node, ast.Attribute) and node.attr in HOLDERS
+
+
+def scheduler_state_writes(source: str, fields: set[str]) -> list[str]:
+    """The writes of ``source`` to an ExecutorScheduler's ``fields``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in fields
+                and _holder(target.value)
+            ):
+                found.append((node.lineno, f"line {node.lineno}: .{target.attr}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_only_the_executor_scheduler_writes_its_state() -> None:
+    fields = _fields()
+    assert {"waiting", "running", "free_rows", "draining", "released", "current"} <= fields
+    services = REPO / "services"
+    writes = {
+        str(path.relative_to(services)): found
+        for path in sorted(services.rglob("*.py"))
+        if path != SCHEDULER / "executor_scheduler.py"
+        and (found := scheduler_state_writes(path.read_text(), fields))
+    }
+    assert writes == {}
+
+
+def test_the_check_sees_each_kind_of_write() -> None:
+    fields = {"waiting", "draining", "stopped", "current"}
+    source = (
+        "scheduler.draining = True\n"
+        "self.schedulers[a].waiting.remove(seq)\n"
+        "scheduler.stopped.set()\n"
+        "executor_scheduler.current: object = None\n"
+        "stats.draining = scheduler.draining\n"  # a message's field, read from one: fine
+        "scheduler.start_draining()\n"
+    )
+    assert scheduler_state_writes(source, fields) == [
+        "line 1: .draining",
+        "line 2: .waiting",
+        "line 3: .stopped",
+        "line 4: .current",
+    ]
