@@ -17,7 +17,8 @@ from pagedkv.scheduler.bench.serving.cli import register
 from pagedkv.scheduler.bench.serving.load import RequestResult
 from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
 from pagedkv.scheduler.bench.serving.report import markdown, plot
-from pagedkv.scheduler.bench.serving.run import main, parse_fixed_batches
+from pagedkv.scheduler.bench.serving.run import main
+from pagedkv.scheduler.bench.serving.runs import parse_fixed_batches
 from pagedkv.scheduler.bench.serving.step_trace import analyze as analyze_trace
 from pagedkv.scheduler.bench.serving.sweep import Setting, best_setting, parse_settings
 from pagedkv.scheduler.bench.serving.workload import (

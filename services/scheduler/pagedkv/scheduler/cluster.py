@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import redis.exceptions
 
@@ -39,16 +39,15 @@ from pagedkv.cluster.load import ExecutorLoad, LoadPublisher
 from pagedkv.cluster.members import MemberRecord, Members
 from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
+from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.scheduler.config import ClusterConfig
-from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorDown
+from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.lease_keeper import LeaseKeeper, Renewal
+from pagedkv.scheduler.takeover import TakenOver
 from pagedkv.v1 import executor_pb2, scheduler_pb2
-
-if TYPE_CHECKING:
-    from pagedkv.scheduler.service import SchedulerService
 
 log = get_logger(__name__)
 
@@ -59,10 +58,35 @@ MAX_LOOP_STALL_TTLS = 4
 expire (``lease_keeper.py``): a hung scheduler gives its executors up."""
 
 
+class ClusterHost(Protocol):
+    """What the cluster member needs of the scheduler it is part of (the
+    service): its executors in service and down, their connections, the
+    model they serve, and the paths that take an executor over, give it up
+    or put it out of service."""
+
+    scheduler_id: str
+    draining: bool  # the scheduler is stopping
+    info: executor_pb2.GetInfoResponse  # the model every executor serves
+    schedulers: dict[str, ExecutorScheduler]  # executors in service
+    clients: dict[str, ExecutorClient]
+    down: dict[str, str]  # address -> why
+
+    def internal_error(self, exc: BaseException, where: str) -> ServiceError: ...
+    def new_client(self, address: str) -> ExecutorClient: ...
+    async def take_over(
+        self, client: ExecutorClient, info: executor_pb2.GetInfoResponse | None = None
+    ) -> TakenOver: ...
+    def adopt_claimed(self, address: str, client: ExecutorClient, taken: TakenOver) -> None: ...
+    def lose_executor(self, address: str, why: str) -> None: ...
+    def executor_ended(self, address: str, why: str) -> None: ...
+    async def drain_executor(self, address: str, timeout: float, why: str) -> None: ...
+    async def forget(self, address: str) -> None: ...
+
+
 class ClusterMember:
     """One scheduler's membership, leases and claims (see the module docstring)."""
 
-    def __init__(self, service: SchedulerService, config: ClusterConfig) -> None:
+    def __init__(self, service: ClusterHost, config: ClusterConfig) -> None:
         self.service = service
         self.config = config
         self.member_id = service.scheduler_id
@@ -156,7 +180,7 @@ class ClusterMember:
             self.degraded = f"redis at {redacted(self.config.redis_url)} unreachable: {exc}"
             self.view.degraded, self.view.detail = True, self.degraded
         except Exception as exc:  # a bug of ours: the next round tries again
-            self.service._internal_error(exc, "cluster round")
+            self.service.internal_error(exc, "cluster round")
         finally:
             self.num_rounds += 1
             self._wake_steps()
@@ -409,7 +433,7 @@ class ClusterMember:
     async def _claim_one(self, record: ExecutorRecord) -> bool:
         service = self.service
         address = record.address
-        client = service._client(address)
+        client = service.new_client(address)
         try:
             info = await client.get_info(timeout=PROBE_TIMEOUT_S)
             owner = info.owner.owner_id
@@ -421,7 +445,7 @@ class ClusterMember:
                 raise ExecutorDown("refused", f"{address}: serves {info.model_id!r}")
             if info.draining:
                 raise ExecutorDown("refused", f"{address}: it is stopping")
-            taken = await service._take_over(client, info)
+            taken = await service.take_over(client, info)
         except ExecutorDown as exc:
             await client.close()
             lease = self.held.pop(address, None)

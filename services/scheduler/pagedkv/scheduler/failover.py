@@ -29,17 +29,17 @@ import socket
 import time
 import uuid
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.common.errors import ServiceError, Unavailable
 from pagedkv.common.ids import MAX_EPOCH
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import FinishReason, Generation, Sequence
+from pagedkv.scheduler.takeover import TakenOver
 from pagedkv.v1 import executor_pb2
 
 if TYPE_CHECKING:
@@ -54,13 +54,6 @@ EXECUTOR_DRAIN_MARGIN_S = 1.0  # a stopping executor's time kept to move what st
 
 def _owner(info: executor_pb2.GetInfoResponse) -> str:
     return f"owned by {info.owner.owner_id!r} at epoch {info.owner.epoch}"
-
-
-class TakenOver(NamedTuple):
-    """An executor just taken over: its GetInfo and its tagged blocks."""
-
-    info: executor_pb2.GetInfoResponse
-    cached: list[CacheEvent]
 
 
 class Resync(Exception):
@@ -94,7 +87,7 @@ class ExecutorFailover:
         """The executor's step loop (``SchedulerService``)."""
         raise NotImplementedError
 
-    def _client(self, address: str) -> ExecutorClient:
+    def new_client(self, address: str) -> ExecutorClient:
         return ExecutorClient(
             address,
             self.scheduler_id,
@@ -107,7 +100,7 @@ class ExecutorFailover:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _take_over(
+    async def take_over(
         self,
         client: ExecutorClient,
         info: executor_pb2.GetInfoResponse | None = None,
@@ -164,7 +157,7 @@ class ExecutorFailover:
         try:
             generation.flush()
         except Exception as exc:
-            error = error or self._internal_error(exc, "flush", request_id=generation.request_id)
+            error = error or self.internal_error(exc, "flush", request_id=generation.request_id)
         if error is not None:
             generation.done = True
             generation.chunks.put_nowait(error)
@@ -201,7 +194,7 @@ class ExecutorFailover:
             generation.flush()  # not final: its sequence has not finished
         except Exception as exc:
             self._fail(
-                generation, self._internal_error(exc, "flush", request_id=generation.request_id)
+                generation, self.internal_error(exc, "flush", request_id=generation.request_id)
             )
             return
         self._finish_and_release(generation, str(error))
@@ -225,11 +218,11 @@ class ExecutorFailover:
             try:
                 scheduler.release(seq)
             except Exception as exc:
-                self._internal_error(exc, "release", request_id=generation.request_id)
+                self.internal_error(exc, "release", request_id=generation.request_id)
                 self._resync.add(scheduler.address)
             self._wake[scheduler.address].set()
 
-    def _internal_error(self, exc: BaseException, where: str, **context: Any) -> ServiceError:
+    def internal_error(self, exc: BaseException, where: str, **context: Any) -> ServiceError:
         """Logs and counts an error in the scheduler's own code; returns the
         INTERNAL error its requests end with (an id ties it to the log)."""
         error_id = uuid.uuid4().hex[:12]
@@ -280,7 +273,7 @@ class ExecutorFailover:
             if not client.owned_by_us(info):  # never take it from another owner
                 self._executor_down(address, f"fenced: {_owner(info)}", "fenced")
                 return False
-            taken = await self._take_over(client, info, cold=True)
+            taken = await self.take_over(client, info, cold=True)
         except ExecutorDown as exc:
             self._executor_down(address, str(exc), exc.cause)
             return False
@@ -450,12 +443,12 @@ class ExecutorFailover:
             delay = min(2 * delay, longest)
             if address not in self.down:
                 return  # forgotten
-            client = self._client(address)
+            client = self.new_client(address)
             try:
                 info = await client.get_info(timeout=min(PROBE_TIMEOUT_S, client.timeout))
                 why = self._not_adoptable(address, info)
                 if why is None:
-                    taken = await self._take_over(client, info)
+                    taken = await self.take_over(client, info)
             except ExecutorDown as exc:
                 why = str(exc)
             if why is not None:

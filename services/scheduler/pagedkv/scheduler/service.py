@@ -35,10 +35,11 @@ from pagedkv.scheduler.cluster import ClusterMember
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.failover import ExecutorFailover, Resync, TakenOver
+from pagedkv.scheduler.failover import ExecutorFailover, Resync
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.placement import new_generation, place
 from pagedkv.scheduler.sequence import FinishReason, Generation
+from pagedkv.scheduler.takeover import TakenOver
 from pagedkv.scheduler.text import TextTokenizer
 from pagedkv.scheduler.text_prompts import PromptEncoder
 from pagedkv.scheduler.validation import prompt_token_ids
@@ -109,10 +110,10 @@ class SchedulerService(ExecutorFailover):
             await self.cluster.start()
             return
         for address in self.config.executors:
-            client = self._client(address)
+            client = self.new_client(address)
             self.clients[address] = client
             try:
-                taken = await self._take_over(client)
+                taken = await self.take_over(client)
             except ExecutorDown as exc:
                 self.down[address] = str(exc)
                 log.warning("executor down at start", executor=address, error=str(exc))
@@ -219,7 +220,7 @@ class SchedulerService(ExecutorFailover):
         except ServiceError:
             raise
         except Exception as exc:
-            raise self._internal_error(exc, "encode", request_id=request.request_id) from exc
+            raise self.internal_error(exc, "encode", request_id=request.request_id) from exc
 
     def submit(
         self, request: scheduler_pb2.GenerateRequest, text_ids: list[int] | None = None
@@ -232,7 +233,7 @@ class SchedulerService(ExecutorFailover):
         except ServiceError:
             raise
         except Exception as exc:
-            raise self._internal_error(exc, "submit", request_id=request.request_id) from exc
+            raise self.internal_error(exc, "submit", request_id=request.request_id) from exc
 
     def _check_open(self) -> None:
         """Unavailable while draining or with no executor in service."""
@@ -300,7 +301,7 @@ class SchedulerService(ExecutorFailover):
             try:
                 scheduler.release(seq)
             except Exception as exc:  # its executor's accounting is in doubt
-                self._internal_error(exc, "abort", request_id=request_id)
+                self.internal_error(exc, "abort", request_id=request_id)
                 self._resync.add(scheduler.address)
             self._wake[scheduler.address].set()
         self._end(generation)
@@ -340,10 +341,10 @@ class SchedulerService(ExecutorFailover):
                 self._executor_down(address, str(exc), exc.cause)
                 return False
             # It refused what we sent: the message was wrong, our bug.
-            self._internal_error(exc, "step refused", executor=address)
+            self.internal_error(exc, "step refused", executor=address)
             self._unattributed_error(scheduler)
         elif not isinstance(exc, Resync):
-            error = self._internal_error(exc, "step loop", executor=address)
+            error = self.internal_error(exc, "step loop", executor=address)
             culprit = scheduler.current
             if culprit is None:
                 self._unattributed_error(scheduler)
@@ -402,7 +403,7 @@ class SchedulerService(ExecutorFailover):
                 self.executor_draining(address, response.drain_seconds_left)
             touched, errors = scheduler.process(sent, response)
             for generation, exc in errors:
-                error = self._internal_error(
+                error = self.internal_error(
                     exc, "process", executor=address, request_id=generation.request_id
                 )
                 self._fail(generation, error)
@@ -467,7 +468,7 @@ class SchedulerService(ExecutorFailover):
             try:
                 generation.flush()
             except Exception as exc:
-                self._fail(generation, self._internal_error(exc, "flush", executor=address))
+                self._fail(generation, self.internal_error(exc, "flush", executor=address))
                 continue
             if generation.done and self.generations.get(generation.request_id) is generation:
                 del self.generations[generation.request_id]

@@ -27,7 +27,7 @@ from pagedkv.router.bench.local_cluster import ClusterShape, LocalCluster, route
 from pagedkv.router.bench.report import GOAL_RATIO, goal, plot, summarize, table
 from pagedkv.router.bench.trace import TraceConfig, TraceRequest, generate, prefix_weights
 from pagedkv.router.scoring import RoutingWeights
-from pagedkv.scheduler.bench.service import _machine
+from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.children import model_dir
 
 PACKAGES = ("pagedkv-router", "pagedkv-scheduler", "pagedkv-executor", "pagedkv-client")
@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
                 flush=True,
             )
     report = {
-        "machine": {**_machine("cpu"), **_versions()},
+        "machine": {**machine_info("cpu"), **_versions()},
         "parameters": {
             "policies": policies,
             "cluster": {

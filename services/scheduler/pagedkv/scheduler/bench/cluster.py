@@ -39,7 +39,8 @@ import grpc
 import numpy as np
 
 from pagedkv.cluster.connection import connect_sync
-from pagedkv.scheduler.bench.service import _drain, _machine, _summary
+from pagedkv.scheduler.bench.machine import machine_info
+from pagedkv.scheduler.bench.service import drain, step_summary
 from pagedkv.scheduler.children import (
     ExecutorProcesses,
     PrivateRedis,
@@ -217,13 +218,13 @@ async def _cost(
     commands = _commands(redis)
     start, cpu = time.perf_counter(), time.process_time()
     generations = [service.submit(request) for request in requests]
-    await asyncio.gather(*(_drain(g) for g in generations))
+    await asyncio.gather(*(drain(g) for g in generations))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     commands = _commands(redis) - commands - 1  # the INFO call itself
     timings = list(service.step_timings)
     await service.stop()
     steps = [t for t in timings if t.num_entries > 0]
-    summary = _summary(steps, args.requests // len(addresses))
+    summary = step_summary(steps, args.requests // len(addresses))
     summary["redis_commands"] = commands
     summary["redis_commands_per_step"] = commands / max(1, len(timings))
     summary["seconds"] = seconds
@@ -359,7 +360,7 @@ def _report(
         f"{median(r['redis_commands'] / r['seconds'] for r in runs['static']):.0f}/s without",
     ]
     return {
-        "machine": _machine("cpu"),
+        "machine": machine_info("cpu"),
         "settings": {
             k: getattr(args, k)
             for k in (

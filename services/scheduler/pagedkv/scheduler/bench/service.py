@@ -1,5 +1,4 @@
-"""``pagedkv bench scheduler`` (or ``python -m pagedkv.scheduler.bench.service``):
-the scheduler service over real executor processes, end to end.
+"""``pagedkv bench scheduler``: the scheduler service over real executor processes, end to end.
 
 Starts K executors (``python -m pagedkv.executor``) and a ``SchedulerService``
 in this process, submits every request at once (random token prompts,
@@ -14,25 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.children import ExecutorProcesses, executor_commands, model_dir
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.service import SchedulerService, StepTiming
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 
-async def _drain(generation: Any) -> int:
+async def drain(generation: Any) -> int:
     while True:
         chunk = await generation.chunks.get()
         if isinstance(chunk, BaseException):
@@ -66,7 +62,7 @@ async def _run(args: argparse.Namespace, addresses: list[str], depth: int) -> di
     ]
     cpu_start, start = time.process_time(), time.perf_counter()
     generations = [service.submit(request) for request in requests]
-    tokens = await asyncio.gather(*(_drain(g) for g in generations))
+    tokens = await asyncio.gather(*(drain(g) for g in generations))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     timings = list(service.step_timings)
     await service.stop()
@@ -77,11 +73,11 @@ async def _run(args: argparse.Namespace, addresses: list[str], depth: int) -> di
         "output_tokens_per_s": sum(tokens) / elapsed,
         "scheduler_process_cpu_s": cpu,
         "num_steps": len(timings),
-        "full_batch_steps": _summary(full, args.requests),
+        "full_batch_steps": step_summary(full, args.requests),
     }
 
 
-def _summary(steps: list[StepTiming], running: int) -> dict[str, Any]:
+def step_summary(steps: list[StepTiming], running: int) -> dict[str, Any]:
     if not steps:
         return {"steps": 0}
     median = statistics.median
@@ -102,29 +98,6 @@ def _summary(steps: list[StepTiming], running: int) -> dict[str, Any]:
         "executor_host_us": us([t.executor_host_s for t in steps]),
         "rpc_overhead_us": us([t.rpc_s - t.executor_host_s for t in steps]),
     }
-
-
-def _machine(device: str) -> dict[str, Any]:
-    import importlib.metadata as metadata
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
-    for name in ("grpcio", "protobuf", "torch", "transformers", "triton"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            info[name] = metadata.version(name)
-    if device.startswith("cuda"):
-        import subprocess
-
-        info["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    return info
 
 
 def main(args: argparse.Namespace) -> int:
@@ -153,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
             "enforce_eager",
         )
     }
-    report = {"machine": _machine(args.device), "settings": settings, **result}
+    report = {"machine": machine_info(args.device), "settings": settings, **result}
     full = result["full_batch_steps"]
     lines = [
         f"{args.requests} requests x ({args.prompt_len} prompt -> {args.max_tokens} new tokens), "
@@ -183,16 +156,3 @@ def main(args: argparse.Namespace) -> int:
             + "\n"
         )
     return 0
-
-
-if __name__ == "__main__":
-    from pagedkv.common.cli import add_logging_arguments
-    from pagedkv.common.logging import configure_logging
-    from pagedkv.scheduler.bench.cli import add_scheduler_bench_arguments
-
-    parser = argparse.ArgumentParser(prog="python -m pagedkv.scheduler.bench.service")
-    add_scheduler_bench_arguments(parser)
-    add_logging_arguments(parser)
-    parsed = parser.parse_args()
-    configure_logging(parsed.log_format, parsed.log_level)
-    sys.exit(main(parsed))

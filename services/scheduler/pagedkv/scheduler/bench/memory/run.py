@@ -16,10 +16,10 @@ from typing import Any
 
 from pagedkv.client import AsyncClient
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.bench.memory import report as reporting
 from pagedkv.scheduler.bench.memory import scenarios
 from pagedkv.scheduler.bench.memory.live import memory_stack, tiny_model
-from pagedkv.scheduler.bench.service import _machine
 from pagedkv.scheduler.bench.serving.run import _versions
 
 SCENARIOS = {"chat": scenarios.chat, "shared": scenarios.shared_prompt, "beams": scenarios.beams}
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             stack.stop()
     report = {
-        "machine": {**_machine("cpu"), **_versions()},
+        "machine": {**machine_info("cpu"), **_versions()},
         "settings": settings,
         "model": f"tiny random llama (make-tiny-model), max_model_len {args.max_model_len}",
         **results,

@@ -36,17 +36,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.bench.service import _machine
+from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.bench.serving import report as reporting
 from pagedkv.scheduler.bench.serving import step_trace, sweep
-from pagedkv.scheduler.bench.serving.gateway import Gateway, comparison, timed_grpc, timed_http
-from pagedkv.scheduler.bench.serving.http_load import run_load_http
+from pagedkv.scheduler.bench.serving.gateway import Gateway, timed_grpc, timed_http
 from pagedkv.scheduler.bench.serving.load import run_load, server_stats, wait_ready
 from pagedkv.scheduler.bench.serving.metrics import Slo, request_rows
 from pagedkv.scheduler.bench.serving.probe import run_probe
+from pagedkv.scheduler.bench.serving.runs import (
+    FixedBatch,
+    mix_config,
+    parse_fixed_batches,
+    run_fixed_batches,
+    warm_up,
+)
 from pagedkv.scheduler.bench.serving.stack import (
     ServeStack,
     TimelineStack,
@@ -55,7 +61,6 @@ from pagedkv.scheduler.bench.serving.stack import (
     server_args,
 )
 from pagedkv.scheduler.bench.serving.workload import (
-    MixConfig,
     fixed_batch,
     parse_rates,
     poisson_arrivals,
@@ -65,26 +70,7 @@ from pagedkv.scheduler.bench.serving.workload import (
 PACKAGES = ("pagedkv-scheduler", "pagedkv-executor", "pagedkv-common")
 GATEWAY_PACKAGES = ("pagedkv-gateway", "fastapi", "starlette", "uvicorn", "pydantic", "aiohttp")
 TIMELINE_WAIT_S = 60.0
-HTTP_SEED_OFFSET = 500
-"""A fixed batch's HTTP run takes its prompts from its gRPC run's seed + this."""
 log = get_logger(__name__)
-
-
-class FixedBatch(NamedTuple):
-    batch: int
-    prompt_len: int
-    max_tokens: int
-
-
-def parse_fixed_batches(text: str) -> list[FixedBatch]:
-    """``"64x512x256,8x16x8"`` -> two batches; ``""`` -> none."""
-    batches = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        numbers = [int(n) for n in part.split("x")]
-        if len(numbers) != 3 or min(numbers) < 1:
-            raise ValueError(f"a fixed batch is NxPxO with positive numbers: {part!r}")
-        batches.append(FixedBatch(*numbers))
-    return batches
 
 
 def _serve_runs(
@@ -142,77 +128,6 @@ def _serve_runs(
     return out
 
 
-def mix_config(args: argparse.Namespace, model: str, num_requests: int) -> MixConfig:
-    """The ShareGPT-like mix of ``args`` for ``model``, ``num_requests`` long."""
-    shape = model_shape(model)
-    return MixConfig(
-        num_requests=num_requests,
-        max_model_len=args.max_model_len or int(shape.get("max_position_embeddings", 2048)),
-        vocab_size=int(shape["vocab_size"]),
-        mean_prompt_len=args.mean_prompt_len,
-        mean_output_len=args.mean_output_len,
-        sigma=args.sigma,
-        system_prompt_fraction=args.system_prompt_fraction,
-        num_system_prompts=args.num_system_prompts,
-        system_prompt_len=args.system_prompt_len,
-        seed=args.seed,
-    )
-
-
-def warm_up(
-    args: argparse.Namespace, target: str, mix: MixConfig, gateway: Gateway | None = None
-) -> None:
-    """Waits for ``target`` to serve, then runs ``args.warmup_requests``
-    requests of the mix (their own seed) at once; then the same through
-    ``gateway``."""
-    asyncio.run(wait_ready(target))
-    if args.warmup_requests:
-        warm = MixConfig(**{**_fields(mix), "num_requests": args.warmup_requests, "seed": -1})
-        part, arrivals = sharegpt_like(warm, "warmup"), [0.0] * warm.num_requests
-        asyncio.run(run_load(target, part, arrivals))
-        if gateway is not None:
-            asyncio.run(run_load_http(gateway.base_url, gateway.model, part, arrivals))
-
-
-def run_fixed_batches(
-    target: str,
-    batches: list[FixedBatch],
-    vocab: int,
-    slo: Slo,
-    seed: int,
-    gateway: Gateway | None = None,
-    grpc_text: bool = False,
-) -> tuple[list[dict[str, Any]], list[float]]:
-    """Each batch sent at once (batch i's prompts from ``seed + i``; over
-    gRPC with the outputs' text when ``grpc_text``): a row per batch, and
-    the ``perf_counter`` before and after each gRPC run.
-    Through ``gateway`` too, right after (prompts from ``seed + i +
-    HTTP_SEED_OFFSET``): the row's ``http`` and ``gateway`` (comparison)."""
-    rows, marks = [], []
-    for i, b in enumerate(batches):
-        part = fixed_batch(b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i)
-        marks.append(time.perf_counter())
-        summary, _ = timed_grpc(target, part, [0.0] * len(part), slo, grpc_text)
-        marks.append(time.perf_counter())
-        log.info("fixed batch done", output_tokens_per_s=round(summary["output_tokens_per_s"]))
-        row: dict[str, Any] = {**b._asdict(), "pagedkv": summary}
-        if gateway is not None:
-            part = fixed_batch(
-                b.batch, b.prompt_len, b.max_tokens, vocab, seed=seed + i + HTTP_SEED_OFFSET
-            )
-            http, _ = timed_http(gateway, part, [0.0] * len(part), slo)
-            log.info(
-                "fixed batch done over HTTP", output_tokens_per_s=round(http["output_tokens_per_s"])
-            )
-            row["http"], row["gateway"] = http, comparison(summary, http)
-        rows.append(row)
-    return rows, marks
-
-
-def _fields(config: MixConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in MixConfig.__dataclass_fields__}
-
-
 def hf_baseline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[str, Any]:
     """Hugging Face ``generate`` on ``batch`` in a child process."""
     command = [sys.executable, "-m", "pagedkv.executor.bench_hf", "--model", model]
@@ -252,7 +167,7 @@ def timeline(args: argparse.Namespace, model: str, batch: FixedBatch) -> dict[st
 def machine(device: str, gateway: bool = False) -> dict[str, Any]:
     """The machine (its GPU on ``cuda``) and the versions a report records:
     pagedkv's parts, torch and the rest, and with ``gateway`` its HTTP stack."""
-    return {**_machine(device), **_versions(gateway)}
+    return {**machine_info(device), **_versions(gateway)}
 
 
 def _versions(gateway: bool = False) -> dict[str, str]:

@@ -22,15 +22,18 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pagedkv.scheduler.bench.serving import step_trace
 from pagedkv.scheduler.bench.serving.metrics import Slo, failure_note, ms_cell
+from pagedkv.scheduler.bench.serving.runs import (
+    FixedBatch,
+    mix_config,
+    run_fixed_batches,
+    warm_up,
+)
 from pagedkv.scheduler.bench.serving.stack import start_scheduler
 from pagedkv.scheduler.children import ExecutorProcesses, executor_commands
-
-if TYPE_CHECKING:  # run.py imports this module (through report.py)
-    from pagedkv.scheduler.bench.serving.run import FixedBatch
 
 
 class Setting(NamedTuple):
@@ -58,8 +61,6 @@ def parse_settings(text: str) -> list[Setting]:
 def run_sweep(args: argparse.Namespace, model: str, batches: list[FixedBatch]) -> dict[str, Any]:
     """The report's ``sweep`` part: per setting, its fixed batches and their
     step-trace analyses."""
-    from pagedkv.scheduler.bench.serving.run import mix_config, run_fixed_batches, warm_up
-
     settings = parse_settings(args.sweep)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     mix = mix_config(args, model, 0)
