@@ -1,8 +1,9 @@
 """A 3.6 MB text prompt (under gRPC's 4 MB message limit) sent to a
 scheduler and to a router while 64 streams run stalls neither (issue 26):
 both refuse it as prompt.text without encoding it, their health answers
-promptly throughout (within a second, where encoding would take seconds), the executor's lease stays held by the same
-scheduler at the same epoch, and every stream runs to its end."""
+promptly throughout (within a second, where encoding would take seconds),
+the executor's lease stays held by the same scheduler at the same epoch,
+and every stream runs to its end."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_command_lines_refuse_incomplete_security_options(
 def test_the_token_comes_from_the_environment_unless_a_file_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagedkv.client.cli import client_security
+    from pagedkv.client.credentials import client_security
 
     args = argparse.Namespace(tls_ca=None, tls_cert=None, tls_key=None, token_file=None)
     monkeypatch.setenv("PAGEDKV_TOKEN", "from-env")

@@ -21,7 +21,8 @@ import sys
 from argparse import SUPPRESS
 from typing import TYPE_CHECKING, Any, cast
 
-from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT, add_client_tls_arguments
+from pagedkv.client.credentials import add_security_arguments, client_security
+from pagedkv.common.cli import DEFAULT_SCHEDULER_PORT
 
 if TYPE_CHECKING:
     from pagedkv.client.errors import PagedkvError
@@ -81,34 +82,6 @@ def _add_target(parser: argparse.ArgumentParser, several: str) -> None:
     parser.add_argument(
         "--timeout", type=float, help="deadline of the call in seconds (default: none)"
     )
-
-
-TOKEN_ENV = "PAGEDKV_TOKEN"
-
-
-def _add_security(parser: argparse.ArgumentParser) -> None:
-    """TLS and token options of a command that calls a server."""
-    add_client_tls_arguments(parser, "", "servers")
-    parser.add_argument(
-        "--token-file",
-        metavar="PATH",
-        help=f"file whose first token is sent as authorization: Bearer <token> "
-        f"(default: the {TOKEN_ENV} environment variable, if set)",
-    )
-
-
-def client_security(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``tls`` and ``token`` keyword arguments of ``Client`` for the
-    command's options; ValueError naming the option (never its secret)."""
-    import os
-
-    from pagedkv.common.security import client_tls_from_args, read_token
-
-    tls = client_tls_from_args(args, "")
-    token = os.environ.get(TOKEN_ENV) or None
-    if args.token_file is not None:
-        token = read_token(args.token_file)
-    return {"tls": tls, "token": token}
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
@@ -180,7 +153,7 @@ def register_generate(subparsers: Any, name: str) -> None:
     for option, flag in GENERATE_FLAGS.items():
         parser.add_argument("--" + option.replace("_", "-"), **{"default": SUPPRESS, **flag})
     parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
-    _add_security(parser)
+    add_security_arguments(parser)
     parser.set_defaults(handler=_run_generate)
 
 
@@ -194,7 +167,7 @@ def register_stats(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--json", action="store_true", help="one JSON object (per target, one per line)"
     )
-    _add_security(parser)
+    add_security_arguments(parser)
     parser.set_defaults(handler=_run_stats)
 
 
@@ -224,7 +197,7 @@ def register_demo(subparsers: Any, name: str) -> None:
     parser.add_argument("--requests", type=int, default=24, help="chat requests")
     parser.add_argument("--concurrency", type=int, default=8, help="chat streams at a time")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sequence")
-    _add_security(parser)
+    add_security_arguments(parser)
     parser.set_defaults(handler=_run_demo)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedkv.client.async_client import AsyncClient
-from pagedkv.client.cli import client_security
+from pagedkv.client.credentials import client_security
 from pagedkv.client.errors import PagedkvError
 from pagedkv.client.render import NULL_BLOCK_NOTE, executor_state, integrity, internal_errors, table
 from pagedkv.client.stats import Stats
