@@ -36,10 +36,10 @@ def test_decode_requests_step_and_a_kernel_measure_without_a_gpu_is_an_error(
     monkeypatch.setattr(bench, "CONTEXT", 24)
     prompts = np.random.default_rng(0).integers(3, 200, size=(4, 24))
     step_id = bench._prefill(executor, prompts, 1)
-    response = executor.step(bench._decode_request(executor, step_id))
+    response = executor.step(bench.decode_request(executor, step_id))
     assert list(response.sampled_rows) == [0, 1, 2, 3]
-    window = executor.step(bench._decode_request(executor, step_id + 1, num_steps=3))
+    window = executor.step(bench.decode_request(executor, step_id + 1, num_steps=3))
     assert len(window.sampled_token_ids) == 3 * 4  # three rounds of the four rows
-    measured, next_id = kernel_times(executor, step_id + 2, steps=2)
+    measured, next_id = kernel_times(executor, step_id + 2, bench.decode_request, steps=2)
     assert measured["steps"] == 2 and "error" in measured
     assert next_id == step_id + 2  # the profiler did not start: no step ran

@@ -91,7 +91,7 @@ def _prefill(executor: Any, prompts: np.ndarray, step_id: int) -> int:
     return step_id
 
 
-def _decode_request(executor: Any, step_id: int, num_steps: int = 1) -> Any:
+def decode_request(executor: Any, step_id: int, num_steps: int = 1) -> Any:
     """A decode step of every live row at CONTEXT (``num_steps`` > 1: a
     decode window of that many steps; the prefill left blocks for it)."""
     from pagedkv.v1 import executor_pb2
@@ -182,7 +182,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         k: [] for k in ("validate_apply", "metadata", "model_launch", "sampler_launch", "wait")
     }
     for _ in range(iters):
-        request = _decode_request(executor, step_id)
+        request = decode_request(executor, step_id)
         step_id += 1
         start = time.perf_counter()
         response = executor.step(request)
@@ -192,13 +192,13 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
     graphs, runner.graphs = runner.graphs, None  # the same steps without CUDA graphs
     eager_walls = []
     for _ in range(iters):
-        request = _decode_request(executor, step_id)
+        request = decode_request(executor, step_id)
         step_id += 1
         start = time.perf_counter()
         executor.step(request)
         eager_walls.append((time.perf_counter() - start) * 1e6)
     for _ in range(iters):  # the eager work, phase by phase
-        request = _decode_request(executor, step_id)
+        request = decode_request(executor, step_id)
         step_id += 1
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -225,7 +225,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
     window_gpu: list[float] = []
     for num_steps, times in ((1, gpu), (WINDOW, window_gpu)):
         for _ in range(iters):  # GPU time with every launch queued before the GPU starts
-            request = _decode_request(executor, step_id, num_steps)
+            request = decode_request(executor, step_id, num_steps)
             step_id += 1
             torch.cuda.synchronize()
             torch.cuda._sleep(100_000_000)  # ~50 ms: longer than the host needs to enqueue
@@ -265,7 +265,7 @@ def time_grpc(executor: Any, step_id: int, iters: int = 30) -> dict[str, Any]:
     stub = executor_pb2_grpc.ExecutorStub(channel)
     walls = []
     for _ in range(iters):
-        request = _decode_request(executor, step_id)
+        request = decode_request(executor, step_id)
         step_id += 1
         start = time.perf_counter()
         stub.Step(request)
@@ -290,7 +290,7 @@ def time_stream(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = executor_pb2_grpc.ExecutorStub(channel)
     requests = []
-    first = _decode_request(executor, step_id)  # rewinds the rows to CONTEXT
+    first = decode_request(executor, step_id)  # rewinds the rows to CONTEXT
     for i in range(iters):
         request = type(first)()
         request.CopyFrom(first)
@@ -373,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     runner.rows.free_all()
     step_id = _prefill(executor, gen.integers(0, 32000, size=(args.batch, CONTEXT)), 1)
     if args.profile:
-        step_id = profile_decode(executor, step_id)
+        step_id = profile_decode(executor, step_id, decode_request)
     decode, step_id = time_decode(executor, step_id)
-    decode["gpu_time_by_name"], step_id = kernel_times(executor, step_id)
+    decode["gpu_time_by_name"], step_id = kernel_times(executor, step_id, decode_request)
     decode.update(time_grpc(executor, step_id))
     stream, step_id = time_stream(executor, step_id + 30)
     decode.update(stream)

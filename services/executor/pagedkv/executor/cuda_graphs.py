@@ -18,15 +18,39 @@ Only on CUDA with the Triton kernels: the torch backend waits for the host.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from pagedkv.common.logging import get_logger
+from pagedkv.executor import attention
+from pagedkv.executor.forward_inputs import InputBuilder
+from pagedkv.executor.model_spec import ModelSpec
+from pagedkv.executor.rows import Rows
 
-if TYPE_CHECKING:
-    from pagedkv.executor.model_runner import ModelRunner
+
+class GraphRunner(Protocol):
+    """What the decode graphs need of the model runner (``ModelRunner``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def rows(self) -> Rows: ...
+    @property
+    def forward_inputs(self) -> InputBuilder: ...
+    @property
+    def max_blocks_per_row(self) -> int: ...
+    @property
+    def spec(self) -> ModelSpec: ...
+    def run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: attention.AttentionMetadata,
+        sample_index: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
 
 log = get_logger(__name__)
 
@@ -36,7 +60,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
 class DecodeGraphs:
     """One captured decode forward per batch size up to ``max_batch``."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: GraphRunner, max_batch: int) -> None:
         self.runner = runner
         self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
         largest = self.sizes[-1]

@@ -37,16 +37,56 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from pagedkv.common.logging import get_logger
-from pagedkv.executor.sampler import SamplingParamsBatch, sample
+from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.model_spec import ModelSpec
+from pagedkv.executor.rows import Rows
+from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 
-if TYPE_CHECKING:
-    from pagedkv.executor.model_runner import ModelRunner
+
+class WarmUpLimits(Protocol):
+    """The runner's settings the warm-up sizes its steps by."""
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_num_rows(self) -> int: ...
+    @property
+    def max_logprobs(self) -> int: ...
+
+
+class WarmUpRunner(Protocol):
+    """What the warm-up needs of the model runner (``ModelRunner``)."""
+
+    @property
+    def config(self) -> WarmUpLimits: ...
+    @property
+    def spec(self) -> ModelSpec: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def rows(self) -> Rows: ...
+    @property
+    def max_blocks_per_row(self) -> int: ...
+    @property
+    def generator(self) -> torch.Generator: ...
+    @property
+    def graphs(self) -> DecodeGraphs | None: ...
+    def forward(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+    ) -> SamplerOutput | None: ...
+    def copy_blocks(self, copies: np.ndarray) -> None: ...
+    def capture_graphs(self) -> None: ...
+
 
 log = get_logger(__name__)
 
@@ -140,7 +180,7 @@ def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
     }
 
 
-def run_warm_up(runner: ModelRunner, num_blocks: int, profile: bool, full: bool) -> WarmUpReport:
+def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool) -> WarmUpReport:
     """``ModelRunner.warm_up``: the steps (only the largest when profiling,
     none unless ``full``), the sampler paths and a block copy (``full``, not
     profiling), then the graphs' capture (not profiling); logs the report
@@ -190,7 +230,7 @@ def run_warm_up(runner: ModelRunner, num_blocks: int, profile: bool, full: bool)
 
 
 def _run_forwards(
-    runner: ModelRunner, steps: tuple[WarmUpStep, ...], num_blocks: int
+    runner: WarmUpRunner, steps: tuple[WarmUpStep, ...], num_blocks: int
 ) -> tuple[WarmUpStep, ...]:
     """Runs ``steps`` over scratch rows whose every table column is block 1
     (their K/V writes land there; what they read is never used), the rows
@@ -216,7 +256,7 @@ def _run_forwards(
     return tuple(ran)
 
 
-def _run_sampler_paths(runner: ModelRunner) -> tuple[str, ...]:
+def _run_sampler_paths(runner: WarmUpRunner) -> tuple[str, ...]:
     """Runs each of ``SAMPLER_PATHS`` on random logits (two rows, drawn
     from the runner's generator), the generator's state restored after."""
     state = runner.generator.get_state()
