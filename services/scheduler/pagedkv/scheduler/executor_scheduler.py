@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.groups import stalled_beams
 from pagedkv.scheduler.kv_cache_manager import NO_TABLE_CHANGE, KVCacheManager
@@ -75,7 +76,7 @@ class ExecutorScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         cached: Iterable[CacheEvent] = (),
-        decode_window: int = 1,
+        decode_window: int = ONE_STEP,
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
