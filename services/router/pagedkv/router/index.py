@@ -17,8 +17,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
+from pagedkv.common.block_hash import TOKEN_TYPECODE, hash_full_blocks, root_hash
 from pagedkv.common.ids import BlockHash
-from pagedkv.scheduler.block_hash import TOKEN_TYPECODE, hash_full_blocks, root_hash
 
 
 def prompt_block_hashes(

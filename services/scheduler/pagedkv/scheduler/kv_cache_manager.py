@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
+from pagedkv.common.block_hash import root_hash
 from pagedkv.common.ids import BlockId, RequestId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
-from pagedkv.scheduler.block_hash import root_hash
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
 from pagedkv.scheduler.kv_cache_types import (
     NO_TABLE_CHANGE,

@@ -6,13 +6,13 @@ import enum
 from array import array
 from collections.abc import Iterable
 
-from pagedkv.common.ids import BlockHash, RequestId
-from pagedkv.scheduler.block_hash import (
+from pagedkv.common.block_hash import (
     TOKEN_TYPECODE,
     hash_block_tokens,
     hash_full_blocks,
     token_bytes,
 )
+from pagedkv.common.ids import BlockHash, RequestId
 
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -39,10 +39,10 @@ class Request:
     ``token_ids``: every token id, prompt then outputs, as a uint32 ``array``;
     append-only (sampled tokens are appended, nothing in it changes). The
     request hashes each full block once, incrementally, chained from
-    ``root_hash`` (see ``block_hash.root_hash``: the model id, block size and
-    cache salt): the prompt's full blocks at construction (on arrival, off the
-    scheduling path), output blocks when ``block_hashes`` is next read after
-    they filled (appending a token costs no hashing).
+    ``root_hash`` (see ``pagedkv.common.block_hash.root_hash``: the model id,
+    block size and cache salt): the prompt's full blocks at construction (on
+    arrival, off the scheduling path), output blocks when ``block_hashes`` is
+    next read after they filled (appending a token costs no hashing).
 
     ``num_prompt_tokens`` is where the outputs start. The tokens after it
     count toward ``max_tokens``; a request made from a prompt plus tokens a

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.common.block_hash import root_hash
 from pagedkv.router.index import PrefixIndex
 from pagedkv.router.scoring import RoutingPolicy
 from pagedkv.router.sim.cost_model import StepCostModel
@@ -40,7 +41,6 @@ from pagedkv.router.sim.metrics import (
 )
 from pagedkv.router.sim.router import SimRouter
 from pagedkv.router.sim.trace import TraceConfig, TraceRequest, generate
-from pagedkv.scheduler.block_hash import root_hash
 from pagedkv.scheduler.request import Request
 
 _ARRIVAL, _STEP_END, _FLUSH, _REPORT, _FAIL, _ADOPT = range(6)

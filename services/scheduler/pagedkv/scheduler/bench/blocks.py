@@ -28,9 +28,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from pagedkv.common.block_hash import hash_full_blocks, root_hash
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.bench.trace import TraceConfig, build_trace
-from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 

@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_128_digest
 
-from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash, root_key
-from pagedkv.scheduler.request import Request
+from pagedkv.common.block_hash import hash_full_blocks, root_hash, root_key
 
 # The first block hash of tokens 0..15 under model "m", block size 16, no salt.
 # Fixed bytes: a change here breaks every cache index mirrored across processes.
@@ -23,7 +22,7 @@ EXPECTED_FIRST = "5c1f311245f16a067f8fd432acc3884c"
 def test_hash_is_the_same_in_another_interpreter() -> None:
     code = (
         "from array import array\n"
-        "from pagedkv.scheduler.block_hash import hash_full_blocks, root_hash\n"
+        "from pagedkv.common.block_hash import hash_full_blocks, root_hash\n"
         "print(hash_full_blocks(root_hash('m', 16), array('I', range(32)), 16, 0, 2)[1].hex())\n"
     )
     env_hashes = set()
@@ -109,27 +108,3 @@ def test_different_salts_never_share_a_block() -> None:
         for block_hash in hash_full_blocks(root_hash("m", 4, salt), tokens, 4, 0, 8):
             assert seen.setdefault(block_hash, salt) == salt
     assert len(seen) == 5 * 8
-
-
-def test_request_hashes_only_blocks_that_became_full() -> None:
-    request = Request("r", range(6), block_size=4, root_hash=root_hash("m", 4))
-    assert len(request.block_hashes) == 1
-    request.append_output_token_ids(6)
-    assert len(request.block_hashes) == 1
-    request.append_output_token_ids(7)
-    assert len(request.block_hashes) == 2
-    assert request.block_hashes == hash_full_blocks(
-        root_hash("m", 4), array("I", range(8)), 4, 0, 2
-    )
-    request.extend_output_token_ids([8, 9, 10, 11, 12])
-    assert len(request.block_hashes) == 3
-
-
-def test_request_rejects_an_empty_prompt_and_out_of_range_ids() -> None:
-    root = root_hash("m", 4)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        Request("r", [], block_size=4, root_hash=root)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        Request("r", [-1], block_size=4, root_hash=root)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        Request("r", [2**32], block_size=4, root_hash=root)

@@ -1,5 +1,9 @@
 """Stable, chained 128-bit block hashes for the prefix cache.
 
+Shared code because two services compute them: the scheduler caches blocks
+under these hashes, and the router hashes a prompt the same way to find the
+executors that cache its prefix.
+
 A full block's hash is ``xxh3_128(parent_hash || token_bytes)``, where
 ``token_bytes`` are the block's token ids as little-endian uint32 and the
 first block's parent is a root hash keyed by the model id, the block size and
