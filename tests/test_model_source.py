@@ -168,8 +168,8 @@ def test_paths_that_are_no_id_are_no_such_directory(hub_cache: Path, tmp_path: P
 def test_the_tokenizer_and_chat_template_load_from_an_id(
     hub_cache: Path, model_files: Path
 ) -> None:
+    from pagedkv.common.text import TextTokenizer
     from pagedkv.gateway.chat_template import ChatTemplate
-    from pagedkv.scheduler.text import TextTokenizer
 
     cache_model(hub_cache, REPO_ID, model_files)
     tokenizer = TextTokenizer.from_model_dir(REPO_ID)
@@ -207,8 +207,8 @@ def test_serve_of_a_cached_id_generates_text_over_grpc_and_http(
     import httpx
 
     from pagedkv.client import Client
+    from pagedkv.common.text import TextTokenizer
     from pagedkv.gateway.chat_template import ChatTemplate
-    from pagedkv.scheduler.text import TextTokenizer
     from tests.gateway.stack import ServeWithGateway
 
     snapshot = cache_model(hub_cache, REPO_ID, tiny_model)

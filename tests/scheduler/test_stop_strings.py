@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.executor.tiny_model import EOS_TOKEN_ID, byte_level_tokenizer
 from pagedkv.scheduler.stop_strings import Released, StopMatcher
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 
 TOKENIZER = TextTokenizer(byte_level_tokenizer())
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
+from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
 from tests.executor.test_generation import hf_greedy, model_dirs
 from tests.service.stack import Process, serve

@@ -31,6 +31,8 @@ from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.security import TlsConfig, TokenFile, open_aio_channel, token_interceptors
+from pagedkv.common.text import TextTokenizer
+from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.router.metrics import RouterMetrics
@@ -38,8 +40,6 @@ from pagedkv.router.pending import PendingPrompts, merged
 from pagedkv.router.placements import Placements, now_ms
 from pagedkv.router.scoring import Choice, RoutingWeights, make_policy
 from pagedkv.router.view import ClusterSnapshot, candidates_of, read_cluster
-from pagedkv.scheduler.text import TextTokenizer
-from pagedkv.scheduler.text_prompts import PromptEncoder
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)

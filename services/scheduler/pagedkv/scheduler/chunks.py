@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.text import IncrementalDetokenizer
+from pagedkv.common.text import IncrementalDetokenizer
 from pagedkv.v1 import scheduler_pb2
 
 log = get_logger(__name__)

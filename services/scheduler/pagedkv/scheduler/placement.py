@@ -9,11 +9,11 @@ from collections.abc import Mapping
 
 from pagedkv.common.errors import InvalidArgument, ResourceExhausted
 from pagedkv.common.logging import get_logger
+from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.scheduler.stop_strings import StopMatcher
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.validation import resumed_token_ids, validate_sampling
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 

@@ -13,11 +13,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.chunks import ChunkQueue, PendingChunk, PendingOutput
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.stop_strings import StopMatcher
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 FinishReason = scheduler_pb2.FinishReason

@@ -1,6 +1,6 @@
 """The scheduler service: generations in, steps out to every executor, chunks
 back to the Generate streams. One asyncio loop; text prompts are encoded on
-worker threads (``text_prompts.py``) so that no prompt can stall it.
+worker threads (``pagedkv.common.text_prompts``) so that no prompt can stall it.
 
 Each executor has a step loop (a task) that schedules, sends one step on its
 stream, applies the samples and queues chunks; the executors' loops run
@@ -31,6 +31,8 @@ from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.step_trace import step_trace
+from pagedkv.common.text import TextTokenizer
+from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.scheduler.cluster import ClusterMember
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executor_client import ExecutorClient, ExecutorDown
@@ -40,8 +42,6 @@ from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.placement import new_generation, place
 from pagedkv.scheduler.sequence import FinishReason, Generation
 from pagedkv.scheduler.takeover import TakenOver
-from pagedkv.scheduler.text import TextTokenizer
-from pagedkv.scheduler.text_prompts import PromptEncoder
 from pagedkv.scheduler.validation import prompt_token_ids
 from pagedkv.v1 import scheduler_pb2
 
@@ -209,7 +209,7 @@ class SchedulerService(ExecutorFailover):
 
     async def encode_text(self, request: scheduler_pb2.GenerateRequest) -> list[int] | None:
         """The token ids of a text prompt, encoded off the event loop (text
-        too long to fit the model is refused before: ``text_prompts.py``);
+        too long to fit the model is refused before: ``pagedkv.common.text_prompts``);
         None for token ids, or when the model has no tokenizer (``submit``
         refuses that). Raises the service errors ``submit`` would raise first."""
         if request.WhichOneof("prompt") != "text" or self.tokenizer is None:

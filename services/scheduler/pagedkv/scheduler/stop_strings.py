@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pagedkv.scheduler.text import IncrementalDetokenizer
+from pagedkv.common.text import IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 16
 """Stop strings one request may give."""

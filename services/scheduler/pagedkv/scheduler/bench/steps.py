@@ -26,9 +26,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.sequence import Generation, Sequence
-from pagedkv.scheduler.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.v1 import common_pb2, executor_pb2
 
 BLOCK_SIZE = 16

@@ -5,6 +5,10 @@ library, no ``transformers``): prompts given as text are encoded with it, and
 finished outputs decoded. ``IncrementalDetokenizer`` turns one output
 sequence's tokens, as they are sampled, into text deltas.
 
+Shared code: the scheduler encodes text prompts and streams output text with
+it, and the router encodes text prompts with the same tokenizer to hash their
+blocks. Nothing here depends on either service.
+
 Streaming needs care because a token is not a character: byte-level
 tokenizers (GPT-2 style, and SentencePiece byte fallback) can split one
 multi-byte UTF-8 character over several tokens, and decoding a prefix that

@@ -1,6 +1,9 @@
 """Text prompts encoded off the event loop, and refused before any encoding
 when they cannot fit the model.
 
+Shared code, like ``pagedkv.common.text``: the scheduler and the router both
+take text prompts and encode them this way.
+
 Encoding costs time in proportion to the text (about a second a megabyte on
 one core, more for a pre-tokenizer's long words); on the event loop it would
 stall every stream, health check and lease renewal of the process.
@@ -25,7 +28,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedkv.common.errors import InvalidArgument
-from pagedkv.scheduler.text import TextTokenizer
+from pagedkv.common.text import TextTokenizer
 
 MAX_ENCODE_WORKERS = 2
 """Threads that encode prompts; more prompts wait their turn in the pool's

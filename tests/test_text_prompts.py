@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from pagedkv.common.errors import InvalidArgument
+from pagedkv.common.text import TextTokenizer
+from pagedkv.common.text_prompts import PromptEncoder, max_prompt_chars
 from pagedkv.executor.tiny_model import byte_level_tokenizer
-from pagedkv.scheduler.text import TextTokenizer
-from pagedkv.scheduler.text_prompts import PromptEncoder, max_prompt_chars
 
 MAX_MODEL_LEN = 128
 
