@@ -37,7 +37,6 @@ from pagedkv.client import (
     ResumePolicy,
     UnavailableError,
 )
-from pagedkv.client.resume import TargetHealth, is_stream_break, parse_targets
 from pagedkv.common.cli import main
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.executor.driver import ExecutorProcess
@@ -318,24 +317,6 @@ def test_a_stream_the_scheduler_ended_itself_is_not_resumed(scripted) -> None:
     assert len(first.requests) == len(second.requests) == 1
 
 
-def test_breaks_are_unavailable_or_lost_transport_only() -> None:
-    code = grpc.StatusCode
-    assert is_stream_break(code.UNAVAILABLE, "no executor is available")
-    assert is_stream_break(code.UNKNOWN, "Stream removed")
-    assert is_stream_break(code.UNKNOWN, "Received RST_STREAM with error code 2")
-    assert not is_stream_break(code.UNKNOWN, "Exception iterating responses: boom")
-    for other in (code.INTERNAL, code.CANCELLED, code.DEADLINE_EXCEEDED, code.INVALID_ARGUMENT):
-        assert not is_stream_break(other, "Socket closed")
-
-
-def test_targets_are_a_list_or_comma_separated() -> None:
-    assert parse_targets("a,b:7") == ("a:50051", "b:7")
-    assert parse_targets(["a", " b:7 "]) == ("a:50051", "b:7")
-    assert parse_targets("ipv4:1.2.3.4:5,1.2.3.5:5") == ("ipv4:1.2.3.4:5,1.2.3.5:5",)
-    with pytest.raises(ValueError, match="target"):
-        parse_targets(" , ")
-
-
 def test_the_generate_command_takes_several_targets_and_resumes(
     scripted, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -349,16 +330,3 @@ def test_the_generate_command_takes_several_targets_and_resumes(
     help_text = " ".join(capsys.readouterr().out.split())
     assert "repeat the flag or separate them with commas" in help_text
     assert "resumes on the next" in help_text
-
-
-def test_targets_that_broke_a_stream_are_passed_over_until_they_answer() -> None:
-    health = TargetHealth(3, cooldown_s=60.0)
-    assert [health.pick() for _ in range(3)] == [0, 1, 2]
-    health.broke(1)
-    assert [health.pick() for _ in range(3)] == [0, 2, 2]  # 1's turn goes to 2
-    assert health.next_after(0) == 2
-    health.broke(0)
-    health.broke(2)
-    assert health.next_after(2) == 0  # all cooling down: plain round robin
-    health.answered(1)
-    assert health.next_after(0) == 1

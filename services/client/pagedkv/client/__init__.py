@@ -10,7 +10,7 @@
 
 Given several targets (``Client(["a:50051", "b:50051"])``), requests start on
 them in turn and a stream whose scheduler goes away resumes on the next one
-(``ResumePolicy``; ``pagedkv.client.resume``).
+(``ResumePolicy``; ``pagedkv.common.resume``).
 
 Security: ``Client(target, tls=TlsConfig(ca="ca.pem"), token="...")`` talks
 TLS (``cert``/``key`` too for mutual TLS) and sends a bearer token on every
@@ -46,7 +46,6 @@ from pagedkv.client.errors import (
     error_from_rpc,
 )
 from pagedkv.client.options import GenerateOptions
-from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.stats import (
     ClusterExecutor,
     ClusterView,
@@ -65,6 +64,7 @@ from pagedkv.client.types import (
     TokenLogprob,
     Usage,
 )
+from pagedkv.common.resume import ResumePolicy
 from pagedkv.common.security import TlsConfig
 
 __all__ = [

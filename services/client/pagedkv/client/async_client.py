@@ -18,9 +18,9 @@ import grpc.aio
 
 from pagedkv.client.core import ClientBase
 from pagedkv.client.options import GenerateOptions, generate_request
-from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.stats import Stats, stats_from_proto
 from pagedkv.client.types import Completion, GenerateChunk
+from pagedkv.common.resume import ResumePolicy
 from pagedkv.common.security import TlsConfig, open_aio_channel
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 

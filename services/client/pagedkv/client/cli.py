@@ -86,7 +86,7 @@ def _add_target(parser: argparse.ArgumentParser, several: str) -> None:
 
 def _targets(args: argparse.Namespace) -> list[str]:
     """Every --target, comma-separated ones split."""
-    from pagedkv.client.resume import parse_targets
+    from pagedkv.common.resume import parse_targets
 
     values = args.target or [DEFAULT_TARGET]
     return [target for value in values for target in parse_targets(value)]

@@ -18,9 +18,9 @@ import grpc
 
 from pagedkv.client.core import ClientBase
 from pagedkv.client.options import GenerateOptions, generate_request
-from pagedkv.client.resume import ResumePolicy
 from pagedkv.client.stats import Stats, stats_from_proto
 from pagedkv.client.types import Completion, GenerateChunk
+from pagedkv.common.resume import ResumePolicy
 from pagedkv.common.security import TlsConfig, open_channel
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,7 +36,7 @@ class Client(ClientBase):
     ``targets`` holds them with their ports, ``target`` the first. Generate
     calls start on the targets in turn; a broken stream resumes on the next
     one as ``resume`` says (default ``ResumePolicy()``; see
-    ``pagedkv.client.resume``), and ``num_resumes`` counts the calls made to
+    ``pagedkv.common.resume``), and ``num_resumes`` counts the calls made to
     resume (or start) a stream after a break, over the client's life.
 
     Owns its channels: close them with ``close()`` or a ``with`` block. Safe

@@ -11,7 +11,7 @@ once, so the two cannot drift apart. The same split as httpx's
 
 Both take several scheduler targets. Requests start on them in turn (round
 robin), and a Generate stream whose scheduler goes away mid-generation
-resumes on the next one from where the caller is (``pagedkv.client.resume``):
+resumes on the next one from where the caller is (``pagedkv.common.resume``):
 the caller sees one stream, without a duplicate or a missing token. Every
 request carries a request_id (a fresh uuid4 hex unless the caller gives one),
 which a resumed call reuses.
@@ -38,8 +38,8 @@ from pagedkv.client.errors import (
     PagedkvError,
     error_from_rpc,
 )
-from pagedkv.client.resume import ResumePolicy, StreamResume, TargetHealth, parse_targets
 from pagedkv.client.types import GenerateChunk, chunk_from_proto
+from pagedkv.common.resume import ResumePolicy, StreamResume, TargetHealth, parse_targets
 from pagedkv.common.security import TlsConfig, bearer_metadata
 from pagedkv.v1 import scheduler_pb2
 

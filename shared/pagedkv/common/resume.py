@@ -17,9 +17,15 @@ executor lost: a final chunk finished ERROR, then UNAVAILABLE) has said how it
 ended, and its text was flushed.
 
 A stream that has not had any answer yet and finds no connection to its
-target (nothing listening, a TLS mismatch: ``NotConnectedError``) has not
-broken: it moves at once, without a wait, to a target it has not tried, and
-fails as soon as none is left ("no server at HOST:PORT").
+target (nothing listening, a TLS mismatch: the SDK's ``NotConnectedError``)
+has not broken: it moves at once, without a wait, to a target it has not
+tried, and fails as soon as none is left ("no server at HOST:PORT").
+
+Shared code: the client SDK resumes streams by these rules, the router
+places a request on another scheduler when its call breaks before the first
+chunk by the same ``is_stream_break``, and the gateway reads its targets
+with ``parse_targets``. It depends on no service: ``StreamResume`` reads a chunk
+through ``ReceivedChunk``, which the SDK's ``GenerateChunk`` satisfies.
 """
 
 from __future__ import annotations
@@ -29,11 +35,10 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import grpc
 
-from pagedkv.client.types import GenerateChunk
 from pagedkv.common.cli import target_with_port
 from pagedkv.v1 import scheduler_pb2
 
@@ -52,6 +57,27 @@ _TRANSPORT_MESSAGES = (
 )
 """Lower-case fragments of the details gRPC gives a call whose HTTP/2 stream or
 connection was lost (with status UNKNOWN in some gRPC versions)."""
+
+
+class ReceivedSequence(Protocol):
+    """What ``StreamResume`` reads of one sequence of a chunk."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+
+class ReceivedChunk(Protocol):
+    """What ``StreamResume`` reads of a chunk delivered to the caller (the
+    SDK's ``GenerateChunk``)."""
+
+    @property
+    def is_final(self) -> bool: ...
+
+    @property
+    def sequences(self) -> Sequence[ReceivedSequence]: ...
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
@@ -234,7 +260,7 @@ class StreamResume:
             return None
         return max(self._deadline - time.monotonic(), 0.0)
 
-    def received(self, chunk: GenerateChunk) -> None:
+    def received(self, chunk: ReceivedChunk) -> None:
         """Records the tokens of a chunk delivered to the caller."""
         self._final = self._final or chunk.is_final
         self._answered = True
