@@ -27,6 +27,10 @@ def test_scheduler_side_imports_no_torch_triton_or_transformers() -> None:
         "pagedkv.common",
         "pagedkv.common.cli",
         "pagedkv.common.logging",
+        "pagedkv.common.block_hash",
+        "pagedkv.common.text",
+        "pagedkv.common.text_prompts",
+        "pagedkv.common.resume",
         "pagedkv.v1.scheduler_pb2_grpc",
         "pagedkv.v1.executor_pb2_grpc",
         "pagedkv.scheduler",
@@ -129,3 +133,105 @@ def test_only_rows_py_writes_the_executors_row_state() -> None:
     }
     assert writes == {}
     assert _row_state_writes("runner.rows.pending_sample[r] = True\nrows.block_tables.zero_()\n")
+
+
+def _imports(source: str, module: str) -> list[str]:
+    """``line N: name`` of every import in ``source`` (the code of ``module``),
+    wherever it is (module level, in a function, under ``TYPE_CHECKING``):
+    ``from a.b import c`` gives ``a.b.c`` (``c`` may be a module), and
+    relative imports are resolved against ``module``'s package."""
+    import ast
+
+    package = module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: {alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            parent = ".".join([*base, *([node.module] if node.module else [])])
+            found += [f"line {node.lineno}: {parent}.{alias.name}" for alias in node.names]
+    return found
+
+
+def _forbidden_imports(
+    root: Path, forbidden: tuple[str, ...], skip: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
+    """``{file: [imports]}`` of the modules under ``root`` (a package folder
+    whose name is its last dotted part, under ``pagedkv``), except the
+    folders ``skip``, that import a module of ``forbidden`` or one inside it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in skip:
+            continue
+        module = ".".join(["pagedkv", root.name, *relative.with_suffix("").parts])
+        bad = [
+            line
+            for line in _imports(path.read_text(), module)
+            if any(
+                (name := line.split(": ", 1)[1]) == f or name.startswith(f + ".") for f in forbidden
+            )
+        ]
+        if bad:
+            found[str(relative)] = bad
+    return found
+
+
+SERVICES = REPO / "services"
+
+
+def test_router_sdk_and_gateway_import_nothing_of_the_scheduler_or_the_sdks_old_resume() -> None:
+    """Code that two services share lives in ``pagedkv.common`` (block
+    hashes, text, the resume rules), so the router, the client SDK and the
+    gateway import nothing of ``pagedkv.scheduler`` (nor of the SDK's old
+    ``pagedkv.client.resume``), and the router nothing of the SDK (its part
+    does not list it; it lists the scheduler's only for what follows).
+
+    The router's ``bench/`` and ``sim/`` are left out: the cluster simulation
+    runs the scheduler's own block core (``KVCacheManager``, ``Request``,
+    its cache events) and the routing benchmark starts the scheduler's stack,
+    so they import the scheduler by design (the router's part lists
+    ``pagedkv-scheduler`` for them)."""
+    forbidden = ("pagedkv.scheduler", "pagedkv.client.resume")
+    assert (
+        _forbidden_imports(
+            SERVICES / "router" / "pagedkv" / "router",
+            (*forbidden, "pagedkv.client"),
+            skip=("bench", "sim"),
+        )
+        == {}
+    )
+    assert _forbidden_imports(SERVICES / "client" / "pagedkv" / "client", forbidden) == {}
+    assert _forbidden_imports(SERVICES / "gateway" / "pagedkv" / "gateway", forbidden) == {}
+
+
+def test_shared_code_imports_no_service() -> None:
+    """``pagedkv.common`` and ``pagedkv.cluster`` are below every service:
+    they import none of them (nor the kernels)."""
+    services = tuple(
+        f"pagedkv.{name}"
+        for name in ("scheduler", "router", "client", "gateway", "executor", "kernels")
+    )
+    for package in ("common", "cluster"):
+        assert _forbidden_imports(REPO / "shared" / "pagedkv" / package, services) == {}
+
+
+def test_the_import_check_sees_each_form_of_import() -> None:
+    source = (
+        "import pagedkv.scheduler.text\n"
+        "from pagedkv.scheduler import block_hash\n"
+        "from pagedkv import scheduler\n"
+        "def f():\n"
+        "    from pagedkv.client.resume import parse_targets\n"
+        "from . import index\n"
+        "from ..client import resume\n"
+    )
+    assert set(_imports(source, "pagedkv.router.service")) == {
+        "line 1: pagedkv.scheduler.text",
+        "line 2: pagedkv.scheduler.block_hash",
+        "line 3: pagedkv.scheduler",
+        "line 5: pagedkv.client.resume.parse_targets",
+        "line 6: pagedkv.router.index",
+        "line 7: pagedkv.client.resume",
+    }
