@@ -1,4 +1,8 @@
-"""Who writes what: each piece of the scheduler's state has one writer.
+"""Who writes what, and who imports whom.
+
+Each piece of the scheduler's state has one writer, and no module of the
+services imports itself back through others (no import circle, even one
+that only type checking follows): a module's dependencies read one way.
 
 ``ExecutorScheduler`` (executor_scheduler.py) alone changes its queues,
 rows, windows and flags; every other module of the services calls its
@@ -102,3 +106,81 @@ def test_the_check_sees_each_kind_of_write() -> None:
         "line 3: .stopped",
         "line 4: .current",
     ]
+
+
+PARTS = {
+    "scheduler": REPO / "services" / "scheduler" / "pagedkv" / "scheduler",
+    "executor": REPO / "services" / "executor" / "pagedkv" / "executor",
+    "router": REPO / "services" / "router" / "pagedkv" / "router",
+    "client": REPO / "services" / "client" / "pagedkv" / "client",
+    "gateway": REPO / "services" / "gateway" / "pagedkv" / "gateway",
+    "common": REPO / "shared" / "pagedkv" / "common",
+    "cluster": REPO / "shared" / "pagedkv" / "cluster",
+}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the parts -> the modules of the parts it imports,
+    wherever the import is (module level, inside a function, under
+    ``TYPE_CHECKING``): every edge a reader has to follow."""
+    modules = {}
+    for part, root in PARTS.items():
+        for path in root.rglob("*.py"):
+            names = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
+            modules[".".join(["pagedkv", part, *names])] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported = [f"{node.module}.{alias.name}" for alias in node.names]
+                imported = [m if m in modules else node.module for m in imported]
+            elif isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            graph[name].update(m for m in imported if m in modules and m != name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_in_the_services() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_a_circle_is_found_through_a_type_checking_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

@@ -22,7 +22,8 @@ from pagedkv.common.step_contract import (
     ONE_STEP,
 )
 from pagedkv.executor.rows import Rows
-from pagedkv.executor.step_plan import Limits, plan_message
+from pagedkv.executor.step_plan import plan_message
+from pagedkv.executor.step_types import Limits
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.server import config_from_args
 from pagedkv.scheduler.step_message import NewRequestPlan, StepPlan, encode_step

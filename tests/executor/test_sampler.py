@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.executor.rows import RowSampling
 from pagedkv.executor.sampler import (
     SamplingParamsBatch,
     murmur3_32,
     sample,
     seeded_exponentials,
 )
+from pagedkv.executor.step_types import RowSampling
 from pagedkv.v1 import common_pb2
 
 # Chi-square critical values at p = 1e-6, by degrees of freedom: a correct

@@ -27,7 +27,7 @@ from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
 from pagedkv.executor.rows import Rows, to_device
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
-from pagedkv.executor.step_plan import Limits, StepPlan
+from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
 

@@ -17,17 +17,10 @@ tables for warm-up forwards, benchmarks and tests go through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from pagedkv.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from pagedkv.executor.step_plan import StepPlan
+from pagedkv.executor.step_types import RowSampling, StepPlan
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -38,48 +31,6 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-@dataclass(frozen=True, slots=True)
-class RowSampling:
-    """A row's sampling params, with the wire's unset fields resolved.
-
-    ``min_tokens_ids`` are the tokens a sample at a position below
-    ``min_tokens_until`` may not be (``sampling.min_tokens``: the stop
-    tokens and, unless ignore_eos, the model's EOS tokens, until the
-    sequence has min_tokens outputs); none when the request sets no minimum.
-    """
-
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    num_logprobs: int
-    min_tokens_until: int = 0
-    min_tokens_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def from_proto(
-        cls,
-        params: common_pb2.SamplingParams,
-        eos_token_ids: Sequence[int] = (),
-        num_prompt_tokens: int = 0,
-    ) -> RowSampling:
-        """The params of a sequence whose first output is at position
-        ``num_prompt_tokens``, of a model with ``eos_token_ids``."""
-        ids: tuple[int, ...] = ()
-        if params.min_tokens:
-            eos = () if params.ignore_eos else eos_token_ids
-            ids = tuple(sorted({*params.stop_token_ids, *eos}))
-        return cls(
-            temperature=params.temperature if params.HasField("temperature") else 1.0,
-            top_p=params.top_p if params.HasField("top_p") else 1.0,
-            top_k=params.top_k,
-            seed=params.seed if params.HasField("seed") else None,
-            num_logprobs=params.logprobs if params.HasField("logprobs") else 0,
-            min_tokens_until=num_prompt_tokens + params.min_tokens if ids else 0,
-            min_tokens_ids=ids,
-        )
 
 
 class Rows:

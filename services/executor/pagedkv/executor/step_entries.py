@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedkv.common.errors import AlreadyExists, InvalidArgument
-from pagedkv.executor.rows import Rows, RowSampling
+from pagedkv.executor.rows import Rows
+from pagedkv.executor.step_types import Limits, NewRow, RowSampling
 from pagedkv.v1 import executor_pb2
-
-if TYPE_CHECKING:
-    from pagedkv.executor.step_plan import Limits
 
 
 def first(mask: np.ndarray) -> int:
@@ -54,16 +51,6 @@ def check_tokens(name: str, tokens: np.ndarray, vocab_size: int) -> None:
     if bad.any():
         i = first(bad)
         raise InvalidArgument(f"{name}[{i}]: token {tokens[i]} >= vocab_size {vocab_size}")
-
-
-@dataclass(frozen=True, slots=True)
-class NewRow:
-    """A checked new request: the row it takes, its prompt and sampling."""
-
-    row: int
-    request_id: str
-    prompt: np.ndarray  # int64 [prompt_len]
-    sampling: RowSampling
 
 
 @dataclass(frozen=True, slots=True)

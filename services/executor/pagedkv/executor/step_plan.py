@@ -18,73 +18,22 @@ other entries); step_tokens.py the entries' tokens and decode windows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId
-from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.executor.block_tags import MAX_BLOCK_HASH_BYTES, TagColumns
 from pagedkv.executor.rows import Rows
-from pagedkv.executor.step_entries import Entries, NewRow, first, plan_entries
+from pagedkv.executor.step_entries import Entries, first, plan_entries
 from pagedkv.executor.step_tokens import Columns, Tokens, plan_tokens, token_columns
+from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.v1 import executor_pb2
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_COPIES = np.zeros((0, 2), dtype=np.int64)
 _NO_TAGS = TagColumns((), (), ())
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What the executor accepts; fixed for its incarnation."""
-
-    num_blocks: int
-    block_size: int
-    vocab_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_logprobs: int
-    group_windowed: tuple[bool, ...]  # per group: sliding window (the null block is allowed)
-    eos_token_ids: tuple[int, ...] = ()  # the model's (sampling.min_tokens masks them)
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """A validated message, in the order its effects apply (see executor.proto)."""
-
-    untag_block_ids: Sequence[BlockId]  # their tags go first
-    freed_rows: list[int]
-    new_rows: list[NewRow]
-    # Block-table writes: (group, row, column) <- block id; then each
-    # (group, row) gets its new length: table_lengths is [3, n].
-    table_groups: np.ndarray
-    table_rows: np.ndarray
-    table_columns: np.ndarray
-    table_block_ids: np.ndarray
-    table_lengths: np.ndarray
-    copies: np.ndarray  # int64 [num_copies, 2]: (src, dst)
-    # Token appends: last samples at (row, position), then host tokens.
-    continue_rows: np.ndarray
-    continue_positions: np.ndarray
-    token_rows: np.ndarray
-    token_positions: np.ndarray
-    token_values: np.ndarray
-    history_rows: np.ndarray  # rows whose history length changes ...
-    history_lengths: np.ndarray  # ... to this
-    # The forward: entries with tokens to run, in entry order.
-    rows: np.ndarray  # int64 [num_run]
-    num_computed: np.ndarray  # int64 [num_run]: position of the first token
-    num_scheduled: np.ndarray  # int64 [num_run]
-    needs_sample: np.ndarray  # bool [num_run]
-    tags: TagColumns  # set once the forward and sampling have finished
-    num_steps: int = ONE_STEP  # a decode window's steps (see num_decode_steps)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.num_scheduled.sum())
 
 
 def plan_message(

@@ -11,7 +11,7 @@ changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,10 +19,8 @@ from pagedkv.common.errors import InvalidArgument
 from pagedkv.common.step_contract import MAX_DECODE_STEPS, ONE_STEP
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_entries import Entries, check_tokens, first
+from pagedkv.executor.step_types import Limits
 from pagedkv.v1 import executor_pb2
-
-if TYPE_CHECKING:
-    from pagedkv.executor.step_plan import Limits
 
 
 class Columns(NamedTuple):
