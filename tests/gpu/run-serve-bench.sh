@@ -21,6 +21,9 @@
 #   bash tests/gpu/run-serve-bench.sh cold       # ~1.1B: cold paths, 160 requests at 4/s
 #                                            # on a fresh server, windows of 8 then single
 #                                            # steps (TTFT p99 against p50; three minutes)
+#   bash tests/gpu/run-serve-bench.sh fixed      # ~1.1B: 64 and 256 x (512 -> 256), each twice,
+#                                            # over gRPC only (no rates, no HF; a minute):
+#                                            # a quick check of the serving path after a change
 #   bash tests/gpu/run-serve-bench.sh gateway    # ~1.1B: 64 and 256 x (512 -> 256), each
 #                                            # twice, over gRPC then through one pagedkv
 #                                            # gateway process (HTTP) on the same stack
@@ -39,7 +42,7 @@
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
 # gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
-# serve-cold-h200 / serve-cold-single-h200 (cold) and serve-gateway-h200
+# serve-cold-h200 / serve-cold-single-h200 (cold), serve-fixed-h200 (fixed) and serve-gateway-h200
 # (gateway; serve-gateway-text-h200 with GRPC_TEXT=1, the gRPC runs then
 # asking for text as the gateway does); set DEVICE_NAME for another GPU.
 #
@@ -126,6 +129,11 @@ case "${1:-1b}" in
     bench --preset llama-1.1b --rates 4 --num-requests 160 --fixed-batch '' --no-hf \
       --decode-window 1 --output "$RESULTS/serve-cold-single-$NAME.json"
     ;;
+  fixed)
+    bench --preset llama-1.1b --rates '' --no-hf \
+      --fixed-batch 64x512x256,256x512x256,64x512x256,256x512x256 "${tuned[@]}" \
+      --output "$RESULTS/serve-fixed-$NAME.json"
+    ;;
   gateway)
     # Each shape twice, alternating, on prompts of their own: every row is a
     # gRPC run and, right after, the same shape through the gateway.
@@ -142,8 +150,8 @@ case "${1:-1b}" in
       --output "$RESULTS/serve-gateway$suffix-$NAME.json"
     ;;
   *)
-    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold or" \
-      "gateway, not $1" >&2
+    echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
+      "fixed or gateway, not $1" >&2
     exit 2
     ;;
 esac
