@@ -51,6 +51,11 @@ class Served:
         command = [sys.executable, "-m", "pagedkv.common.cli", "serve", *model, "--redis"]
         command += ["--executors", "2", "--schedulers", "2", "--routers", "1", "--port", "0"]
         command += ["--num-blocks", "128", "--lease-ttl", str(LEASE_TTL)]
+        # A short drain: these tests are about stops that end, and a stop that
+        # drains (running requests up to the drain timeout, a child given
+        # the drain timeout and a grace before SIGKILL) takes a minute at
+        # the default 30 s, which a busy machine stretches past the bounds.
+        command += ["--drain-timeout", "5"]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.process = subprocess.Popen(
