@@ -186,8 +186,18 @@ def test_serve_with_a_redis_url_runs_two_schedulers_over_three_executors(
 def test_serve_with_a_private_redis_and_a_router_and_sigterm_leaves_no_child(
     model_dir: Path,
 ) -> None:
+    # A short drain: the stop under test ends sooner (test_serve_stop.py says why).
     served = ServedCluster(
-        model_dir, 2, "--redis", "--executors", "2", "--routers", "1", num_routers=1
+        model_dir,
+        2,
+        "--redis",
+        "--executors",
+        "2",
+        "--routers",
+        "1",
+        "--drain-timeout",
+        "5",
+        num_routers=1,
     )
     try:
         _check_cluster(served, model_dir, 2)
