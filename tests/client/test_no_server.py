@@ -18,7 +18,7 @@ import pytest
 
 from pagedkv.client import AsyncClient, Client, NotConnectedError, TlsConfig
 from pagedkv.client.errors import not_connected_details
-from pagedkv.common.security import ServerSecurity, bind
+from pagedkv.common.server_security import ServerSecurity, bind
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.redis_server import free_port
 from tests.security.certs import CertificateAuthority, Pair

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from pagedkv.common.ports import ListenError, check_free
-from pagedkv.common.security import ServerSecurity
+from pagedkv.common.server_security import ServerSecurity
 from pagedkv.router.service import RouterConfig, RouterService
 from pagedkv.router.servicer import start_server
 from tests.redis_server import free_port

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedkv.common.bearer_tokens import bearer_metadata
 from pagedkv.common.cli import build_parser, main
-from pagedkv.common.security import bearer_metadata
 from pagedkv.scheduler.children import executor_commands, router_commands, scheduler_commands
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster.cluster_stack import wait_until

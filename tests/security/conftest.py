@@ -14,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedkv.common.security import TlsConfig, bearer_metadata
+from pagedkv.common.bearer_tokens import bearer_metadata
+from pagedkv.common.security import TlsConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster.cluster_stack import SchedulerProcess, wait_until

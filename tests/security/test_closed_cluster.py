@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.client import AsyncClient, Client, UnauthenticatedError
-from pagedkv.common.security import bearer_metadata
+from pagedkv.common.bearer_tokens import bearer_metadata
 from pagedkv.v1 import (
     common_pb2,
     executor_pb2,

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pagedkv.client import AsyncClient, Client, ResumePolicy, UnavailableError
-from pagedkv.common.security import ServerSecurity, TlsConfig, bind
+from pagedkv.common.security import TlsConfig
+from pagedkv.common.server_security import ServerSecurity, bind
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.client.test_resume import Scripted
 from tests.security.conftest import Pki

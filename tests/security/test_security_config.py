@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.common.bearer_tokens import TokenFile, parse_tokens, presented_token
 from pagedkv.common.cli import main
-from pagedkv.common.security import (
-    SecurityError,
-    TlsConfig,
-    TokenFile,
-    parse_tokens,
-    presented_token,
-    read_pem,
-)
+from pagedkv.common.security import SecurityError, TlsConfig, read_pem
 from tests.security.certs import CertificateAuthority
 
 

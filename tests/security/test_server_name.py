@@ -12,7 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedkv.common.security import ServerSecurity, TlsConfig, bind, open_channel
+from pagedkv.common.security import TlsConfig, open_channel
+from pagedkv.common.server_security import ServerSecurity, bind
 from tests.security.certs import CertificateAuthority
 
 SERVICE_NAME = "pagedkv-scheduler.llm.svc"

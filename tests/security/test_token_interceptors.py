@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from pagedkv.common.security import AUTHORIZATION, bearer_metadata, token_interceptors
+from pagedkv.common.bearer_tokens import AUTHORIZATION, bearer_metadata, token_interceptors
 
 KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 

@@ -39,8 +39,9 @@ from pagedkv.client.errors import (
     error_from_rpc,
 )
 from pagedkv.client.types import GenerateChunk, chunk_from_proto
+from pagedkv.common.bearer_tokens import bearer_metadata
 from pagedkv.common.resume import ResumePolicy, StreamResume, TargetHealth, parse_targets
-from pagedkv.common.security import TlsConfig, bearer_metadata
+from pagedkv.common.security import TlsConfig
 from pagedkv.v1 import scheduler_pb2
 
 log = logging.getLogger("pagedkv.client")

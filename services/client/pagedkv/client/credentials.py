@@ -28,7 +28,8 @@ def client_security(args: argparse.Namespace) -> dict[str, Any]:
     command's options; ValueError naming the option (never its secret)."""
     import os
 
-    from pagedkv.common.security import client_tls_from_args, read_token
+    from pagedkv.common.bearer_tokens import read_token
+    from pagedkv.common.security import client_tls_from_args
 
     tls = client_tls_from_args(args, "")
     token = os.environ.get(TOKEN_ENV) or None

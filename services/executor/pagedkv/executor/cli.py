@@ -122,7 +122,8 @@ def _run(args: argparse.Namespace) -> int:
             f"pagedkv executor: --drain-timeout {args.drain_timeout}: must be >= 0", file=sys.stderr
         )
         return 2
-    from pagedkv.common.security import SecurityError, server_security_from_args
+    from pagedkv.common.security import SecurityError
+    from pagedkv.common.server_security import server_security_from_args
 
     try:
         # An executor serving TLS accepts only the cluster CA's clients.

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
 from pagedkv.common.request_decoding import RequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, bind, start_health_server
+from pagedkv.common.server_security import ServerSecurity, bind, start_health_server
 from pagedkv.common.step_contract import MAX_MESSAGE_BYTES
 from pagedkv.executor.engine import Executor
 from pagedkv.executor.step_pipeline import StepPipeline

@@ -31,8 +31,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.client import AsyncClient
+from pagedkv.common.bearer_tokens import TokenFile, presented_token
 from pagedkv.common.logging import get_logger
-from pagedkv.common.security import TlsConfig, TokenFile, presented_token
+from pagedkv.common.security import TlsConfig
 from pagedkv.gateway.chat import ChatFormat, render
 from pagedkv.gateway.chat_template import ChatTemplate
 from pagedkv.gateway.completions import CompletionFormat

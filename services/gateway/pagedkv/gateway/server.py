@@ -23,11 +23,12 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from pagedkv.common.bearer_tokens import TokenFile
 from pagedkv.common.logging import get_logger
 from pagedkv.common.model_source import ModelNotFound, resolve_model
 from pagedkv.common.ports import ListenError, listening
 from pagedkv.common.resume import parse_targets
-from pagedkv.common.security import TokenFile, client_tls_from_args
+from pagedkv.common.security import client_tls_from_args
 from pagedkv.gateway.app import GatewayConfig, create_app
 
 log = get_logger(__name__)

@@ -9,15 +9,12 @@ import sys
 import time
 
 from pagedkv.cluster.connection import redis_url_with
+from pagedkv.common.bearer_tokens import TokenFile
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError, check_free
 from pagedkv.common.redis_health import follow_redis
-from pagedkv.common.security import (
-    ServerSecurity,
-    TokenFile,
-    client_tls_from_args,
-    server_security_from_args,
-)
+from pagedkv.common.security import client_tls_from_args
+from pagedkv.common.server_security import ServerSecurity, server_security_from_args
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.scoring import RoutingWeights
 from pagedkv.router.service import RouterConfig, RouterService

@@ -26,11 +26,12 @@ import redis.exceptions
 
 from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
+from pagedkv.common.bearer_tokens import TokenFile, token_interceptors
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
-from pagedkv.common.security import TlsConfig, TokenFile, open_aio_channel, token_interceptors
+from pagedkv.common.security import TlsConfig, open_aio_channel
 from pagedkv.common.text import TextTokenizer
 from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.router.follower import KVEventFollower

@@ -20,7 +20,7 @@ from pagedkv.common.ports import GRPC_SERVER_OPTIONS, ListenError
 from pagedkv.common.redis_health import LIVENESS, initial_status
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.resume import is_stream_break
-from pagedkv.common.security import ServerSecurity, bind, start_aio_health_server
+from pagedkv.common.server_security import ServerSecurity, bind, start_aio_health_server
 from pagedkv.router.service import RouterService, forwarded_metadata
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -42,7 +42,7 @@ from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
-from pagedkv.common.security import server_security_from_args
+from pagedkv.common.server_security import server_security_from_args
 from pagedkv.scheduler.children import (
     GATEWAY_READY,
     ROUTER_READY,

@@ -9,7 +9,7 @@ import shutil
 from pagedkv.cluster.connection import check_redis_url
 from pagedkv.common.cli import ModelArgumentError, check_model_argument, installed
 from pagedkv.common.ports import ListenError, check_free
-from pagedkv.common.security import server_security_from_args
+from pagedkv.common.server_security import server_security_from_args
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:

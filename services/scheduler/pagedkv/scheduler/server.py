@@ -14,7 +14,8 @@ from pagedkv.cluster.connection import redis_url_with
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
-from pagedkv.common.security import ServerSecurity, client_tls_from_args, server_security_from_args
+from pagedkv.common.security import client_tls_from_args
+from pagedkv.common.server_security import ServerSecurity, server_security_from_args
 from pagedkv.scheduler.config import ClusterConfig, SchedulerConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerService

@@ -16,7 +16,7 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.common.ports import GRPC_SERVER_OPTIONS
 from pagedkv.common.redis_health import LIVENESS, follow_redis, initial_status
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
-from pagedkv.common.security import ServerSecurity, aio_health_server, bind, serve_aio_health
+from pagedkv.common.server_security import ServerSecurity, aio_health_server, bind, serve_aio_health
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
