@@ -22,6 +22,7 @@ the pause).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import NamedTuple
 
 from pagedkv.common.errors import ServiceError
@@ -127,8 +128,13 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class ChunkQueue(asyncio.Queue[Item]):
+class ChunkQueue:
     """Chunks (built on the way out), or the error a stream ends with.
+
+    One writer (the step loop, ``put_nowait``) and one reader (the
+    generation's stream, ``get``): a deque and the reader's waiter, without
+    ``asyncio.Queue``'s bookkeeping (bounds, several getters and putters,
+    ``task_done``), since a put runs once per generation per step.
 
     ``get`` and ``get_nowait`` never return a ``PendingChunk``: a chunk whose
     text cannot be made comes out as the INTERNAL error its stream ends with.
@@ -137,27 +143,54 @@ class ChunkQueue(asyncio.Queue[Item]):
     messages (see ``pause``).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.closing = False  # a final chunk or an error is queued
-        self._pause: asyncio.Future[None] | None = None
+    __slots__ = ("_items", "_pause", "_waiter", "closing")
 
-    def _put(self, item: Item) -> None:
-        super()._put(item)
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the reader, waiting in ``get``
+        self._pause: asyncio.Future[None] | None = None  # the reader, pausing
+        self.closing = False  # a final chunk or an error is queued
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: Item) -> None:
+        """Queues ``item`` and wakes the reader; a final chunk or an error
+        also ends the reader's pause."""
+        self._items.append(item)
+        if self._waiter is not None:
+            _wake(self._waiter)
         if not isinstance(item, PendingChunk) or item.usage is not None:
             self.closing = True
             if self._pause is not None:
                 _wake(self._pause)
 
-    def _get(self) -> Item:
-        item = super()._get()
+    async def get(self) -> scheduler_pb2.GenerateResponse | BaseException:
+        """The next message (chunks queued together as one) or error, once
+        there is one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
+
+    def get_nowait(self) -> scheduler_pb2.GenerateResponse | BaseException:
+        """As ``get``; raises ``asyncio.QueueEmpty`` when nothing is queued."""
+        items = self._items
+        if not items:
+            raise asyncio.QueueEmpty
+        item = items.popleft()
         if not isinstance(item, PendingChunk):
             return item
-        queue = self._queue  # type: ignore[attr-defined]
-        if queue and isinstance(queue[0], PendingChunk):
+        if items and isinstance(items[0], PendingChunk):
             chunks = [item]
-            while queue and isinstance(queue[0], PendingChunk):
-                chunks.append(queue.popleft())
+            while items and isinstance(items[0], PendingChunk):
+                chunks.append(items.popleft())  # type: ignore[arg-type]
             item = merge(chunks)
         try:
             return item.build()
