@@ -4,7 +4,8 @@ It keeps, from Redis: a ``ClusterSnapshot`` refreshed every
 ``refresh_interval_s`` (registry, members, leases, load reports) and the
 prefix index, kept by a ``KVEventFollower`` task. ``route`` turns a request
 into the schedulers to try, best first, each with the executor to hint; the
-servicer forwards the call. Scheduler channels are opened lazily and kept.
+servicer forwards the call over ``channels`` (schedulers.py: opened lazily
+and kept), through which Abort and GetStats go to the schedulers too.
 
 While Redis cannot be read the router is *degraded*: it keeps routing on the
 last snapshot and index (stale hints cost misses, never wrong answers: a
@@ -14,24 +15,22 @@ scheduler checks every hint) and recovers by itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import grpc
 import redis.exceptions
 
 from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
-from pagedkv.common.bearer_tokens import TokenFile, token_interceptors
+from pagedkv.common.bearer_tokens import TokenFile
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
-from pagedkv.common.security import TlsConfig, open_aio_channel
+from pagedkv.common.security import TlsConfig
 from pagedkv.common.text import TextTokenizer
 from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.router.follower import KVEventFollower
@@ -39,15 +38,14 @@ from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.pending import PendingPrompts, merged
 from pagedkv.router.placements import Placements, now_ms
+from pagedkv.router.schedulers import Metadata, SchedulerChannels
 from pagedkv.router.scoring import Choice, RoutingWeights, make_policy
 from pagedkv.router.view import ClusterSnapshot, candidates_of, read_cluster
-from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedkv.v1 import scheduler_pb2
 
 log = get_logger(__name__)
 
 REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
-
-Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,9 @@ class RouterService:
         self.num_open_streams = 0
         self._avoid: dict[str, float] = {}  # member id -> monotonic until
         self._fallback = itertools.count()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.channels = SchedulerChannels(
+            config.scheduler_tls, config.scheduler_token, config.stats_timeout_s
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._loop_errors: set[str] = set()
         self.loop_lag = LoopLag(metrics.observe_loop_lag) if metrics is not None else None
@@ -131,8 +131,7 @@ class RouterService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.loop_lag is not None:
             await self.loop_lag.stop()
-        for channel in self._channels.values():
-            await channel.close()
+        await self.channels.close()
         self.prompts.close()
         await self.redis.aclose()
 
@@ -342,62 +341,20 @@ class RouterService:
 
     # -- schedulers -----------------------------------------------------------
 
-    def stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            token = self.config.scheduler_token
-            channel = open_aio_channel(
-                address,
-                self.config.scheduler_tls,
-                interceptors=token_interceptors(token.first) if token else [],
-            )
-            self._channels[address] = channel
-        return scheduler_pb2_grpc.SchedulerStub(channel)
-
     async def abort(self, request_id: str, metadata: Metadata = ()) -> bool:
         """Aborts ``request_id`` on the scheduler this router sent it to, or
         on every live scheduler when it did not send it. ``metadata``: the
         caller's, passed on (its token, when the router has none of its own)."""
         address = self.live.get(request_id)
         addresses = [address] if address else [m.address for m in self.snapshot.members.values()]
-        request = scheduler_pb2.AbortRequest(request_id=request_id)
-        replies = await asyncio.gather(
-            *(
-                self.stub(a).Abort(request, timeout=self.config.stats_timeout_s, metadata=metadata)
-                for a in addresses
-            ),
-            return_exceptions=True,
-        )
-        return any(isinstance(r, scheduler_pb2.AbortResponse) and r.aborted for r in replies)
+        return await self.channels.abort(addresses, request_id, metadata)
 
     async def stats(self, metadata: Metadata = ()) -> scheduler_pb2.GetStatsResponse:
         """The live schedulers' stats summed, the cluster view and the
         router's state; ``metadata`` as for ``abort``."""
         members = sorted(self.snapshot.members.values(), key=lambda m: m.member_id)
-        request = scheduler_pb2.GetStatsRequest()
-        timeout = self.config.stats_timeout_s
-        replies = await asyncio.gather(
-            *(
-                self.stub(m.address).GetStats(request, timeout=timeout, metadata=metadata)
-                for m in members
-            ),
-            return_exceptions=True,
-        )
-        response = scheduler_pb2.GetStatsResponse(scheduler_id=self.router_id)
-        problems, unreachable = [], []
-        for member, reply in zip(members, replies, strict=True):
-            if not isinstance(reply, scheduler_pb2.GetStatsResponse):
-                unreachable.append(member.member_id)
-                continue
-            response.executors.extend(reply.executors)
-            response.num_running += reply.num_running
-            response.num_waiting += reply.num_waiting
-            response.num_preemptions += reply.num_preemptions
-            response.num_internal_errors += reply.num_internal_errors
-            if not reply.integrity.ok:
-                problems.append(f"{member.member_id}: {reply.integrity.message}")
-        response.integrity.ok = not problems
-        response.integrity.message = "\n".join(problems)
+        response, unreachable = await self.channels.summed_stats(members, metadata)
+        response.scheduler_id = self.router_id
         response.cluster.CopyFrom(self.snapshot.state())
         if self.degraded is not None:
             response.cluster.degraded = True
@@ -421,14 +378,3 @@ class RouterService:
     @property
     def num_followed_executors(self) -> int:
         return len(self.follower.cursors)
-
-
-def forwarded_metadata(metadata: object) -> Metadata:
-    """The caller's metadata to pass on (gRPC's own and pseudo headers dropped)."""
-    items: list[tuple[str, str | bytes]] = []
-    with contextlib.suppress(TypeError):
-        for key, value in metadata or ():  # type: ignore[attr-defined]
-            if key.startswith((":", "grpc-")) or key in ("user-agent", "content-type", "te"):
-                continue
-            items.append((key, value))
-    return tuple(items)

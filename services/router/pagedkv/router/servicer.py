@@ -21,7 +21,8 @@ from pagedkv.common.redis_health import LIVENESS, initial_status
 from pagedkv.common.request_decoding import AsyncRequestDecodingInterceptor
 from pagedkv.common.resume import is_stream_break
 from pagedkv.common.server_security import ServerSecurity, bind, start_aio_health_server
-from pagedkv.router.service import RouterService, forwarded_metadata
+from pagedkv.router.schedulers import forwarded_metadata
+from pagedkv.router.service import RouterService
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)
@@ -63,7 +64,7 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
                 forward.preferred_executor = route.executor
                 placement = service.placements.open(route.executor) if route.executor else None
                 service.live[forward.request_id] = route.address
-                call = service.stub(route.address).Generate(
+                call = service.channels.stub(route.address).Generate(
                     forward, timeout=context.time_remaining(), metadata=metadata
                 )
                 sent = False
