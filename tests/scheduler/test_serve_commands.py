@@ -18,7 +18,7 @@ import pytest
 
 from pagedkv.common.bearer_tokens import bearer_metadata
 from pagedkv.common.cli import build_parser, main
-from pagedkv.scheduler.children import executor_commands, router_commands, scheduler_commands
+from pagedkv.scheduler.child_commands import executor_commands, router_commands, scheduler_commands
 from pagedkv.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster.cluster_stack import wait_until
 from tests.processes import ServedProcess

@@ -43,6 +43,12 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
 from pagedkv.common.server_security import server_security_from_args
+from pagedkv.scheduler.child_commands import (
+    executor_commands,
+    gateway_command,
+    router_commands,
+    scheduler_commands,
+)
 from pagedkv.scheduler.children import (
     GATEWAY_READY,
     ROUTER_READY,
@@ -52,11 +58,7 @@ from pagedkv.scheduler.children import (
     ExecutorProcesses,
     PrivateRedis,
     StartError,
-    executor_commands,
-    gateway_command,
     model_dir,
-    router_commands,
-    scheduler_commands,
 )
 from pagedkv.scheduler.lifetime import Interrupted, Reaper, StopSignals
 from pagedkv.scheduler.serve_arguments import check_arguments

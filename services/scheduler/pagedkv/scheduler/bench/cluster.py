@@ -41,12 +41,8 @@ import numpy as np
 from pagedkv.cluster.connection import connect_sync
 from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.bench.service import drain, step_summary
-from pagedkv.scheduler.children import (
-    ExecutorProcesses,
-    PrivateRedis,
-    executor_commands,
-    model_dir,
-)
+from pagedkv.scheduler.child_commands import executor_commands
+from pagedkv.scheduler.children import ExecutorProcesses, PrivateRedis, model_dir
 from pagedkv.scheduler.config import ClusterConfig, SchedulerConfig
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc

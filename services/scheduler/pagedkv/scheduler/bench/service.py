@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv.scheduler.bench.machine import machine_info
-from pagedkv.scheduler.children import ExecutorProcesses, executor_commands, model_dir
+from pagedkv.scheduler.child_commands import executor_commands
+from pagedkv.scheduler.children import ExecutorProcesses, model_dir
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.service import SchedulerService, StepTiming
 from pagedkv.v1 import common_pb2, scheduler_pb2

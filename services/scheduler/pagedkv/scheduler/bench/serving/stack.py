@@ -25,12 +25,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pagedkv.scheduler import children
-from pagedkv.scheduler.children import (
-    SCHEDULER_READY,
-    ChildProcesses,
-    ExecutorProcesses,
-    executor_commands,
-)
+from pagedkv.scheduler.child_commands import executor_commands
+from pagedkv.scheduler.children import SCHEDULER_READY, ChildProcesses, ExecutorProcesses
 
 SERVE_READY = re.compile(r"pagedkv serve ready on ([\w.\-]+:\d+)")
 

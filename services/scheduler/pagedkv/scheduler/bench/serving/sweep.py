@@ -33,7 +33,8 @@ from pagedkv.scheduler.bench.serving.runs import (
     warm_up,
 )
 from pagedkv.scheduler.bench.serving.stack import start_scheduler
-from pagedkv.scheduler.children import ExecutorProcesses, executor_commands
+from pagedkv.scheduler.child_commands import executor_commands
+from pagedkv.scheduler.children import ExecutorProcesses
 
 
 class Setting(NamedTuple):
