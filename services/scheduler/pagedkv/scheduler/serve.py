@@ -27,18 +27,14 @@ import asyncio
 import dataclasses
 import shutil
 import sys
-import time
-from collections.abc import Awaitable, Callable, Collection
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 
 from pagedkv.cluster.connection import connect, redacted, redis_url_with
 from pagedkv.cluster.keys import Keys
-from pagedkv.cluster.leases import Lease, LeaseTable
-from pagedkv.cluster.members import MemberRecord, Members
-from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
@@ -60,8 +56,10 @@ from pagedkv.scheduler.children import (
     StartError,
     model_dir,
 )
-from pagedkv.scheduler.lifetime import Interrupted, Reaper, StopSignals
+from pagedkv.scheduler.cluster_settling import ClusterView, wait_for
+from pagedkv.scheduler.lifetime import Interrupted, StopSignals
 from pagedkv.scheduler.serve_arguments import check_arguments
+from pagedkv.scheduler.serve_stack import Stack
 from pagedkv.scheduler.server import config_from_args, serve_scheduler
 
 REGISTER_TIMEOUT_S = 60.0  # executors in the registry, once they are ready
@@ -69,59 +67,6 @@ SETTLE_TIMEOUT_S = 60.0  # the cluster's executors all leased and balanced
 
 T = TypeVar("T")
 log = get_logger(__name__)
-
-
-class ClusterView(NamedTuple):
-    """The registry, the live members and the leases, read at one moment."""
-
-    executors: list[ExecutorRecord]
-    members: list[MemberRecord]
-    leases: dict[str, Lease]
-
-    @classmethod
-    async def read(cls, client: redis.asyncio.Redis, keys: Keys) -> ClusterView:
-        executors = await list_executors(client, keys)
-        members = await Members(client, keys).live()
-        leases = await LeaseTable(client, keys).read([r.address for r in executors])
-        return cls(executors, members, leases)
-
-    def held(self) -> dict[str, int]:
-        """Member address -> how many executors it holds."""
-        owners = {m.member_id: m.address for m in self.members}
-        counts = dict.fromkeys(owners.values(), 0)
-        for lease in self.leases.values():
-            if lease.owner_id in owners:
-                counts[owners[lease.owner_id]] += 1
-        return counts
-
-    def settled(self, member_addresses: Collection[str] = ()) -> bool:
-        """Every registered executor is leased to a live member, no member
-        holds two more than another, and ``member_addresses`` are all live."""
-        live = {m.member_id for m in self.members}
-        if not live or not set(member_addresses) <= {m.address for m in self.members}:
-            return False
-        if any(self.leases.get(r.address, _NO_LEASE).owner_id not in live for r in self.executors):
-            return False
-        counts = self.held().values()
-        return max(counts) - min(counts) <= 1
-
-
-_NO_LEASE = Lease("", "", 0, "")
-
-
-async def _wait_for(
-    client: redis.asyncio.Redis, condition: Callable[[ClusterView], bool], timeout: float
-) -> ClusterView | None:
-    """The first view that meets ``condition``, polled; None after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    keys = Keys()
-    while True:
-        view = await ClusterView.read(client, keys)
-        if condition(view):
-            return view
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.1)
 
 
 async def _unless_stopped(scheduler: asyncio.Future[None], work: Awaitable[T]) -> T:
@@ -135,47 +80,6 @@ async def _unless_stopped(scheduler: asyncio.Future[None], work: Awaitable[T]) -
     job.cancel()
     await scheduler
     raise Interrupted
-
-
-class Stack:
-    """What ``pagedkv serve`` started: the executors, the child schedulers
-    and routers (``servers``), the private Redis, and the Reaper of its
-    temporary directories."""
-
-    def __init__(self) -> None:
-        self.reaper = Reaper()
-        self.stop_event = asyncio.Event()  # the scheduler here stops when set
-        self.executors: ExecutorProcesses | None = None
-        self.servers: list[ChildProcesses] = []
-        self.redis: PrivateRedis | None = None
-
-    def stopping(self) -> Callable[[], None]:
-        """The first signal's clean stop while the scheduler here serves, as
-        a signal handler's callback: ``stop`` set on the loop, and SIGTERM
-        to the child schedulers and routers now, so that every scheduler
-        drains at once rather than one after another."""
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            for servers in self.servers:
-                servers.terminate()
-            loop.call_soon_threadsafe(self.stop_event.set)
-
-        return on_signal
-
-    async def stop_servers(self) -> None:
-        """Stops the child schedulers and routers together (each bounded)."""
-        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self.servers))
-
-    def kill(self) -> None:
-        """SIGKILL to every child (a forced stop; the Reaper removes the
-        temporary directories once this process is gone)."""
-        for servers in self.servers:
-            servers.kill()
-        if self.executors is not None:
-            self.executors.kill()
-        if self.redis is not None:
-            self.redis.kill()
 
 
 async def _start_gateway(
@@ -262,7 +166,7 @@ async def _serve_cluster(
     if security.health_port:  # the routers' come first, like the ports
         security = dataclasses.replace(security, health_port=security.health_port + args.routers)
     try:
-        registered = await _wait_for(
+        registered = await wait_for(
             client,
             lambda view: set(executors) <= {r.address for r in view.executors},
             REGISTER_TIMEOUT_S,
@@ -293,7 +197,7 @@ async def _serve_cluster(
         if num > 1:
             address_here, extra = await _unless_stopped(scheduler, here)
             await _unless_stopped(
-                scheduler, _wait_for(client, ClusterView.settled, SETTLE_TIMEOUT_S)
+                scheduler, wait_for(client, ClusterView.settled, SETTLE_TIMEOUT_S)
             )
             labels = [f"{i + 1}/{num}" for i in range(1, num)]
             grace = args.drain_timeout + STOP_GRACE_S
@@ -303,7 +207,7 @@ async def _serve_cluster(
             addresses = await _unless_stopped(scheduler, asyncio.to_thread(children.wait_ready))
             settled = await _unless_stopped(
                 scheduler,
-                _wait_for(client, lambda view: view.settled(addresses), SETTLE_TIMEOUT_S),
+                wait_for(client, lambda view: view.settled(addresses), SETTLE_TIMEOUT_S),
             )
             if settled is None:
                 log.warning("executors not balanced over the schedulers in time")
