@@ -28,7 +28,7 @@ from pagedkv.scheduler.bench.serving.workload import (
     poisson_arrivals,
     sharegpt_like,
 )
-from pagedkv.scheduler.service import TRACE_FIELDS as SCHEDULER_FIELDS
+from pagedkv.scheduler.step_loop import TRACE_FIELDS as SCHEDULER_FIELDS
 
 
 def test_the_mix_is_seeded_fits_the_context_and_shares_system_prompts() -> None:

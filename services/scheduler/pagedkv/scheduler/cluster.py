@@ -8,7 +8,10 @@ when it holds more than its share while another member holds fewer. The
 member record's heartbeat and the renewals of the leases it holds run on a
 thread of their own at the same pace (``lease_keeper.py``), so that a busy
 event loop cannot let them lapse. The step loops never await Redis: they
-only ask ``may_step``, which is a dict lookup.
+only ask ``may_step``, which is a dict lookup. The leases held:
+``cluster_leases.py``; who claims and who gives up, from a round's reads:
+``cluster_policy.py``; the prefix caches and loads published for the
+routers: ``cluster_feeds.py``.
 
 Leases and fencing: every takeover gets its epoch from the executor's lease
 (``epoch_for``), so an executor is only ever Reset with an epoch Redis
@@ -25,51 +28,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from typing import Protocol
 
-import redis.exceptions
-
-from pagedkv.cluster.connection import connect, connect_sync, redacted
+from pagedkv.cluster.connection import connect, redacted
 from pagedkv.cluster.keys import Keys
-from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
-from pagedkv.cluster.leases import EpochsExhausted, Lease, LeaseHeld, LeaseTable, Renewed
+from pagedkv.cluster.leases import Lease
 from pagedkv.cluster.load import ExecutorLoad, LoadPublisher
 from pagedkv.cluster.members import MemberRecord, Members
 from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
+from pagedkv.scheduler.cluster_feeds import MirroredCaches, executor_loads
+from pagedkv.scheduler.cluster_leases import REDIS_ERRORS, HeldLeases
+from pagedkv.scheduler.cluster_policy import (
+    cluster_view,
+    lease_counts,
+    may_claim,
+    share,
+    to_give_up,
+)
 from pagedkv.scheduler.config import ClusterConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
-from pagedkv.scheduler.lease_keeper import LeaseKeeper, Renewal
 from pagedkv.scheduler.takeover import TakenOver
 from pagedkv.v1 import executor_pb2, scheduler_pb2
 
 log = get_logger(__name__)
 
-REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
-
-MAX_LOOP_STALL_TTLS = 4
-"""Lease TTLs the event loop may not run before the leases are left to
-expire (``lease_keeper.py``): a hung scheduler gives its executors up."""
-
 
 class ClusterHost(Protocol):
     """What the cluster member needs of the scheduler it is part of (the
-    service): its executors in service and down, their connections, the
-    model they serve, and the paths that take an executor over, give it up
-    or put it out of service."""
+    executors' registry, ``executors.py``): its executors in service and
+    down, their connections, the model they serve, whether the scheduler is
+    stopping, and the paths that take an executor over, give it up or put it
+    out of service. The member reads these and never writes them."""
 
-    scheduler_id: str
-    draining: bool  # the scheduler is stopping
-    info: executor_pb2.GetInfoResponse  # the model every executor serves
-    schedulers: dict[str, ExecutorScheduler]  # executors in service
-    clients: dict[str, ExecutorClient]
-    down: dict[str, str]  # address -> why
+    @property
+    def scheduler_id(self) -> str: ...
+    @property
+    def draining(self) -> bool: ...  # the scheduler is stopping
+    @property
+    def info(self) -> executor_pb2.GetInfoResponse: ...  # the model every executor serves
+    @property
+    def schedulers(self) -> dict[str, ExecutorScheduler]: ...  # executors in service
+    @property
+    def clients(self) -> dict[str, ExecutorClient]: ...
+    @property
+    def down(self) -> dict[str, str]: ...  # address -> why
 
     def internal_error(self, exc: BaseException, where: str) -> ServiceError: ...
     def new_client(self, address: str) -> ExecutorClient: ...
@@ -78,7 +85,7 @@ class ClusterHost(Protocol):
     ) -> TakenOver: ...
     def adopt_claimed(self, address: str, client: ExecutorClient, taken: TakenOver) -> None: ...
     def lose_executor(self, address: str, why: str) -> None: ...
-    def executor_ended(self, address: str, why: str) -> None: ...
+    def executor_down(self, address: str, why: str, cause: str) -> None: ...
     async def drain_executor(self, address: str, timeout: float, why: str) -> None: ...
     async def forget(self, address: str) -> None: ...
 
@@ -86,22 +93,28 @@ class ClusterHost(Protocol):
 class ClusterMember:
     """One scheduler's membership, leases and claims (see the module docstring)."""
 
-    def __init__(self, service: ClusterHost, config: ClusterConfig) -> None:
-        self.service = service
+    def __init__(self, host: ClusterHost, config: ClusterConfig) -> None:
+        self.host = host
         self.config = config
-        self.member_id = service.scheduler_id
+        self.member_id = host.scheduler_id
         self.address = config.address  # the port bound, also for --port 0 (never 0)
         self.redis = connect(config.redis_url)
         self.keys = Keys(config.prefix)
-        self.leases = LeaseTable(self.redis, self.keys)
+        self.leases = HeldLeases(
+            self.redis,
+            config.redis_url,
+            self.keys,
+            self.member_id,
+            config.lease_ttl,
+            member_record=self._member_record,
+            on_lost=self._lease_lost,
+            on_renewals=self._wake_steps,
+        )
         self.members = Members(self.redis, self.keys)
         self.mirror = PrefixMirror(self.redis, self.keys)
         self.load = LoadPublisher(self.redis, self.member_id, self._loads, self.keys)
-        self.mirrored: dict[str, str] = {}  # address -> incarnation mirrored from here
-        self.ttl_ms = max(1, int(config.lease_ttl * 1000))
+        self.caches = MirroredCaches(self.mirror)
         self.beat = config.lease_ttl / 4
-        self.held: dict[str, Lease] = {}
-        self.valid_until: dict[str, float] = {}  # monotonic; steps stop after it
         self.degraded: str | None = None
         self.leaving = False
         self.view = scheduler_pb2.ClusterState(enabled=True)
@@ -116,17 +129,11 @@ class ClusterMember:
         self._registered_at_ms = int(time.time() * 1000)
         self.num_rounds = 0
         self.num_redis_errors = 0
-        self.keeper = LeaseKeeper(
-            connect_sync(config.redis_url),
-            self.keys,
-            member=self._member_record,
-            held=self.held,
-            ttl_ms=self.ttl_ms,
-            beat=self.beat,
-            max_loop_stall=MAX_LOOP_STALL_TTLS * config.lease_ttl,
-            on_renewed=self._renewed,
-            on_error=self._renewals_failed,
-        )
+
+    @property
+    def held(self) -> dict[str, Lease]:
+        """The leases held (address -> lease)."""
+        return self.leases.held
 
     # -- life -----------------------------------------------------------------
 
@@ -135,7 +142,7 @@ class ClusterMember:
         starts the member task."""
         self.mirror.start()
         self.load.start()
-        self.keeper.start()
+        self.leases.keeper.start()
         await self._guarded_round()
         self._task = asyncio.create_task(self._run())
 
@@ -158,7 +165,7 @@ class ClusterMember:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.keeper.stop)
+        await asyncio.to_thread(self.leases.keeper.stop)
         await self.mirror.close()
         await self.load.close()
         with contextlib.suppress(*REDIS_ERRORS):
@@ -180,7 +187,7 @@ class ClusterMember:
             self.degraded = f"redis at {redacted(self.config.redis_url)} unreachable: {exc}"
             self.view.degraded, self.view.detail = True, self.degraded
         except Exception as exc:  # a bug of ours: the next round tries again
-            self.service.internal_error(exc, "cluster round")
+            self.host.internal_error(exc, "cluster round")
         finally:
             self.num_rounds += 1
             self._wake_steps()
@@ -195,7 +202,7 @@ class ClusterMember:
     def may_step(self, address: str) -> bool:
         """Whether the executor's lease is known to be ours now (or Redis is
         unreachable, where fencing alone protects it)."""
-        return self.degraded is not None or time.monotonic() < self.valid_until.get(address, 0.0)
+        return self.degraded is not None or self.leases.valid(address)
 
     async def lease_renewed(self, address: str) -> None:
         """Waits for the next renewals or member round (the lease renewed or
@@ -203,83 +210,26 @@ class ClusterMember:
         await self._round_done.wait()
 
     async def epoch_for(self, address: str, info: executor_pb2.GetInfoResponse) -> int:
-        """A fresh lease epoch for a takeover of the executor (above its
-        current epoch). Raises ExecutorDown ``refused`` when another member
-        holds it or Redis cannot be reached (nothing is claimed then)."""
-        try:
-            result = await self.leases.acquire(
-                address, self.member_id, info.incarnation_id, info.owner.epoch, self.ttl_ms
-            )
-        except REDIS_ERRORS as exc:
-            raise ExecutorDown("refused", f"{address}: no lease: redis unreachable: {exc}") from exc
-        if isinstance(result, LeaseHeld):
-            holder = result.holder
-            raise ExecutorDown(
-                "refused", f"{address}: leased to {holder.owner_id!r} at epoch {holder.epoch}"
-            )
-        if isinstance(result, EpochsExhausted):
-            raise ExecutorDown("refused", f"{address}: its epochs are exhausted; restart it")
-        self.held[address] = result
-        self.valid_until[address] = time.monotonic() + 0.75 * self.config.lease_ttl
-        return result.epoch
-
-    async def _release(self, lease: Lease) -> None:
-        """Releases ``lease``, already taken out of ``held``, once the lease
-        keeper can no longer renew it (``LeaseKeeper.settled``): a renewal
-        after the release would write it back for a TTL."""
-        await self.keeper.settled()
-        await self.leases.release(lease)
+        """A fresh lease epoch for a takeover of the executor (``HeldLeases.acquire``)."""
+        return await self.leases.acquire(address, info)
 
     def lost(self, address: str) -> None:
         """The executor is no longer ours (fenced by another owner, or given up)."""
-        self.held.pop(address, None)
-        self.valid_until.pop(address, None)
-        incarnation = self.mirrored.pop(address, None)
-        if incarnation is not None:
-            self.mirror.untrack(incarnation)
+        self.leases.drop(address)
+        self.caches.lost(address)
+
+    def _lease_lost(self, address: str, why: str) -> None:
+        """A renewal found the lease taken: the executor leaves service here."""
+        self.lost(address)
+        self.host.lose_executor(address, why)
 
     def adopted(self, scheduler: ExecutorScheduler) -> None:
-        """An executor just taken over: its prefix cache is mirrored from here
-        (resynced from the index first), and an earlier incarnation's keys go."""
-        address, incarnation = scheduler.address, scheduler.info.incarnation_id
-        previous = self.mirrored.get(address)
-        if previous is not None and previous != incarnation:
-            self.mirror.drop(previous)
-        self.mirrored[address] = incarnation
-        pool = scheduler.kv.pool
-
-        def snapshot(_: str) -> list[Stored]:
-            return [
-                Stored(block.block_id, block_hash, group_id)
-                for group_id, index in enumerate(pool.cached_blocks)
-                for block_hash, block in index.items()
-            ]
-
-        def record(events: list[CacheEvent]) -> None:
-            self.mirror.record(incarnation, map(_kv_event, events))
-
-        self.mirror.track(incarnation, snapshot)
-        scheduler.listen_cache_events(record)
+        """An executor just taken over: its prefix cache is mirrored from here."""
+        self.caches.adopted(scheduler)
 
     def _loads(self) -> list[ExecutorLoad]:
         """The load of each executor held and in service (for routers)."""
-        loads = []
-        for address in self.held:
-            scheduler = self.service.schedulers.get(address)
-            if scheduler is None:
-                continue
-            loads.append(
-                ExecutorLoad(
-                    address=address,
-                    incarnation_id=scheduler.info.incarnation_id,
-                    num_running=len(scheduler.running),
-                    num_waiting=len(scheduler.waiting),
-                    num_free_blocks=scheduler.kv.pool.get_num_free_blocks(),
-                    num_usable_blocks=scheduler.info.num_blocks - 1,
-                    draining=scheduler.draining or self.service.draining,
-                )
-            )
-        return loads
+        return executor_loads(self.held, self.host.schedulers, self.host.draining)
 
     # -- one round ------------------------------------------------------------
 
@@ -297,7 +247,7 @@ class ClusterMember:
         self._boot_id = boot.boot_id
         records = await list_executors(self.redis, self.keys)
         members = await self.members.live()
-        leases = await self.leases.read([r.address for r in records])
+        leases = await self.leases.table.read([r.address for r in records])
         if self.degraded is not None:
             log.info("cluster state restored")
         self.degraded = None
@@ -312,36 +262,13 @@ class ClusterMember:
     def _member_record(self) -> MemberRecord:
         return MemberRecord(self.member_id, self.address, self._registered_at_ms)
 
-    def _renewed(self, renewals: list[Renewal]) -> None:
-        """Applies a beat's renewals (``lease_keeper.py``, on the loop): a
-        renewed lease is valid for 3/4 of a TTL from when it was sent; a
-        lost one puts its executor out of service here at once."""
-        for address, lease, sent, result in renewals:
-            if self.held.get(address) is not lease:
-                continue  # released or re-acquired meanwhile
-            if isinstance(result, Renewed):
-                self.valid_until[address] = sent + 0.75 * self.config.lease_ttl
-                if result.recreated:
-                    log.info("lease restored", executor=address, epoch=lease.epoch)
-                continue
-            why = f"lease lost to {result.holder_id!r} (epoch {result.epoch})"
-            log.warning("lease lost", executor=address, holder=result.holder_id, epoch=result.epoch)
-            self.lost(address)
-            self.service.lose_executor(address, why)
-        self._wake_steps()
-
-    def _renewals_failed(self, exc: Exception) -> None:
-        """A beat could not reach Redis: the member round says whether the
-        member is degraded; the steps wait for it."""
-        log.debug("lease renewals failed", error=str(exc))
-
     def _update_view(
         self, records: list[ExecutorRecord], members: list[MemberRecord], leases: dict[str, Lease]
     ) -> None:
         self.registry = {r.address: r for r in records}
         current = {r.address: r.incarnation_id for r in records}
         quiet = time.monotonic() < self._quiet_until
-        serving = {a: s.info.incarnation_id for a, s in self.service.schedulers.items()}
+        serving = {a: s.info.incarnation_id for a, s in self.host.schedulers.items()}
         for address, incarnation in self.incarnations.items():
             registered = current.get(address)
             if registered == incarnation:
@@ -354,18 +281,7 @@ class ClusterMember:
                 continue
             self.mirror.drop(incarnation)  # that incarnation ended
         self.incarnations = current
-        view = scheduler_pb2.ClusterState(
-            enabled=True, scheduler_ids=sorted(m.member_id for m in members)
-        )
-        for record in records:
-            lease = leases.get(record.address)
-            view.executors.add(
-                address=record.address,
-                incarnation_id=record.incarnation_id,
-                owner_id=lease.owner_id if lease else "",
-                epoch=lease.epoch if lease else 0,
-            )
-        self.view = view
+        self.view = cluster_view(records, members, leases)
 
     async def _check_in_service(self) -> None:
         """Executors in service here that the registry does not show as that
@@ -376,9 +292,9 @@ class ClusterMember:
         answers as itself stays (Redis lost its record: it registers again);
         in the first lease TTL after Redis started empty a missing record is
         not even asked about."""
-        service = self.service
+        host = self.host
         quiet = time.monotonic() < self._quiet_until
-        for address, scheduler in list(service.schedulers.items()):
+        for address, scheduler in list(host.schedulers.items()):
             record = self.registry.get(address)
             incarnation = scheduler.info.incarnation_id
             if record is not None and record.incarnation_id == incarnation:
@@ -387,23 +303,23 @@ class ClusterMember:
                 continue  # Redis restarted empty moments ago: records come back
 
             try:
-                info = await service.clients[address].get_info(timeout=self.beat)
+                info = await host.clients[address].get_info(timeout=self.beat)
                 if info.incarnation_id == incarnation:
                     continue
                 why = f"transport: {address} restarted (incarnation {info.incarnation_id})"
             except ExecutorDown as exc:
                 why = str(exc)
-            if service.schedulers.get(address) is scheduler:
-                service.executor_ended(address, why)
+            if host.schedulers.get(address) is scheduler:
+                host.executor_down(address, why, "transport")
 
     async def _forget_unregistered(self) -> None:
         """Executors that left the registry while down here: lease released."""
         for address in list(self.held):
-            if address not in self.registry and address in self.service.down:
-                lease = self.held.pop(address)
-                self.valid_until.pop(address, None)
-                await self._release(lease)
-                await self.service.forget(address)
+            if address not in self.registry and address in self.host.down:
+                lease = self.leases.drop(address)
+                if lease is not None:
+                    await self.leases.release(lease)
+                await self.host.forget(address)
                 log.info("executor left the cluster", executor=address)
 
     async def _claim(
@@ -414,26 +330,21 @@ class ClusterMember:
         if time.monotonic() < self._no_claims_until:
             return
         live = {m.member_id for m in members} | {self.member_id}
-        counts = dict.fromkeys(live, 0)
-        for lease in leases.values():
-            if lease.owner_id in counts:
-                counts[lease.owner_id] += 1
-        counts[self.member_id] = len(self.held)
-        share = math.ceil(len(records) / len(live))
+        counts = lease_counts(live, leases, self.member_id, len(self.held))
+        most = share(len(records), len(live))
         for record in records:
-            mine = counts[self.member_id]
-            if mine >= share or mine > min(counts.values()):
+            if not may_claim(counts, self.member_id, most):
                 return
             address = record.address
-            if address in leases or address in self.service.clients:
+            if address in leases or address in self.host.clients:
                 continue
             if await self._claim_one(record):
                 counts[self.member_id] += 1
 
     async def _claim_one(self, record: ExecutorRecord) -> bool:
-        service = self.service
+        host = self.host
         address = record.address
-        client = service.new_client(address)
+        client = host.new_client(address)
         try:
             info = await client.get_info(timeout=PROBE_TIMEOUT_S)
             owner = info.owner.owner_id
@@ -441,19 +352,19 @@ class ClusterMember:
                 raise ExecutorDown(
                     "refused", f"{address}: its owner {owner!r} may still restore its lease"
                 )
-            if service.info.model_id and info.model_id != service.info.model_id:
+            if host.info.model_id and info.model_id != host.info.model_id:
                 raise ExecutorDown("refused", f"{address}: serves {info.model_id!r}")
             if info.draining:
                 raise ExecutorDown("refused", f"{address}: it is stopping")
-            taken = await service.take_over(client, info)
+            taken = await host.take_over(client, info)
         except ExecutorDown as exc:
             await client.close()
-            lease = self.held.pop(address, None)
+            lease = self.leases.drop(address)
             if lease is not None:
-                await self._release(lease)
+                await self.leases.release(lease)
             log.debug("executor not claimed", executor=address, why=str(exc))
             return False
-        service.adopt_claimed(address, client, taken)
+        host.adopt_claimed(address, client, taken)
         return True
 
     def _balance(
@@ -465,39 +376,26 @@ class ClusterMember:
             return
         if any(r.address not in leases for r in records):
             return  # executors are still to be claimed
-        counts = {m.member_id: 0 for m in members}
-        for lease in leases.values():
-            if lease.owner_id in counts:
-                counts[lease.owner_id] += 1
-        counts[self.member_id] = len(self.held)
-        most = max(counts, key=lambda m: (counts[m], m))
-        if most != self.member_id or counts[most] < min(counts.values()) + 2:
+        member_ids = (m.member_id for m in members)
+        counts = lease_counts(member_ids, leases, self.member_id, len(self.held))
+        schedulers = self.host.schedulers
+        running = {a: len(schedulers[a].running) for a in self.held if a in schedulers}
+        address = to_give_up(counts, self.member_id, running)
+        if address is None:
             return
-        schedulers = self.service.schedulers
-        candidates = [a for a in self.held if a in schedulers]
-        if len(candidates) < 2:
-            return
-        address = min(candidates, key=lambda a: len(schedulers[a].running))
         log.info("rebalancing: giving an executor up", executor=address, held=len(self.held))
         self._drain = asyncio.create_task(
             self.give_up(address, self.config.drain_timeout, "rebalanced to another scheduler")
         )
 
     async def give_up(self, address: str, timeout: float, why: str) -> None:
-        await self.service.drain_executor(address, timeout, why)
-        lease = self.held.pop(address, None)
-        self.valid_until.pop(address, None)
+        await self.host.drain_executor(address, timeout, why)
+        lease = self.leases.drop(address)
         self._no_claims_until = time.monotonic() + 2 * self.config.lease_ttl
         if lease is not None:
             try:
-                await self._release(lease)
+                await self.leases.release(lease)
             except REDIS_ERRORS as exc:
                 log.warning("lease not released (it expires)", executor=address, error=str(exc))
-        await self.service.forget(address)
+        await self.host.forget(address)
         log.info("executor released", executor=address)
-
-
-def _kv_event(event: CacheEvent) -> KVEvent:
-    if event.kind is CacheEventKind.STORED:
-        return Stored(event.block_id, event.block_hash, event.group_id)
-    return Removed(event.block_id, event.block_hash, event.group_id)

@@ -5,7 +5,7 @@ A failed call raises ``ExecutorDown`` with its cause: ``transport`` (the
 connection or the stream broke, the executor crashed), ``timeout`` (no answer
 within ``timeout`` seconds) or ``refused`` (the executor answered with an
 error status: the message was wrong, or another owner holds the executor).
-The service decides what each cause means (see ``service.py``). A step whose
+The scheduler decides what each cause means (``step_loop.py``). A step whose
 answer takes far longer than the executor's recent steps makes the client
 ``suspect`` until the answer comes.
 """

@@ -100,9 +100,10 @@ async def serve_scheduler(
     if on_ready is not None:
         on_ready(f"{host}:{bound}", extra)
     else:
+        executors = service.executors
         print(
-            f"{ready_line} ready on {host}:{bound} ({len(service.schedulers)} executors, "
-            f"model {service.info.model_id or 'not known yet'}{extra})",
+            f"{ready_line} ready on {host}:{bound} ({len(executors.schedulers)} executors, "
+            f"model {executors.info.model_id or 'not known yet'}{extra})",
             flush=True,
         )
     if stop is None:

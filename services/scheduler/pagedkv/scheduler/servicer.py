@@ -122,7 +122,8 @@ async def start_server(bound: BoundServer, service: SchedulerService) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-    degraded = service.cluster.degraded if service.cluster is not None else None
+    cluster = service.executors.cluster
+    degraded = cluster.degraded if cluster is not None else None
     for name in ("", SERVICE_NAME):  # as the member's first round went
         await health_servicer.set(name, initial_status(degraded))
 
@@ -130,8 +131,7 @@ async def start_server(bound: BoundServer, service: SchedulerService) -> None:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    if service.cluster is not None:  # NOT_SERVING while its Redis does not answer
-        cluster = service.cluster
+    if cluster is not None:  # NOT_SERVING while its Redis does not answer
         follower = asyncio.create_task(
             follow_redis(
                 health_servicer,

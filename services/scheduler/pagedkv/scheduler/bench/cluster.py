@@ -197,9 +197,9 @@ async def _cost(
     )
     service = SchedulerService(config)
     await service.start()
-    while len(service.schedulers) < len(addresses):
+    while len(service.executors.schedulers) < len(addresses):
         await asyncio.sleep(0.05)
-    vocab = service.info.vocab_size
+    vocab = service.executors.info.vocab_size
     rng = np.random.default_rng(args.seed)
     requests = [
         scheduler_pb2.GenerateRequest(
@@ -217,7 +217,7 @@ async def _cost(
     await asyncio.gather(*(drain(g) for g in generations))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     commands = _commands(redis) - commands - 1  # the INFO call itself
-    timings = list(service.step_timings)
+    timings = list(service.loops.step_timings)
     await service.stop()
     steps = [t for t in timings if t.num_entries > 0]
     summary = step_summary(steps, args.requests // len(addresses))

@@ -25,7 +25,8 @@ from pagedkv.scheduler.bench.machine import machine_info
 from pagedkv.scheduler.child_commands import executor_commands
 from pagedkv.scheduler.children import ExecutorProcesses, model_dir
 from pagedkv.scheduler.config import SchedulerConfig
-from pagedkv.scheduler.service import SchedulerService, StepTiming
+from pagedkv.scheduler.service import SchedulerService
+from pagedkv.scheduler.step_loop import StepTiming
 from pagedkv.v1 import common_pb2, scheduler_pb2
 
 
@@ -49,7 +50,7 @@ async def _run(args: argparse.Namespace, addresses: list[str], depth: int) -> di
     )
     service = SchedulerService(config)
     await service.start()
-    vocab = service.info.vocab_size
+    vocab = service.executors.info.vocab_size
     rng = np.random.default_rng(args.seed)
     requests = [
         scheduler_pb2.GenerateRequest(
@@ -65,7 +66,7 @@ async def _run(args: argparse.Namespace, addresses: list[str], depth: int) -> di
     generations = [service.submit(request) for request in requests]
     tokens = await asyncio.gather(*(drain(g) for g in generations))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    timings = list(service.step_timings)
+    timings = list(service.loops.step_timings)
     await service.stop()
     full = [t for t in timings if t.num_entries == args.requests]
     return {
