@@ -86,8 +86,8 @@ ROW_STATE = {
     "token_ids",
     "last_sampled",
     "sampling",
-    "request_ids",
-    "row_of_request",
+    "seq_ids",
+    "row_of_seq",
     "sampling_version",
 }
 

@@ -43,7 +43,7 @@ class ExecutorProcess(ServedProcess):
 
 @dataclass
 class Sequence:
-    request_id: str
+    seq_id: str
     row: int
     prompt: list[int]
     max_new_tokens: int
@@ -82,13 +82,13 @@ class Driver:
 
     def add(
         self,
-        request_id: str,
+        seq_id: str,
         prompt: list[int],
         max_new_tokens: int,
         sampling: common_pb2.SamplingParams = GREEDY,
     ) -> Sequence:
         return Sequence(
-            request_id,
+            seq_id,
             self.free_rows.pop(0),
             list(prompt),
             max_new_tokens,
@@ -115,7 +115,7 @@ class Driver:
         for seq in entries:
             if not seq.sent:
                 request.new_requests.add(
-                    request_id=seq.request_id,
+                    seq_id=seq.seq_id,
                     row=seq.row,
                     prompt_token_ids=seq.prompt,
                     sampling=seq.sampling,

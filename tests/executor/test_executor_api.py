@@ -123,20 +123,20 @@ def assert_status(error: grpc.RpcError, code: grpc.StatusCode, field_name: str) 
 
 
 def new_request(
-    request_id: str,
+    seq_id: str,
     row: int,
     prompt: list[int],
     sampling: common_pb2.SamplingParams = GREEDY,
 ) -> executor_pb2.NewRequest:
     return executor_pb2.NewRequest(
-        request_id=request_id, row=row, prompt_token_ids=prompt, sampling=sampling
+        seq_id=seq_id, row=row, prompt_token_ids=prompt, sampling=sampling
     )
 
 
 def free_nothing(
     stub: executor_pb2_grpc.ExecutorStub, owner: common_pb2.Owner, **which: Any
 ) -> None:
-    """Asserts that none of the rows or request ids in ``which`` is live."""
+    """Asserts that none of the rows or seq ids in ``which`` is live."""
     response = stub.Free(executor_pb2.FreeRequest(owner=owner, **which))
     assert list(response.freed_rows) == []
 
@@ -154,7 +154,7 @@ class Seq:
 def prefill(
     owner: common_pb2.Owner,
     seq: Seq,
-    request_id: str,
+    seq_id: str,
     prompt: list[int],
     sampling: common_pb2.SamplingParams = GREEDY,
     step_id: int = 0,
@@ -164,7 +164,7 @@ def prefill(
     return executor_pb2.StepRequest(
         owner=owner,
         step_id=step_id,
-        new_requests=[new_request(request_id, seq.row, prompt, sampling)],
+        new_requests=[new_request(seq_id, seq.row, prompt, sampling)],
         num_scheduled_tokens=[len(prompt)],
         num_computed_tokens=[0],
         continue_from_sampled=[False],
@@ -272,7 +272,7 @@ def assert_scene_goes_on(served: Served, owner: common_pb2.Owner, a_first: list[
     """Nothing of a refused call is live, and the scene's valid step and three
     decodes give A, B and D their Hugging Face greedy tokens."""
     stub = served.stub
-    free_nothing(stub, owner, rows=[1, 4, 5, 6, 7], request_ids=["B", "E"])
+    free_nothing(stub, owner, rows=[1, 4, 5, 6, 7], seq_ids=["B", "E"])
     b, a, d = Seq(2, [4, 8], 24), Seq(0, [1, 2], 20, list(a_first)), Seq(3, [5, 6, 7], 40)
     take_samples([b, a, d], stub.Step(executor_pb2.StepRequest(owner=owner, **VALID_STEP)))
     for _ in range(3):
@@ -289,17 +289,17 @@ def bad(call: str, field_name: str, code: grpc.StatusCode = INVALID, **changes: 
 
 
 def b_with(
-    prompt: Sequence[int] = Q_B, row: int = 2, request_id: str = "B", **sampling: Any
+    prompt: Sequence[int] = Q_B, row: int = 2, seq_id: str = "B", **sampling: Any
 ) -> list[executor_pb2.NewRequest]:
     """VALID_STEP's new requests, with another B."""
-    return [new_request(request_id, row, list(prompt), common_pb2.SamplingParams(**sampling))]
+    return [new_request(seq_id, row, list(prompt), common_pb2.SamplingParams(**sampling))]
 
 
 def e_with(
-    prompt: Sequence[int] = (1,), row: int = 4, request_id: str = "E", **sampling: Any
+    prompt: Sequence[int] = (1,), row: int = 4, seq_id: str = "E", **sampling: Any
 ) -> list[executor_pb2.NewRequest]:
     """VALID_ALLOCATE's new requests, with another E."""
-    return [new_request(request_id, row, list(prompt), common_pb2.SamplingParams(**sampling))]
+    return [new_request(seq_id, row, list(prompt), common_pb2.SamplingParams(**sampling))]
 
 
 BAD_INPUTS = [
@@ -316,7 +316,7 @@ BAD_INPUTS = [
     # positions that do not follow the row's history
     bad("Step", "num_computed_tokens[1]", num_computed_tokens=[0, 21, 16]),
     bad("Step", "num_computed_tokens[0]", num_computed_tokens=[25, 19, 16]),
-    # rows and request ids
+    # rows and seq ids
     bad("Step", "rows[1]", rows=[0, 5]),
     bad("Step", "rows[1]", rows=[0, MAX_NUM_ROWS]),
     bad("Step", "rows[0]", rows=[2, 3]),  # freed by this step
@@ -328,9 +328,9 @@ BAD_INPUTS = [
     bad("Step", "new_requests[0].row", freed_rows=[]),  # C still holds row 2
     bad("Step", "new_requests[0].row", new_requests=b_with(row=MAX_NUM_ROWS)),
     bad("Allocate", "new_requests[0].row", new_requests=e_with(row=3)),
-    bad("Step", "new_requests[0].request_id", EXISTS, new_requests=b_with(request_id="A")),
-    bad("Allocate", "new_requests[0].request_id", EXISTS, new_requests=e_with(request_id="D")),
-    bad("Step", "new_requests[0].request_id", new_requests=b_with(request_id="")),
+    bad("Step", "new_requests[0].seq_id", EXISTS, new_requests=b_with(seq_id="A")),
+    bad("Allocate", "new_requests[0].seq_id", EXISTS, new_requests=e_with(seq_id="D")),
+    bad("Step", "new_requests[0].seq_id", new_requests=b_with(seq_id="")),
     # column lengths
     bad("Step", "num_scheduled_tokens:", num_scheduled_tokens=[24, 1]),
     bad("Step", "num_computed_tokens:", num_computed_tokens=[0, 19, 16, 0]),
@@ -401,7 +401,7 @@ BAD_INPUTS = [
         "new_requests[0].num_prompt_tokens",
         new_requests=[
             executor_pb2.NewRequest(
-                request_id="B", row=2, prompt_token_ids=Q_B, num_prompt_tokens=len(Q_B) + 1
+                seq_id="B", row=2, prompt_token_ids=Q_B, num_prompt_tokens=len(Q_B) + 1
             )
         ],
     ),
@@ -480,7 +480,7 @@ def test_the_null_block_stands_for_blocks_that_left_a_sliding_window(mistral: Se
             new_block_ids=[0, 9, 10],
         )
     )
-    freed = stub.Free(executor_pb2.FreeRequest(owner=owner, request_ids=["y"]))
+    freed = stub.Free(executor_pb2.FreeRequest(owner=owner, seq_ids=["y"]))
     assert list(freed.freed_rows) == [2]
 
 
@@ -548,8 +548,8 @@ def test_a_stale_owner_is_fenced_after_a_takeover_and_changes_nothing(llama: Ser
         take_samples([a, d], stub.Step(decode(beta, [a, d])))
     assert a.output == hf_greedy(llama.model_dir, P_A, 4)
     assert d.output == hf_greedy(llama.model_dir, P_D, 4)
-    free_nothing(stub, beta, request_ids=["stale"])
-    freed = stub.Free(executor_pb2.FreeRequest(owner=beta, request_ids=["a", "d"]))
+    free_nothing(stub, beta, seq_ids=["stale"])
+    freed = stub.Free(executor_pb2.FreeRequest(owner=beta, seq_ids=["a", "d"]))
     assert list(freed.freed_rows) == [0, 1]
 
 
@@ -563,7 +563,7 @@ def test_reset_by_the_same_owner_restarts_its_session(llama: Served) -> None:
     reset = stub.Reset(executor_pb2.ResetRequest(owner=owner))
     assert (reset.previous_owner, reset.incarnation_id) == (owner, incarnation_id)
     assert stub.GetInfo(executor_pb2.GetInfoRequest()).owner == owner
-    free_nothing(stub, owner, rows=[0, 1], request_ids=["a", "b"])
+    free_nothing(stub, owner, rows=[0, 1], seq_ids=["a", "b"])
     # The rows and ids are free to take again; the session runs as before.
     again = Seq(0, [1, 2], 0)
     take_samples([again], stub.Step(prefill(owner, again, "a", P_A)))
@@ -750,7 +750,7 @@ def test_a_refused_message_ends_the_stream_and_nothing_after_it_applies(
     with pytest.raises(grpc.RpcError) as error:
         stream.receive()
     assert_status(error.value, INVALID, "new_block_ids[1]")
-    free_nothing(stub, owner, rows=[5], request_ids=["late"])
+    free_nothing(stub, owner, rows=[5], seq_ids=["late"])
     a.num_computed -= 1  # the refused decode did not run
     for _ in range(3):
         take_samples([a], stub.Step(decode(owner, [a])))
@@ -769,7 +769,7 @@ def test_a_reset_ends_the_open_stream(llama: Served, streams: Callable[[], Strea
     with pytest.raises(grpc.RpcError) as error:
         old.receive()
     assert (error.value.code(), "reset" in error.value.details()) == (FENCED, True)
-    free_nothing(stub, owner, rows=[0, 1], request_ids=["a", "b"])
+    free_nothing(stub, owner, rows=[0, 1], seq_ids=["a", "b"])
     new = streams()
     new.send(prefill(owner, b, "b", Q_B))
     take_samples([b], new.receive())
@@ -833,7 +833,7 @@ def test_an_undecodable_request_is_invalid_argument_and_changes_nothing(llama: S
     with pytest.raises(grpc.RpcError) as error:
         next(responses)
     assert_undecodable(error.value, "pagedkv.v1.StepRequest")
-    free_nothing(stub, owner, rows=[1], request_ids=["late"])
+    free_nothing(stub, owner, rows=[1], seq_ids=["late"])
     # The executor serves on.
     for _ in range(3):
         take_samples([a], stub.Step(decode(owner, [a])))

@@ -46,12 +46,12 @@ def assert_epoch_refused(call: grpc.UnaryUnaryMultiCallable, request: object) ->
     ), details
 
 
-def prefill(owner: common_pb2.Owner, request_id: str, row: int) -> executor_pb2.StepRequest:
+def prefill(owner: common_pb2.Owner, seq_id: str, row: int) -> executor_pb2.StepRequest:
     return executor_pb2.StepRequest(
         owner=owner,
         new_requests=[
             executor_pb2.NewRequest(
-                request_id=request_id, row=row, prompt_token_ids=PROMPT, sampling=GREEDY
+                seq_id=seq_id, row=row, prompt_token_ids=PROMPT, sampling=GREEDY
             )
         ],
         num_scheduled_tokens=[len(PROMPT)],
@@ -92,7 +92,7 @@ def test_an_epoch_past_the_maximum_is_refused_on_every_call_and_changes_nothing(
             )
             assert owner_of(stub) == owner
     # Nothing changed: "a" is live in row 0 and "b" is not.
-    freed = stub.Free(executor_pb2.FreeRequest(owner=owner, request_ids=["a", "b"]))
+    freed = stub.Free(executor_pb2.FreeRequest(owner=owner, seq_ids=["a", "b"]))
     assert list(freed.freed_rows) == [0]
 
 
@@ -111,5 +111,5 @@ def test_the_maximum_epoch_takes_over_and_nothing_takes_over_from_it(
     assert owner_of(stub) == top
     # The owner at the maximum can still restart its own session.
     stub.Reset(executor_pb2.ResetRequest(owner=top))
-    freed = stub.Free(executor_pb2.FreeRequest(owner=top, request_ids=["t"]))
+    freed = stub.Free(executor_pb2.FreeRequest(owner=top, seq_ids=["t"]))
     assert list(freed.freed_rows) == []

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId, RequestId
+from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
@@ -79,8 +79,8 @@ class Snapshot(NamedTuple):
     free_queue: list[int]
     blocks: list[tuple[int, BlockHash | None, int]]  # ref_cnt, hash, group per block
     cached: list[dict[BlockHash, int]]  # per group: hash -> block id
-    tables: list[dict[RequestId, list[int]]]  # per group: request -> block ids
-    num_cached: list[dict[RequestId, int]]
+    tables: list[dict[SeqId, list[int]]]  # per group: request -> block ids
+    num_cached: list[dict[SeqId, int]]
 
 
 @dataclass
@@ -136,9 +136,9 @@ class BlockCoreMachine(RuleBasedStateMachine):
         ]
         self.shadow = Shadow()
         self.prefixes: dict[BlockHash, tuple[str, tuple[int, ...]]] = {}
-        self.live: dict[RequestId, Live] = {}
-        self.waiting: list[RequestId] = []
-        self.running: list[RequestId] = []
+        self.live: dict[SeqId, Live] = {}
+        self.waiting: list[SeqId] = []
+        self.running: list[SeqId] = []
         self.copies: list[tuple[int, int]] = []  # queued for this step's forward
         self.next_id = 0
 
@@ -146,7 +146,7 @@ class BlockCoreMachine(RuleBasedStateMachine):
         request = self.kv.make_request(f"r{self.next_id}", tokens, cache_salt=cache_salt)
         self.next_id += 1
         live = Live(request, cache_salt, max_tokens, [[] for _ in self.cfg.specs])
-        self.live[request.request_id] = live
+        self.live[request.seq_id] = live
         self._record_hashes(live)
         return live
 
@@ -174,7 +174,7 @@ class BlockCoreMachine(RuleBasedStateMachine):
         tokens = tokens[: self.cfg.max_len - 1] or [0]
         salt = data.draw(st.sampled_from([None, None, None, "", "salt"]), label="cache_salt")
         max_tokens = data.draw(st.integers(1, 3 * self.cfg.block_size), label="max_tokens")
-        self.waiting.append(self._new_request(tokens, salt, max_tokens).request.request_id)
+        self.waiting.append(self._new_request(tokens, salt, max_tokens).request.seq_id)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -206,13 +206,13 @@ class BlockCoreMachine(RuleBasedStateMachine):
         child = child_live.request
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
-        self.running.append(child.request_id)
+        self.running.append(child.seq_id)
         self._seen("fork")
         assert child.num_computed_tokens == parent.num_computed_tokens
         # A new request's whole table goes to the executor; later only diffs.
-        child_live.tables = [list(t) for t in self.kv.get_block_ids(child.request_id)]
+        child_live.tables = [list(t) for t in self.kv.get_block_ids(child.seq_id)]
         num_shared = cdiv(parent.num_computed_tokens, self.cfg.block_size)
-        parent_tables = self.kv.get_block_ids(parent.request_id)
+        parent_tables = self.kv.get_block_ids(parent.seq_id)
         for child_table, parent_table in zip(child_live.tables, parent_tables, strict=True):
             assert child_table == parent_table[:num_shared]
 
@@ -221,8 +221,8 @@ class BlockCoreMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         """A running request stops, or a waiting one is aborted."""
         STEPS[type(self).__name__] += 1
-        request_id = data.draw(st.sampled_from(sorted(self.live)), label="finished")
-        self._finish(self.live[request_id], RequestStatus.FINISHED_ABORTED)
+        seq_id = data.draw(st.sampled_from(sorted(self.live)), label="finished")
+        self._finish(self.live[seq_id], RequestStatus.FINISHED_ABORTED)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -253,16 +253,14 @@ class BlockCoreMachine(RuleBasedStateMachine):
 
     # -- the scheduler's moves --------------------------------------------------------
 
-    def _step(
-        self, data: st.DataObject, running: list[RequestId], waiting: list[RequestId]
-    ) -> None:
+    def _step(self, data: st.DataObject, running: list[SeqId], waiting: list[SeqId]) -> None:
         """Allocates for a batch, then runs its forward on the shadow memory."""
         bs = self.cfg.block_size
         batch: list[Scheduled] = []
-        for request_id in running:
-            if request_id not in self.running:
+        for seq_id in running:
+            if seq_id not in self.running:
                 continue  # preempted earlier in this step
-            live = self.live[request_id]
+            live = self.live[seq_id]
             request = live.request
             start = request.num_computed_tokens
             chunk = data.draw(st.integers(1, 3 * bs), label="chunk")
@@ -273,8 +271,8 @@ class BlockCoreMachine(RuleBasedStateMachine):
                 num_lookahead = data.draw(st.integers(0, min(2, room)), label="lookahead")
             allocated = self._allocate(live, num_new, None, num_lookahead)
             while not allocated:  # like vLLM: preempt the last running request, or itself
-                scheduled = {s.live.request.request_id for s in batch}
-                victims = [r for r in self.running if r not in scheduled and r != request_id]
+                scheduled = {s.live.request.seq_id for s in batch}
+                victims = [r for r in self.running if r not in scheduled and r != seq_id]
                 self._seen("preempted_to_fit")
                 if not victims:  # the scheduler preempts the request itself
                     self._preempt(live)
@@ -283,8 +281,8 @@ class BlockCoreMachine(RuleBasedStateMachine):
                 allocated = self._allocate(live, num_new, None, num_lookahead)
             if allocated:
                 batch.append(Scheduled(live, start, num_new, num_lookahead))
-        for request_id in waiting:
-            live = self.live[request_id]
+        for seq_id in waiting:
+            live = self.live[seq_id]
             request = live.request
             expected = self._longest_possible_hit(request)
             hit = self.kv.get_computed_blocks(request)
@@ -296,8 +294,8 @@ class BlockCoreMachine(RuleBasedStateMachine):
             if hit.num_tokens:
                 self._seen("prefix_hit")
             assert request.num_computed_tokens == hit.num_tokens
-            self.waiting.remove(request_id)
-            self.running.append(request_id)
+            self.waiting.remove(seq_id)
+            self.running.append(seq_id)
             request.status = RequestStatus.RUNNING
             batch.append(Scheduled(live, hit.num_tokens, num_new, 0, hit))
 
@@ -342,13 +340,13 @@ class BlockCoreMachine(RuleBasedStateMachine):
         for table, update in zip(live.tables, allocation.updates, strict=False):
             table[update.start :] = update.block_ids
         # The executor's tables must agree wherever the request still has a block.
-        actual = self.kv.get_block_ids(request.request_id)
+        actual = self.kv.get_block_ids(request.seq_id)
         for g, (mirror, table) in enumerate(zip(live.tables, actual, strict=True)):
             assert len(mirror) == len(table), (g, mirror, table)
             for j, block_id in enumerate(table):
                 assert block_id == NULL_BLOCK_ID or mirror[j] == block_id, (g, j, mirror, table)
             num_released = table.count(NULL_BLOCK_ID) - before.tables[g].get(
-                request.request_id, []
+                request.seq_id, []
             ).count(NULL_BLOCK_ID)
             if hit is None and num_released:
                 self._seen("window_release")
@@ -388,18 +386,18 @@ class BlockCoreMachine(RuleBasedStateMachine):
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         live.tables = [[] for _ in live.tables]
-        self.running.remove(request.request_id)
-        self.waiting.insert(0, request.request_id)
+        self.running.remove(request.seq_id)
+        self.waiting.insert(0, request.seq_id)
         self._remember(request)
 
     def _finish(self, live: Live, status: RequestStatus) -> None:
         request = live.request
         self.kv.free(request)
         request.status = status
-        del self.live[request.request_id]
+        del self.live[request.seq_id]
         for queue in (self.running, self.waiting):
-            if request.request_id in queue:
-                queue.remove(request.request_id)
+            if request.seq_id in queue:
+                queue.remove(request.seq_id)
         self._remember(request)
 
     def _remember(self, request: Request) -> None:
@@ -463,8 +461,8 @@ class BlockCoreMachine(RuleBasedStateMachine):
             assert report.num_cached == 0
         # A held block has one meaning: one group's logical block j in every table.
         places: dict[int, set[tuple[int, int]]] = {}
-        for request_id in self.live:
-            for g, table in enumerate(self.kv.get_block_ids(request_id)):
+        for seq_id in self.live:
+            for g, table in enumerate(self.kv.get_block_ids(seq_id)):
                 for j, block_id in enumerate(table):
                     if block_id != NULL_BLOCK_ID:
                         places.setdefault(block_id, set()).add((g, j))
@@ -484,14 +482,14 @@ class BlockCoreMachine(RuleBasedStateMachine):
     @invariant()
     def requests_hold_their_own_tokens(self) -> None:
         bs = self.cfg.block_size
-        for request_id in self.waiting:
-            assert self.live[request_id].request.num_computed_tokens == 0
-            assert not any(self.kv.get_block_ids(request_id))
-        for request_id in self.running:
-            request = self.live[request_id].request
+        for seq_id in self.waiting:
+            assert self.live[seq_id].request.num_computed_tokens == 0
+            assert not any(self.kv.get_block_ids(seq_id))
+        for seq_id in self.running:
+            request = self.live[seq_id].request
             num_computed = request.num_computed_tokens
             assert 0 < num_computed < request.num_tokens, request
-            tables = self.kv.get_block_ids(request_id)
+            tables = self.kv.get_block_ids(seq_id)
             for group_spec, table in zip(self.cfg.specs, tables, strict=True):
                 assert len(table) >= cdiv(num_computed, bs), (request, table)
                 window = group_spec.sliding_window

@@ -8,8 +8,8 @@ from pagedkv.scheduler.request import Request
 from tests.scheduler.factories import admit, decode, manager
 
 
-def prefilled(kv: KVCacheManager, request_id: str, prompt: range, max_tokens: int) -> Request:
-    request = kv.make_request(request_id, prompt, max_tokens=max_tokens)
+def prefilled(kv: KVCacheManager, seq_id: str, prompt: range, max_tokens: int) -> Request:
+    request = kv.make_request(seq_id, prompt, max_tokens=max_tokens)
     admit(kv, request)
     request.append_output_token_ids(1000 + len(prompt))  # the first sample
     return request

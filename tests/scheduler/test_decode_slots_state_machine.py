@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pagedkv.common.ids import NULL_BLOCK_ID, BlockId, RequestId
+from pagedkv.common.ids import NULL_BLOCK_ID, BlockId, SeqId
 from pagedkv.scheduler.block_pool import KVCacheBlock
 from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedkv.scheduler.request import Request
@@ -59,17 +59,17 @@ class World:
     """One block core, its requests and the executor's copy of their tables."""
 
     kv: KVCacheManager
-    requests: dict[RequestId, Request] = field(default_factory=dict)
-    tables: dict[RequestId, Tables] = field(default_factory=dict)
+    requests: dict[SeqId, Request] = field(default_factory=dict)
+    tables: dict[SeqId, Tables] = field(default_factory=dict)
 
-    def apply(self, request_id: RequestId, allocation: Allocation) -> None:
+    def apply(self, seq_id: SeqId, allocation: Allocation) -> None:
         """What the executor does with a table update: entries from start on."""
-        for table, update in zip(self.tables[request_id], allocation.updates, strict=False):
+        for table, update in zip(self.tables[seq_id], allocation.updates, strict=False):
             table[update.start :] = update.block_ids
 
-    def free(self, request_id: RequestId) -> None:
-        self.kv.free(self.requests[request_id])
-        self.tables[request_id] = [[] for _ in self.kv.managers]
+    def free(self, seq_id: SeqId) -> None:
+        self.kv.free(self.requests[seq_id])
+        self.tables[seq_id] = [[] for _ in self.kv.managers]
 
 
 def block_ids(blocks: tuple[tuple[KVCacheBlock, ...], ...]) -> list[list[BlockId]]:
@@ -110,10 +110,10 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
         self.history = [
             [self.rng.randrange(VOCAB) for _ in range(cfg.max_len)] for _ in range(NUM_FAMILIES)
         ]
-        self.waiting: list[RequestId] = []  # fresh and preempted requests, no blocks
-        self.prefilling: RequestId | None = None
+        self.waiting: list[SeqId] = []  # fresh and preempted requests, no blocks
+        self.prefilling: SeqId | None = None
         # Decoding requests, oldest first (the scheduler's running order).
-        self.decoding: list[RequestId] = []
+        self.decoding: list[SeqId] = []
         self.next_id = 0
         self.next_first_token = FIRST_TOKEN
         self.num_rules_since_quiescent = 0
@@ -135,13 +135,11 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
         max_tokens = min(
             data.draw(st.integers(1, 4 * bs), label="max_tokens"), self.cfg.max_len - len(tokens)
         )
-        request_id = self._new_id()
+        seq_id = self._new_id()
         for world in self.worlds:
-            world.requests[request_id] = world.kv.make_request(
-                request_id, tokens, max_tokens=max_tokens
-            )
-            world.tables[request_id] = [[] for _ in self.cfg.specs]
-        self.waiting.append(request_id)
+            world.requests[seq_id] = world.kv.make_request(seq_id, tokens, max_tokens=max_tokens)
+            world.tables[seq_id] = [[] for _ in self.cfg.specs]
+        self.waiting.append(seq_id)
 
     @precondition(lambda self: self.waiting or self.prefilling is not None)
     @rule(data=st.data())
@@ -167,16 +165,16 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
 
     def _prefill_chunk(self, chunk: int) -> bool:
         """False when the first waiting request does not fit now (it waits)."""
-        request_id = self.prefilling
-        if request_id is None:
-            request_id = self.waiting[0]
-            hits = [w.kv.get_computed_blocks(w.requests[request_id]) for w in self.worlds]
+        seq_id = self.prefilling
+        if seq_id is None:
+            seq_id = self.waiting[0]
+            hits = [w.kv.get_computed_blocks(w.requests[seq_id]) for w in self.worlds]
             assert hits[0].num_tokens == hits[1].num_tokens
             assert block_ids(hits[0].blocks) == block_ids(hits[1].blocks)
-            request = self.ref.requests[request_id]
+            request = self.ref.requests[seq_id]
             num_new = min(request.num_tokens - hits[0].num_tokens, chunk)
             allocations = [
-                w.kv.allocate_slots(w.requests[request_id], num_new, hit)
+                w.kv.allocate_slots(w.requests[seq_id], num_new, hit)
                 for w, hit in zip(self.worlds, hits, strict=True)
             ]
             assert (allocations[0] is None) == (allocations[1] is None)
@@ -186,13 +184,13 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
             if hits[0].num_tokens:
                 self._seen("prefix_hit")
             self.waiting.pop(0)
-            self.prefilling = request_id
+            self.prefilling = seq_id
         else:
-            request = self.ref.requests[request_id]
+            request = self.ref.requests[seq_id]
             num_new = min(request.num_tokens - request.num_computed_tokens, chunk)
             while True:
                 allocations = [
-                    w.kv.allocate_slots(w.requests[request_id], num_new) for w in self.worlds
+                    w.kv.allocate_slots(w.requests[seq_id], num_new) for w in self.worlds
                 ]
                 assert (allocations[0] is None) == (allocations[1] is None)
                 if allocations[0] is not None:
@@ -202,8 +200,8 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
                 self._preempt_newest()
         for world, allocation in zip(self.worlds, allocations, strict=True):
             assert allocation is not None
-            world.apply(request_id, allocation)
-            world.requests[request_id].num_computed_tokens += num_new
+            world.apply(seq_id, allocation)
+            world.requests[seq_id].num_computed_tokens += num_new
         self._compare_copy_ops()
         if request.num_computed_tokens < request.num_tokens:
             return True
@@ -212,12 +210,12 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
         token = self.next_first_token
         self.next_first_token += 1
         for world in self.worlds:
-            world.requests[request_id].append_output_token_ids(token)
+            world.requests[seq_id].append_output_token_ids(token)
         if request.num_output_tokens >= (request.max_tokens or 0):
             self._seen("finished_at_prefill")
-            self._finish(request_id)
+            self._finish(seq_id)
         else:
-            self.decoding.append(request_id)
+            self.decoding.append(seq_id)
         return True
 
     @precondition(lambda self: self.decoding)
@@ -262,9 +260,9 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
 
     # -- the scheduler's moves -----------------------------------------------------------
 
-    def _new_id(self) -> RequestId:
+    def _new_id(self) -> SeqId:
         self.next_id += 1
-        return RequestId(f"r{self.next_id}")
+        return SeqId(f"r{self.next_id}")
 
     def _decode_step(self) -> None:
         """Slots for every decoding request (preempting on a miss), then its token."""
@@ -277,11 +275,11 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
                 self.dec.apply(self.decoding[i], allocation)
                 self._seen("table_updates")
             end = start
-            for request_id in self.decoding[start:]:
-                allocation = self.ref.kv.allocate_slots(self.ref.requests[request_id], 1)
+            for seq_id in self.decoding[start:]:
+                allocation = self.ref.kv.allocate_slots(self.ref.requests[seq_id], 1)
                 if allocation is None:
                     break
-                self.ref.apply(request_id, allocation)
+                self.ref.apply(seq_id, allocation)
                 end += 1
             assert result.num_allocated == end - start, (result, end, start)
             self._compare_copy_ops()
@@ -294,17 +292,17 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
             start = end
         tokens = {rid: self.rng.randrange(VOCAB) for rid in self.decoding}
         done = []
-        for request_id in self.decoding:
+        for seq_id in self.decoding:
             for world in self.worlds:
-                request = world.requests[request_id]
+                request = world.requests[seq_id]
                 request.num_computed_tokens += 1
-                request.append_output_token_ids(tokens[request_id])
-            request = self.ref.requests[request_id]
+                request.append_output_token_ids(tokens[seq_id])
+            request = self.ref.requests[seq_id]
             if request.num_output_tokens >= (request.max_tokens or 0):
-                done.append(request_id)
-        for request_id in done:
+                done.append(seq_id)
+        for seq_id in done:
             self._seen("finished_at_max_tokens")
-            self._finish(request_id)
+            self._finish(seq_id)
 
     def _compare_copy_ops(self) -> None:
         ops = [w.kv.take_copy_ops() for w in self.worlds]
@@ -320,26 +318,26 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
         self.waiting.insert(0, newest)
         self._remember(newest)
 
-    def _finish(self, request_id: RequestId) -> None:
-        self._remember(request_id)
+    def _finish(self, seq_id: SeqId) -> None:
+        self._remember(seq_id)
         for world in self.worlds:
-            world.free(request_id)
-            del world.requests[request_id], world.tables[request_id]
-        if request_id in self.decoding:
-            self.decoding.remove(request_id)
-        if request_id in self.waiting:
-            self.waiting.remove(request_id)
-        if self.prefilling == request_id:
+            world.free(seq_id)
+            del world.requests[seq_id], world.tables[seq_id]
+        if seq_id in self.decoding:
+            self.decoding.remove(seq_id)
+        if seq_id in self.waiting:
+            self.waiting.remove(seq_id)
+        if self.prefilling == seq_id:
             self.prefilling = None
 
-    def _remember(self, request_id: RequestId) -> None:
+    def _remember(self, seq_id: SeqId) -> None:
         """Keeps a freed request's tokens for later prompts (a chat's next turn)."""
-        self.history = [*self.history[-MAX_HISTORY:], list(self.ref.requests[request_id].token_ids)]
+        self.history = [*self.history[-MAX_HISTORY:], list(self.ref.requests[seq_id].token_ids)]
 
     def _finish_all_and_compare_caches(self) -> None:
         """A quiescent point: nothing held, and both prefix caches alike."""
-        for request_id in sorted(self.ref.requests):
-            self._finish(request_id)
+        for seq_id in sorted(self.ref.requests):
+            self._finish(seq_id)
         for world in self.worlds:
             report = world.kv.check_integrity()
             assert report.ok, "\n".join(report.errors)
@@ -375,26 +373,26 @@ class DecodeSlotsDifferentialMachine(RuleBasedStateMachine):
         assert free_queues[0] == free_queues[1]
         assert self.ref.kv.prefix_cache_stats == self.dec.kv.prefix_cache_stats
         self._compare_indexes()
-        for request_id, ref_request in self.ref.requests.items():
-            dec_request = self.dec.requests[request_id]
-            assert dec_request.token_ids == ref_request.token_ids, request_id
-            assert dec_request.num_computed_tokens == ref_request.num_computed_tokens, request_id
-            tables = self.ref.kv.get_block_ids(request_id)
-            assert self.dec.kv.get_block_ids(request_id) == tables, request_id
+        for seq_id, ref_request in self.ref.requests.items():
+            dec_request = self.dec.requests[seq_id]
+            assert dec_request.token_ids == ref_request.token_ids, seq_id
+            assert dec_request.num_computed_tokens == ref_request.num_computed_tokens, seq_id
+            tables = self.ref.kv.get_block_ids(seq_id)
+            assert self.dec.kv.get_block_ids(seq_id) == tables, seq_id
             if any(NULL_BLOCK_ID in t for t in tables):
                 self._seen("window_released_blocks")
             for world in self.worlds:
-                self._check_executor_tables(request_id, world.tables[request_id], tables)
+                self._check_executor_tables(seq_id, world.tables[seq_id], tables)
 
     @staticmethod
     def _check_executor_tables(
-        request_id: RequestId, mirror: Tables, tables: tuple[list[BlockId], ...]
+        seq_id: SeqId, mirror: Tables, tables: tuple[list[BlockId], ...]
     ) -> None:
         """Equal wherever the manager still has a block (a window may have released some)."""
         for g, (mine, theirs) in enumerate(zip(mirror, tables, strict=True)):
-            assert len(mine) == len(theirs), (request_id, g, mine, theirs)
+            assert len(mine) == len(theirs), (seq_id, g, mine, theirs)
             for j, block_id in enumerate(theirs):
-                assert block_id == NULL_BLOCK_ID or mine[j] == block_id, (request_id, g, mine)
+                assert block_id == NULL_BLOCK_ID or mine[j] == block_id, (seq_id, g, mine)
 
     def teardown(self) -> None:
         if hasattr(self, "dec"):

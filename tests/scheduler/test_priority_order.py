@@ -49,7 +49,7 @@ class Stepper:
             arrival=arrival,
         )
         self.generations[name] = generation
-        self._names[generation.sequences[0].request.request_id] = name
+        self._names[generation.sequences[0].request.seq_id] = name
 
     def step(self) -> list[str]:
         """Sends one step and applies its answer; the names it admitted."""
@@ -60,11 +60,11 @@ class Stepper:
         assert not processed.errors, processed.errors
         for generation in processed.touched:
             generation.flush()
-        return [self._names[r.request_id] for r in scheduled.request.new_requests]
+        return [self._names[r.seq_id] for r in scheduled.request.new_requests]
 
     @property
     def waiting(self) -> list[str]:
-        return [self._names[s.request.request_id] for s in self.scheduler.waiting]
+        return [self._names[s.request.seq_id] for s in self.scheduler.waiting]
 
     @property
     def preempted(self) -> set[str]:

@@ -21,16 +21,16 @@ class RowStreams:
 
     def __init__(self, streams: dict[str, list[int]]) -> None:
         self.streams = streams
-        self.request_of: dict[int, str] = {}
+        self.seq_of: dict[int, str] = {}
         self.next: dict[int, int] = {}
 
     def respond(self, message: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
         for new in message.new_requests:
-            self.request_of[new.row] = new.request_id
+            self.seq_of[new.row] = new.seq_id
             self.next[new.row] = 0
         tokens = []
         for row in sampled_rows(message):
-            stream = self.streams[self.request_of[row]]
+            stream = self.streams[self.seq_of[row]]
             tokens.append(stream[self.next[row] % len(stream)])
             self.next[row] += 1
         return step_response(message, tokens)

@@ -11,7 +11,13 @@ BlockHash = NewType("BlockHash", bytes)
 """Stable 128-bit hash of a full block and its whole prefix (16 bytes)."""
 
 RequestId = NewType("RequestId", str)
-"""A request's id, unique among the requests a scheduler holds."""
+"""A client's request id (``GenerateRequest.request_id``): free text the
+client picks, echoed on every response."""
+
+SeqId = NewType("SeqId", str)
+"""A sequence's id: the block core's and the executor's name for one output
+sequence of a request (a request with n > 1 or beam search has several),
+made by the scheduler ("<key>.<n>") and unique among the sequences it holds."""
 
 NULL_BLOCK_ID = BlockId(0)
 """The null block: a placeholder in block tables, never handed out."""

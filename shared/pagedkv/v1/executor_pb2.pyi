@@ -50,18 +50,18 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "row", "prompt_token_ids", "sampling", "num_prompt_tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("seq_id", "row", "prompt_token_ids", "sampling", "num_prompt_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    seq_id: str
     row: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., row: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., row: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids", "num_decode_steps")
@@ -154,14 +154,14 @@ class AllocateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("owner", "rows", "request_ids")
+    __slots__ = ("owner", "rows", "seq_ids")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     owner: _common_pb2.Owner
     rows: _containers.RepeatedScalarFieldContainer[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed_rows",)

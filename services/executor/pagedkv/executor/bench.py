@@ -75,7 +75,7 @@ def _prefill(executor: Any, prompts: np.ndarray, step_id: int) -> int:
         step_id += 1
         for row in range(first, min(first + per_step, len(prompts))):
             request.new_requests.add(
-                request_id=f"r{row}",
+                seq_id=f"r{row}",
                 row=row,
                 prompt_token_ids=prompts[row].tolist(),
                 sampling=common_pb2.SamplingParams(temperature=0.0),

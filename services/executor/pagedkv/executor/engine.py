@@ -249,9 +249,7 @@ class Executor:
             self.check_owner(request.owner)
             rows = self.runner.rows
             wanted = {row for row in request.rows if row < rows.max_num_rows and rows.live[row]}
-            wanted |= {
-                rows.row_of_request[r] for r in request.request_ids if r in rows.row_of_request
-            }
+            wanted |= {rows.row_of_seq[r] for r in request.seq_ids if r in rows.row_of_seq}
             freed = sorted(wanted)
             rows.free(freed)
         return executor_pb2.FreeResponse(freed_rows=freed)

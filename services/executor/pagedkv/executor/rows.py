@@ -1,6 +1,6 @@
 """The executor's live requests, one block-table row each.
 
-Host side (numpy and lists): which rows are live, their request ids and
+Host side (numpy and lists): which rows are live, their sequence ids and
 sampling params, how many tokens each row's history holds, how many blocks
 each group's row holds, and whether the row has a sample not yet appended.
 Device side: the block tables, the token histories and the last sampled token
@@ -53,8 +53,8 @@ class Rows:
         # Bumped whenever a row's sampling params change (add, free): a
         # batch of params built for some rows stays valid while it holds.
         self.sampling_version = 0
-        self.request_ids: list[str | None] = [None] * max_num_rows
-        self.row_of_request: dict[str, int] = {}
+        self.seq_ids: list[str | None] = [None] * max_num_rows
+        self.row_of_seq: dict[str, int] = {}
         self.sampling: list[RowSampling | None] = [None] * max_num_rows
         self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.num_blocks = np.zeros((num_groups, max_num_rows), dtype=np.int64)
@@ -74,7 +74,7 @@ class Rows:
         lengths."""
         self.free(plan.freed_rows)
         for new in plan.new_rows:
-            self.add(new.row, new.request_id, new.sampling)
+            self.add(new.row, new.seq_id, new.sampling)
         self.set_tables(
             plan.table_groups,
             plan.table_rows,
@@ -122,10 +122,10 @@ class Rows:
             return
         self.sampling_version += 1
         for row in rows:
-            request_id = self.request_ids[row]
-            if request_id is not None:
-                del self.row_of_request[request_id]
-            self.request_ids[row] = None
+            seq_id = self.seq_ids[row]
+            if seq_id is not None:
+                del self.row_of_seq[seq_id]
+            self.seq_ids[row] = None
             self.sampling[row] = None
         self.live[rows] = False
         self.num_tokens[rows] = 0
@@ -138,13 +138,13 @@ class Rows:
         self.free(rows)
         return rows
 
-    def add(self, row: int, request_id: str, sampling: RowSampling) -> None:
+    def add(self, row: int, seq_id: str, sampling: RowSampling) -> None:
         """Makes ``row`` live with an empty history (the caller writes its
         prompt with ``write_tokens``)."""
         self.sampling_version += 1
         self.live[row] = True
-        self.request_ids[row] = request_id
-        self.row_of_request[request_id] = row
+        self.seq_ids[row] = seq_id
+        self.row_of_seq[seq_id] = row
         self.sampling[row] = sampling
         self.num_tokens[row] = 0
         self.num_blocks[:, row] = 0

@@ -3,7 +3,7 @@
 sampling) and the rows of its other entries, checked against the executor's
 rows; and the column checks the other parts use too.
 
-Each check raises InvalidArgument (AlreadyExists for a live request id)
+Each check raises InvalidArgument (AlreadyExists for a live seq_id)
 naming the field and index at fault, and changes nothing. The rules are the
 ones documented in protos/pagedkv/v1/executor.proto.
 """
@@ -108,9 +108,9 @@ def plan_new_requests(
     limits: Limits,
 ) -> list[NewRow]:
     """Checks ``new_requests``: each takes a row not live once the freed rows
-    go (``live_after``) nor taken by another, with a request id not live."""
+    go (``live_after``) nor taken by another, with a seq_id not live."""
     taken: dict[int, int] = {}
-    ids_after = {rid for rid, row in rows.row_of_request.items() if live_after[row]}
+    ids_after = {sid for sid, row in rows.row_of_seq.items() if live_after[row]}
     new_ids: set[str] = set()
     new_rows = []
     for i, message in enumerate(messages):
@@ -123,11 +123,11 @@ def plan_new_requests(
         if row in taken:
             raise InvalidArgument(f"{name}.row: row {row} is taken by new_requests[{taken[row]}]")
         taken[row] = i
-        if not message.request_id:
-            raise InvalidArgument(f"{name}.request_id: empty")
-        if message.request_id in ids_after or message.request_id in new_ids:
-            raise AlreadyExists(f"{name}.request_id: {message.request_id!r} is live")
-        new_ids.add(message.request_id)
+        if not message.seq_id:
+            raise InvalidArgument(f"{name}.seq_id: empty")
+        if message.seq_id in ids_after or message.seq_id in new_ids:
+            raise AlreadyExists(f"{name}.seq_id: {message.seq_id!r} is live")
+        new_ids.add(message.seq_id)
         new_rows.append(_new_row(name, message, limits))
     return new_rows
 
@@ -149,7 +149,7 @@ def _new_row(name: str, message: executor_pb2.NewRequest, limits: Limits) -> New
         message.sampling, limits.eos_token_ids, message.num_prompt_tokens or len(prompt)
     )
     _check_sampling(f"{name}.sampling", sampling, limits)
-    return NewRow(message.row, message.request_id, prompt, sampling)
+    return NewRow(message.row, message.seq_id, prompt, sampling)
 
 
 def _check_sampling(name: str, sampling: RowSampling, limits: Limits) -> None:

@@ -78,7 +78,7 @@ class NewRow:
     """A checked new request: the row it takes, its prompt and sampling."""
 
     row: int
-    request_id: str
+    seq_id: str
     prompt: np.ndarray  # int64 [prompt_len]
     sampling: RowSampling
 

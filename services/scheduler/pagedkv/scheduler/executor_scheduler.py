@@ -456,7 +456,7 @@ class ExecutorScheduler:
                 plan.token_ids.append(request.token_ids[-1])
             placed.token_unsent = False
         if lengths is None or allocation is None:
-            tables = self.kv.get_block_ids(request.request_id)
+            tables = self.kv.get_block_ids(request.seq_id)
             placed.table_lengths = [len(table) for table in tables]
             for table in tables:
                 plan.block_table_starts.append(0)

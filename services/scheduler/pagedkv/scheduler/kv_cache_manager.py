@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from pagedkv.common.block_hash import root_hash
-from pagedkv.common.ids import BlockId, RequestId
+from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
 from pagedkv.scheduler.kv_cache_types import (
@@ -90,7 +90,7 @@ class KVCacheManager:
         self._copy_ops: list[BlockCopy] = []
         # Requests that took part in a fork: only their tables can hold a
         # shared block that is written next (copy-on-write).
-        self._forked: set[RequestId] = set()
+        self._forked: set[SeqId] = set()
         self._num_requests = 0
         self._num_queries = 0
         self._num_hits = 0
@@ -105,7 +105,7 @@ class KVCacheManager:
 
     def make_request(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: Sequence[int],
         *,
         cache_salt: str | None = None,
@@ -114,7 +114,7 @@ class KVCacheManager:
     ) -> Request:
         """A ``Request`` whose block hashes are keyed for this manager's cache."""
         return Request(
-            request_id,
+            seq_id,
             prompt_token_ids,
             block_size=self.block_size,
             root_hash=root_hash(self.model_id, self.block_size, cache_salt),
@@ -191,7 +191,7 @@ class KVCacheManager:
         """
         fast = self._single_full
         if fast is not None and not num_lookahead_tokens:
-            blocks = fast.req_to_blocks.get(request.request_id)
+            blocks = fast.req_to_blocks.get(request.seq_id)
             if blocks is None:
                 return self._admit_single(fast, request, num_new_tokens, computed)
             if computed is None:
@@ -205,9 +205,9 @@ class KVCacheManager:
                 ):
                     if (
                         self.enable_caching
-                        and num_tokens // block_size > fast.num_cached_blocks[request.request_id]
+                        and num_tokens // block_size > fast.num_cached_blocks[request.seq_id]
                     ):
-                        fast.cache_blocks(request.request_id, request.block_hashes, num_tokens)
+                        fast.cache_blocks(request.seq_id, request.block_hashes, num_tokens)
                     return NO_TABLE_CHANGE
         return self._allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
 
@@ -221,9 +221,7 @@ class KVCacheManager:
         """``allocate_slots`` for a request new to a single full-attention group."""
         if computed is not None and computed.num_tokens:
             if request.num_computed_tokens:
-                raise ValueError(
-                    f"{request.request_id}: prefix hits are for a request with no blocks"
-                )
+                raise ValueError(f"{request.seq_id}: prefix hits are for a request with no blocks")
             hits = computed.blocks[0]
             num_computed = computed.num_tokens
         else:
@@ -232,7 +230,7 @@ class KVCacheManager:
         num_tokens = num_computed + num_new_tokens
         if num_new_tokens < 0 or num_tokens > request.num_tokens:
             raise ValueError(
-                f"{request.request_id}: {num_tokens} tokens scheduled, "
+                f"{request.seq_id}: {num_tokens} tokens scheduled, "
                 f"the request has {request.num_tokens}"
             )
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(hits)
@@ -242,11 +240,11 @@ class KVCacheManager:
             return None
         pool.touch(hits)
         blocks = [*hits, *pool.get_new_blocks(num_new_blocks)]
-        request_id = request.request_id
-        manager.req_to_blocks[request_id] = blocks
-        manager.num_cached_blocks[request_id] = len(hits)
+        seq_id = request.seq_id
+        manager.req_to_blocks[seq_id] = blocks
+        manager.num_cached_blocks[seq_id] = len(hits)
         if self.enable_caching:
-            manager.cache_blocks(request_id, request.block_hashes, num_tokens)
+            manager.cache_blocks(seq_id, request.block_hashes, num_tokens)
         request.num_computed_tokens = num_computed
         return Allocation((TableUpdate(0, tuple(map(_block_id, blocks))),))
 
@@ -259,60 +257,56 @@ class KVCacheManager:
     ) -> Allocation | None:
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must not be negative")
-        request_id = request.request_id
+        seq_id = request.seq_id
         managers = self.managers
         if computed is None or not computed.num_tokens:
             computed = self._empty_hit
             num_computed = request.num_computed_tokens
         else:
-            if request.num_computed_tokens or any(
-                m.req_to_blocks.get(request_id) for m in managers
-            ):
-                raise ValueError(f"{request_id}: prefix hits are for a request with no blocks")
+            if request.num_computed_tokens or any(m.req_to_blocks.get(seq_id) for m in managers):
+                raise ValueError(f"{seq_id}: prefix hits are for a request with no blocks")
             num_computed = computed.num_tokens
         num_tokens = num_computed + num_new_tokens
         # (With no new tokens the computed count may run ahead of the known
         # tokens: samples still in flight, async stepping.)
         if num_new_tokens and num_tokens > request.num_tokens:
             raise ValueError(
-                f"{request_id}: {num_tokens} tokens scheduled, the request has {request.num_tokens}"
+                f"{seq_id}: {num_tokens} tokens scheduled, the request has {request.num_tokens}"
             )
         num_slots = num_tokens + num_lookahead_tokens
 
         pool = self.pool
         num_needed = 0
         for manager, hits in zip(managers, computed.blocks, strict=True):
-            num_needed += manager.get_num_blocks_to_allocate(
-                request_id, num_computed, num_slots, hits
-            )
+            num_needed += manager.get_num_blocks_to_allocate(seq_id, num_computed, num_slots, hits)
             # Hits sitting in the free queue leave it when touched.
             num_needed += sum(1 for b in hits if not b.ref_cnt and not b.is_null)
         num_free = pool.get_num_free_blocks()
         if num_needed > num_free:
-            num_free += sum(m.get_num_releasable_blocks(request_id, num_computed) for m in managers)
+            num_free += sum(m.get_num_releasable_blocks(seq_id, num_computed) for m in managers)
             if num_needed > num_free:
                 return None
 
         # First every group takes its hits and releases what left its window,
         # so that no group's fresh blocks come from another group's hits and
         # every released block is free before any group allocates.
-        starts = [len(m.req_to_blocks.get(request_id, ())) for m in managers]
+        starts = [len(m.req_to_blocks.get(seq_id, ())) for m in managers]
         for manager, hits in zip(managers, computed.blocks, strict=True):
             if hits:
                 pool.touch(hits)
-                manager.save_new_computed_blocks(request_id, hits)
-            manager.remove_skipped_blocks(request_id, num_computed)
+                manager.save_new_computed_blocks(seq_id, hits)
+            manager.remove_skipped_blocks(seq_id, num_computed)
         copy_ops: list[tuple[BlockId, BlockId]] = []
         updates: list[TableUpdate] = []
         write_index = num_computed // self.block_size
         for manager, start in zip(managers, starts, strict=True):
             num_copies = len(copy_ops)
-            manager.allocate_new_blocks(request_id, num_computed, num_slots, copy_ops)
+            manager.allocate_new_blocks(seq_id, num_computed, num_slots, copy_ops)
             if len(copy_ops) > num_copies:
                 start = min(start, write_index)
             if self.enable_caching:
-                manager.cache_blocks(request_id, request.block_hashes, num_tokens)
-            blocks = manager.req_to_blocks[request_id]
+                manager.cache_blocks(seq_id, request.block_hashes, num_tokens)
+            blocks = manager.req_to_blocks[seq_id]
             updates.append(TableUpdate(start, tuple(map(_block_id, blocks[start:]))))
         if computed.num_tokens:
             request.num_computed_tokens = num_computed
@@ -351,18 +345,18 @@ class KVCacheManager:
         pool = self.pool
         forked = self._forked
         for i, request in enumerate(requests[start:] if start else requests, start):
-            request_id = request.request_id
-            blocks = tables[request_id]
+            seq_id = request.seq_id
+            blocks = tables[seq_id]
             num_computed = request.num_computed_tokens
             num_slots = len(blocks) * block_size
             if num_computed < num_slots and not (
-                forked and request_id in forked and blocks[num_computed // block_size].ref_cnt > 1
+                forked and seq_id in forked and blocks[num_computed // block_size].ref_cnt > 1
             ):
                 # Room in its own last block: only a block that fills needs work.
                 # (A block whose last token is not known yet, in async stepping,
                 # is entered when the next one fills, or by free().)
                 if caching and not (num_computed + 1) % block_size:
-                    fast.cache_blocks(request_id, request.block_hashes, num_computed + 1)
+                    fast.cache_blocks(seq_id, request.block_hashes, num_computed + 1)
                 continue
             if num_computed == num_slots and pool.free_block_queue.num_free_blocks:
                 # The next token starts a new block: append one.
@@ -371,7 +365,7 @@ class KVCacheManager:
                 update = TableUpdate(len(blocks) - 1, (block.block_id,))
                 updates.append((i, Allocation((update,))))
                 if caching and block_size == 1:
-                    fast.cache_blocks(request_id, request.block_hashes, num_computed + 1)
+                    fast.cache_blocks(seq_id, request.block_hashes, num_computed + 1)
                 continue
             allocation = self._allocate_one_more(request)
             if allocation is None:
@@ -387,9 +381,9 @@ class KVCacheManager:
         that shares no block by a fork (otherwise False: ask
         ``allocate_slots``). A decode window's entries mostly fit."""
         fast = self._single_full
-        if fast is None or request.request_id in self._forked:
+        if fast is None or request.seq_id in self._forked:
             return False
-        return len(fast.req_to_blocks[request.request_id]) * self.block_size >= num_tokens
+        return len(fast.req_to_blocks[request.seq_id]) * self.block_size >= num_tokens
 
     def _allocate_one_more(self, request: Request) -> Allocation | None:
         num_new = 1 if request.num_tokens > request.num_computed_tokens else 0
@@ -414,15 +408,13 @@ class KVCacheManager:
         repeats the conversation, hits them. Freeing a request with no blocks
         is a no-op.
         """
-        request_id = request.request_id
+        seq_id = request.seq_id
         num_full = request.num_computed_tokens // self.block_size
         for manager in self.managers:
-            if self.enable_caching and num_full > manager.num_cached_blocks.get(
-                request_id, num_full
-            ):
-                manager.cache_blocks(request_id, request.block_hashes, num_full * self.block_size)
-            manager.free(request_id)
-        self._forked.discard(request_id)
+            if self.enable_caching and num_full > manager.num_cached_blocks.get(seq_id, num_full):
+                manager.cache_blocks(seq_id, request.block_hashes, num_full * self.block_size)
+            manager.free(seq_id)
+        self._forked.discard(seq_id)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Makes ``child`` share every block of ``parent`` that holds computed tokens.
@@ -436,25 +428,23 @@ class KVCacheManager:
             child.num_tokens < num_computed
             or child.token_ids[:num_computed] != (parent.token_ids[:num_computed])
         ):
-            raise ValueError(f"{child.request_id}: a fork must start with the parent's tokens")
+            raise ValueError(f"{child.seq_id}: a fork must start with the parent's tokens")
         for manager in self.managers:
-            manager.fork(parent.request_id, child.request_id, num_computed)
+            manager.fork(parent.seq_id, child.seq_id, num_computed)
         child.num_computed_tokens = num_computed
-        self._forked.add(parent.request_id)
-        self._forked.add(child.request_id)
+        self._forked.add(parent.seq_id)
+        self._forked.add(child.seq_id)
 
     # -- views and checks --------------------------------------------------------------
 
-    def get_block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
+    def get_block_ids(self, seq_id: SeqId) -> tuple[list[BlockId], ...]:
         """The request's block table in every group (null placeholders are 0)."""
-        return tuple(
-            [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers
-        )
+        return tuple([b.block_id for b in m.req_to_blocks.get(seq_id, ())] for m in self.managers)
 
-    def num_blocks_held(self, request_id: RequestId) -> int:
+    def num_blocks_held(self, seq_id: SeqId) -> int:
         """Real (non-null) blocks in the request's tables, shared ones included."""
         return sum(
-            1 for m in self.managers for b in m.req_to_blocks.get(request_id, ()) if not b.is_null
+            1 for m in self.managers for b in m.req_to_blocks.get(seq_id, ()) if not b.is_null
         )
 
     @property
@@ -470,7 +460,7 @@ class KVCacheManager:
         places: dict[int, tuple[int, int]] = {}
         holders: Counter[int] = Counter()
         for manager in self.managers:
-            for request_id, blocks in manager.req_to_blocks.items():
+            for seq_id, blocks in manager.req_to_blocks.items():
                 for index, block in enumerate(blocks):
                     if not block.is_null:
                         holders[block.block_id] += 1
@@ -480,9 +470,9 @@ class KVCacheManager:
                                 f"block {block.block_id}: held at (group, index) "
                                 f"{places[block.block_id]} and {place}"
                             )
-                num_cached = manager.num_cached_blocks.get(request_id)
+                num_cached = manager.num_cached_blocks.get(seq_id)
                 if num_cached is None or num_cached > len(blocks):
-                    errors.append(f"{request_id}: cached-block count {num_cached} of {len(blocks)}")
+                    errors.append(f"{seq_id}: cached-block count {num_cached} of {len(blocks)}")
         for block in self.pool.blocks[1:]:
             if block.ref_cnt != holders.get(block.block_id, 0):
                 errors.append(

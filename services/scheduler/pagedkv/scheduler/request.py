@@ -12,7 +12,7 @@ from pagedkv.common.block_hash import (
     hash_full_blocks,
     token_bytes,
 )
-from pagedkv.common.ids import BlockHash, RequestId
+from pagedkv.common.ids import BlockHash, SeqId
 
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -35,6 +35,10 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     """Token ids, computed-token count and block hashes of one sequence.
+
+    ``seq_id`` names the sequence (a ``SeqId``: its id in the block core and
+    on the executor); the client's request id is its generation's
+    (``Generation.request_id``), never the block core's.
 
     ``token_ids``: every token id, prompt then outputs, as a uint32 ``array``;
     append-only (sampled tokens are appended, nothing in it changes). The
@@ -63,15 +67,15 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
-        "request_id",
         "root_hash",
+        "seq_id",
         "status",
         "token_ids",
     )
 
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: Iterable[int],
         *,
         block_size: int,
@@ -85,7 +89,7 @@ class Request:
             raise ValueError(f"prompt_token_ids: every id must be in [0, {_MAX_TOKEN_ID}]") from exc
         if not token_ids:
             raise ValueError("prompt_token_ids: the prompt is empty")
-        self.request_id = RequestId(request_id)
+        self.seq_id = SeqId(seq_id)
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
@@ -142,6 +146,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"Request({self.seq_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, status={self.status.name})"
         )

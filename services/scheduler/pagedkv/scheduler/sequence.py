@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.common.ids import SeqId
 from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.beam import BeamSearch
 from pagedkv.scheduler.chunks import ChunkQueue, PendingChunk, PendingOutput
@@ -103,8 +104,9 @@ class Sequence:
         return placed
 
     @property
-    def seq_id(self) -> str:
-        return self.request.request_id
+    def seq_id(self) -> SeqId:
+        """Its id in the block core and on the executor (``Request.seq_id``)."""
+        return self.request.seq_id
 
     @property
     def finished(self) -> bool:
@@ -214,8 +216,8 @@ class Generation:
         )
 
     def new_seq_id(self) -> str:
-        """A name for a new sequence of this generation (its block-core
-        request id and its id on the executor), unique in the scheduler."""
+        """A name for a new sequence of this generation (its ``seq_id`` in
+        the block core and on the executor), unique in the scheduler."""
         seq_id = f"{self.key}.{self.num_seq_ids}"
         self.num_seq_ids += 1
         return seq_id

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.common.ids import BlockHash, BlockId, RequestId
+from pagedkv.common.ids import BlockHash, BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, KVCacheBlock
 
@@ -36,14 +36,14 @@ class SingleTypeKVCacheManager:
         self.pool = pool
         self.group_id = group_id
         self.null_block = pool.null_block
-        self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[RequestId, int] = {}
+        self.req_to_blocks: dict[SeqId, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[SeqId, int] = {}
 
     # -- planning (no state change) ---------------------------------------------------
 
     def get_num_blocks_to_allocate(
         self,
-        request_id: RequestId,
+        seq_id: SeqId,
         num_computed_tokens: int,
         num_slots: int,
         new_computed_blocks: Sequence[KVCacheBlock],
@@ -54,7 +54,7 @@ class SingleTypeKVCacheManager:
         replacement when the block receiving token ``num_computed_tokens`` is
         shared.
         """
-        blocks = self.req_to_blocks.get(request_id, ())
+        blocks = self.req_to_blocks.get(seq_id, ())
         num_have = len(blocks) + len(new_computed_blocks)
         num_new = max(0, cdiv(num_slots, self.block_size) - num_have)
         write_index = num_computed_tokens // self.block_size
@@ -64,27 +64,27 @@ class SingleTypeKVCacheManager:
                 num_new += 1
         return num_new
 
-    def get_num_releasable_blocks(self, request_id: RequestId, num_computed_tokens: int) -> int:
+    def get_num_releasable_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> int:
         """Blocks that ``remove_skipped_blocks`` would put back in the free queue."""
         return 0
 
     # -- mutation ------------------------------------------------------------------------
 
     def save_new_computed_blocks(
-        self, request_id: RequestId, new_computed_blocks: Sequence[KVCacheBlock]
+        self, seq_id: SeqId, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> None:
         """Appends prefix-cache hits (already touched) to a new request's table."""
-        blocks = self.req_to_blocks.setdefault(request_id, [])
+        blocks = self.req_to_blocks.setdefault(seq_id, [])
         assert not blocks, "prefix hits are only taken by a request with no blocks"
         blocks.extend(new_computed_blocks)
-        self.num_cached_blocks[request_id] = len(new_computed_blocks)
+        self.num_cached_blocks[seq_id] = len(new_computed_blocks)
 
-    def remove_skipped_blocks(self, request_id: RequestId, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Releases blocks no future token attends to. Full attention: none."""
 
     def allocate_new_blocks(
         self,
-        request_id: RequestId,
+        seq_id: SeqId,
         num_computed_tokens: int,
         num_slots: int,
         copy_ops: list[tuple[BlockId, BlockId]],
@@ -94,8 +94,8 @@ class SingleTypeKVCacheManager:
         The caller has checked that enough blocks are free. A shared block
         receiving the next token is replaced (copy-on-write, see the class).
         """
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        self.num_cached_blocks.setdefault(request_id, 0)
+        blocks = self.req_to_blocks.setdefault(seq_id, [])
+        self.num_cached_blocks.setdefault(seq_id, 0)
         new_blocks: list[KVCacheBlock] = []
         write_index = num_computed_tokens // self.block_size
         if write_index < len(blocks):
@@ -114,18 +114,18 @@ class SingleTypeKVCacheManager:
         return new_blocks
 
     def cache_blocks(
-        self, request_id: RequestId, block_hashes: Sequence[BlockHash], num_tokens: int
+        self, seq_id: SeqId, block_hashes: Sequence[BlockHash], num_tokens: int
     ) -> None:
         """Enters the request's blocks that ``num_tokens`` tokens fill into the index."""
         num_full = min(num_tokens // self.block_size, len(block_hashes))
-        num_cached = self.num_cached_blocks[request_id]
+        num_cached = self.num_cached_blocks[seq_id]
         if num_full > num_cached:
             self.pool.cache_full_blocks(
-                self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.group_id
+                self.req_to_blocks[seq_id], block_hashes, num_cached, num_full, self.group_id
             )
-            self.num_cached_blocks[request_id] = num_full
+            self.num_cached_blocks[seq_id] = num_full
 
-    def fork(self, parent_id: RequestId, child_id: RequestId, num_computed_tokens: int) -> None:
+    def fork(self, parent_id: SeqId, child_id: SeqId, num_computed_tokens: int) -> None:
         """Shares the parent's blocks holding computed tokens with a new child."""
         assert child_id not in self.req_to_blocks, f"{child_id} already has blocks"
         shared = self.req_to_blocks.get(parent_id, [])[: cdiv(num_computed_tokens, self.block_size)]
@@ -135,10 +135,10 @@ class SingleTypeKVCacheManager:
             self.num_cached_blocks.get(parent_id, 0), len(shared)
         )
 
-    def free(self, request_id: RequestId) -> None:
+    def free(self, seq_id: SeqId) -> None:
         """Returns every block of the request, tail block first (evicted first)."""
-        blocks = self.req_to_blocks.pop(request_id, None)
-        self.num_cached_blocks.pop(request_id, None)
+        blocks = self.req_to_blocks.pop(seq_id, None)
+        self.num_cached_blocks.pop(seq_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
@@ -181,8 +181,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         first_useful_token = num_computed_tokens - self.sliding_window + 1
         return max(0, first_useful_token) // self.block_size
 
-    def get_num_releasable_blocks(self, request_id: RequestId, num_computed_tokens: int) -> int:
-        blocks = self.req_to_blocks.get(request_id, ())
+    def get_num_releasable_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> int:
+        blocks = self.req_to_blocks.get(seq_id, ())
         count = 0
         for i in range(min(self._num_skipped_blocks(num_computed_tokens), len(blocks)) - 1, -1, -1):
             block = blocks[i]
@@ -192,13 +192,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 count += 1
         return count
 
-    def remove_skipped_blocks(self, request_id: RequestId, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Puts blocks that fell out of the window back, latest first.
 
         Scans back from the last skipped block and stops at the first null
         placeholder (everything before it was released earlier).
         """
-        blocks = self.req_to_blocks.get(request_id)
+        blocks = self.req_to_blocks.get(seq_id)
         if not blocks:
             return
         released: list[KVCacheBlock] = []

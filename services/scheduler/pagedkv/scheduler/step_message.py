@@ -25,7 +25,7 @@ from pagedkv.v1 import common_pb2, executor_pb2
 class NewRequestPlan:
     """A sequence the executor does not know yet: sent whole, once."""
 
-    request_id: str
+    seq_id: str
     row: int
     token_ids: array[int]  # a copy of the request's whole history
     sampling: common_pb2.SamplingParams
@@ -153,7 +153,7 @@ def encode_step(
     message.freed_rows.extend(plan.freed_rows)
     for new in plan.new_requests:
         message.new_requests.add(
-            request_id=new.request_id,
+            seq_id=new.seq_id,
             row=new.row,
             prompt_token_ids=new.token_ids,
             sampling=new.sampling,

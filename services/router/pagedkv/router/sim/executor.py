@@ -145,7 +145,7 @@ class SimExecutor:
         if self.prefilling:
             job = self.prefilling.pop()
         else:
-            job = self._decoding_jobs.pop(self.decoding.pop().request_id)
+            job = self._decoding_jobs.pop(self.decoding.pop().seq_id)
         self.kv.free(job.request)
         job.request.num_computed_tokens = 0
         job.request.status = RequestStatus.PREEMPTED
@@ -192,8 +192,7 @@ class SimExecutor:
             if kv.allocate_slots(request, num_new, computed) is None:
                 if not num_running:
                     raise RuntimeError(
-                        f"{request.request_id} needs more blocks than the pool has; "
-                        "raise --num-blocks"
+                        f"{request.seq_id} needs more blocks than the pool has; raise --num-blocks"
                     )
                 break
             self.waiting.popleft()
@@ -228,7 +227,7 @@ class SimExecutor:
                 if request.num_output_tokens == request.max_tokens:
                     request.status = RequestStatus.FINISHED_LENGTH
                     self.kv.free(request)
-                    finished.append(self._decoding_jobs.pop(request.request_id))
+                    finished.append(self._decoding_jobs.pop(request.seq_id))
             if finished:
                 self.decoding = [r for r in self.decoding if not r.status.is_finished]
         for job, num_new in plan.chunks:
@@ -244,7 +243,7 @@ class SimExecutor:
                     finished.append(job)
                 else:
                     self.decoding.append(request)
-                    self._decoding_jobs[request.request_id] = job
+                    self._decoding_jobs[request.seq_id] = job
         return StepOutcome(first_tokens, finished)
 
     def take_cache_events(self) -> list[CacheEvent]:
@@ -267,7 +266,7 @@ class SimExecutor:
         """Its scheduler died: every unfinished job comes back (with the tokens
         its stream delivered) for the client to resume elsewhere; the tags stay."""
         self.take_cache_events()
-        decoding = [self._decoding_jobs[request.request_id] for request in self.decoding]
+        decoding = [self._decoding_jobs[request.seq_id] for request in self.decoding]
         jobs = [*self.prefilling, *decoding, *self.waiting]
         self._new_scheduler()
         self.kv.pool.take_events()

@@ -150,8 +150,7 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
             if allocate_slots(request, num_new, computed) is None:
                 if not num_running:
                     raise RuntimeError(
-                        f"{request.request_id} needs more blocks than the pool has; "
-                        "raise --num-blocks"
+                        f"{request.seq_id} needs more blocks than the pool has; raise --num-blocks"
                     )
                 break
             waiting.popleft()
