@@ -1,5 +1,5 @@
 """The live ``ExecutorScheduler`` stepped without an executor: a scheduler
-over a synthetic executor (``pagedkv.scheduler.bench.steps.executor_info``),
+over a synthetic executor (``pagedkv.scheduler.bench.executor_sim.executor_info``),
 generations added to it as the service adds them, and a loop that sends
 steps, answers each as it is sent and applies the answers with some in
 flight, as the service's step loop does."""
@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.bench.steps import executor_info
+from pagedkv.scheduler.bench.executor_sim import executor_info
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2

@@ -9,9 +9,10 @@ from typing import Any
 def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
-        help="discrete-event simulation of a routed cluster over the real block core",
+        help="discrete-event simulation of a routed cluster over the real scheduler",
         description=(
-            "Simulates executors (each with the scheduler's block core) owned by schedulers "
+            "Simulates executors (each scheduled by the service's ExecutorScheduler) owned "
+            "by schedulers "
             "behind one router, with a step cost calibrated on the committed H200 results; "
             "compares the routing policies on a shared-prefix trace and fails a scheduler."
         ),

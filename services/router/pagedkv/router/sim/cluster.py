@@ -26,11 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.common.block_hash import root_hash
 from pagedkv.router.index import PrefixIndex
 from pagedkv.router.scoring import RoutingPolicy
 from pagedkv.router.sim.cost_model import StepCostModel
-from pagedkv.router.sim.executor import Job, SimExecutor, StepPlan, TrackedRequest
+from pagedkv.router.sim.executor import Job, SimExecutor, SimStep, TrackedRequest
 from pagedkv.router.sim.metrics import (
     FailureSummary,
     Recorder,
@@ -41,7 +40,6 @@ from pagedkv.router.sim.metrics import (
 )
 from pagedkv.router.sim.router import SimRouter
 from pagedkv.router.sim.trace import TraceConfig, TraceRequest, generate
-from pagedkv.scheduler.request import Request
 
 _ARRIVAL, _STEP_END, _FLUSH, _REPORT, _FAIL, _ADOPT = range(6)
 
@@ -118,10 +116,9 @@ class _Loop:
         )
         for i, owner in enumerate(self.owners):
             self.router.set_owner(i, f"scheduler-{owner}")
-        self.root_hash = root_hash(config.model_id, config.block_size)
         self.recorder = Recorder(config.bin_s)
         self.tracked: list[TrackedRequest] = []
-        self.busy: list[StepPlan | None] = [None] * n
+        self.busy: list[SimStep | None] = [None] * n
         self.epochs = [0] * n
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = itertools.count()
@@ -159,21 +156,14 @@ class _Loop:
         block_size = self.config.block_size
         shareable = min(arrival.prefix_len, len(arrival.prompt_token_ids) - 1)
         self.recorder.num_shareable_tokens += shareable // block_size * block_size
-        request = Request(
-            arrival.request_id,
-            arrival.prompt_token_ids,
-            block_size=self.config.block_size,
-            root_hash=self.root_hash,
-            max_tokens=arrival.num_output_tokens,
-        )
-        self.submit(Job(request, tracked), now)
+        self.submit(Job(arrival.prompt_token_ids, arrival.num_output_tokens, tracked), now)
         self.next_arrival()
 
     def submit(self, job: Job, now: float) -> None:
         self.router.apply_due(now)
-        executor, _ = self.router.place(job.request.token_ids, now)
+        executor, _ = self.router.place(job.prompt_token_ids, now)
         job.tracked.executors.append(executor)
-        self.executors[executor].submit(job)
+        self.executors[executor].submit(job, now)
         if self.busy[executor] is None:
             self.start_step(executor, now)
 
@@ -181,9 +171,9 @@ class _Loop:
 
     def start_step(self, i: int, now: float) -> None:
         executor = self.executors[i]
-        plan = executor.plan_step()
-        self.router.buffer(i, plan.cache_events)
-        if not plan.chunks and not plan.num_decoding:
+        plan = executor.schedule_step()
+        self.router.buffer(i, executor.take_cache_events())
+        if plan is None:
             return
         admissions = self.recorder.admissions
         for admission in plan.admissions:
@@ -202,8 +192,8 @@ class _Loop:
         self.busy[i] = None
         executor = self.executors[i]
         outcome = executor.finish_step(plan)
-        self.recorder.num_output_tokens += plan.num_decoding + len(outcome.first_tokens)
-        for job in outcome.first_tokens:
+        self.recorder.num_output_tokens += len(outcome.sampled)
+        for job in outcome.sampled:
             if job.tracked.first_token_s is None:
                 job.tracked.first_token_s = now
         for job in outcome.finished:
@@ -236,19 +226,11 @@ class _Loop:
             self.busy[i] = None
             jobs.extend(self.executors[i].lose_owner())
         for job in jobs:
-            old = job.request
             tracked = job.tracked
             tracked.num_resumes += 1
             self.num_resumed += 1
-            remaining = (old.max_tokens or 1) - old.num_output_tokens
-            request = Request(
-                f"{tracked.request_id}/resumed-{tracked.num_resumes}",
-                old.token_ids,
-                block_size=self.config.block_size,
-                root_hash=self.root_hash,
-                max_tokens=max(1, remaining),
-            )
-            self.submit(Job(request, tracked), now)
+            remaining = job.max_tokens - job.num_output_tokens
+            self.submit(Job(job.token_ids, max(1, remaining), tracked), now)
         self.push(now + self.config.lease_ttl_s, _ADOPT, scheduler)
 
     def adopt(self, failed: int, now: float) -> None:

@@ -146,7 +146,8 @@ def write_markdown(data: dict[str, Any], path: Path, plot_name: str) -> None:
         "# Cluster simulation (`pagedkv bench cluster-sim`)",
         "",
         f"{cluster['num_executors']} executors x {cluster['num_schedulers']} schedulers, "
-        f"simulated; every executor runs the scheduler's block core ({cluster['num_blocks']:,} "
+        f"simulated; every executor runs the scheduler's ExecutorScheduler over its block "
+        f"core ({cluster['num_blocks']:,} "
         f"blocks of {cluster['block_size']} tokens, up to {cluster['max_num_seqs']} sequences "
         f"and {cluster['max_num_batched_tokens']:,} tokens per step, chunked prefill), "
         "the router the real `PrefixIndex` and policies "
@@ -233,9 +234,9 @@ def write_markdown(data: dict[str, Any], path: Path, plot_name: str) -> None:
         "running batch and part of the prefix set, as a larger model's would; with room for "
         "every prefix on every executor, round-robin would hit almost as often, and the gap "
         "between the policies would shrink to the first miss of each prefix per executor.",
-        "- Scheduling is the block core's own (admission, chunked prefill, decode slots, "
-        "preemption of the newest request) but in one loop per executor without async "
-        "stepping, RPCs or the scheduler's CPU time; the router places instantly.",
+        "- Scheduling is the service's own `ExecutorScheduler` (admission, chunked prefill, "
+        "decode slots, preemption in (priority, arrival) order), one step in flight per "
+        "executor, without RPCs or the scheduler's CPU time; the router places instantly.",
         "- Sampled tokens are arbitrary; outputs never share a prefix. A failed scheduler's "
         "requests are resumed at once with the tokens they had; in-flight steps on its "
         "executors are dropped.",

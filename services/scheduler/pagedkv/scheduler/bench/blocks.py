@@ -1,14 +1,21 @@
-"""``pagedkv bench blocks``: the block core's cost on a ShareGPT-like trace.
+"""``pagedkv bench blocks``: the scheduler's cost per step on a ShareGPT-like trace.
 
-The measured loop is the scheduler's bookkeeping for one step: running
-requests first (one decode token each, through
-``KVCacheManager.allocate_decode_slots`` as the service's scheduler calls it,
-or their next prefill chunk), with preemption of the newest running request
-when a block cannot be had, then admission from the waiting queue with a
-prefix-cache lookup, then the update after the (absent) forward:
-computed-token counts, the sampled token, finishing and freeing. Requests are
-made (and their prompts hashed) before the loop, as on arrival; that cost is
-reported on its own.
+The measured step is the service's own: ``ExecutorScheduler.schedule()``
+(the policy: running sequences first in (priority, arrival) order, a decode
+slot each through ``KVCacheManager.allocate_decode_slots`` or their next
+prefill chunk, preempting the least important, newest one when a block is
+short; then admission from the waiting queue with a prefix-cache lookup;
+then the step message), then ``process()`` of the executor's answer, as the
+service's step loop runs them. A simulated executor answers each step
+(``executor_sim``; not timed), one step in flight. The generations' chunks
+(``flush``) are not made: the step profile (``steps.py``, ``make
+bench-steps-cpu``) times the whole step loop, chunks included, at a steady
+batch. Generations are made (and their prompts hashed) before the loop, as
+on arrival; that cost is reported on its own.
+
+``--compare-old`` also runs the former hand-written loop
+(``blocks_legacy.py``, kept only for that) on the same trace and reports
+the two side by side.
 """
 
 from __future__ import annotations
@@ -18,203 +25,119 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import timeit
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from pagedkv.common.block_hash import hash_full_blocks, root_hash
 from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.scheduler.bench.blocks_legacy import legacy_run_trace
+from pagedkv.scheduler.bench.executor_sim import answers, apply_answers, executor_info, generation
 from pagedkv.scheduler.bench.trace import TraceConfig, build_trace
+from pagedkv.scheduler.bench.trace_result import StepRecords, TraceResult, trace_result
+from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
-from pagedkv.scheduler.request import Request, RequestStatus
+from pagedkv.scheduler.request import Request
+from pagedkv.v1 import common_pb2
 
-# Targets from the issue, on 2-core machines.
+# Targets from the issue, on 2-core machines (set for the former loop,
+# which encoded no step message and applied no response).
 TARGET_NS_PER_RUNNING_REQUEST = 1000.0
 TARGET_LOOKUP_US = 10.0
 TARGET_HASH_US = 40.0
 
-
-@dataclass(frozen=True, slots=True)
-class TraceResult:
-    num_steps: int
-    total_s: float
-    us_per_step_mean: float
-    us_per_step_median: float
-    us_per_step_p99: float
-    ns_per_running_request_per_step: float
-    mean_running: float
-    prefix_hit_rate: float
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    block_utilisation_mean: float
-    block_utilisation_peak: float
-    num_preemptions: int
-    num_finished: int
-    num_output_tokens: int
-    leaked_blocks: int
-    integrity_ok: bool
-    request_creation_us_mean: float
+POLICY = "ExecutorScheduler"
+FORMER_POLICY = "the former loop (blocks_legacy.py)"
 
 
 def run_trace(args: argparse.Namespace) -> TraceResult:
-    """Builds the trace and runs every request to completion through the block core."""
+    """Builds the trace and runs every request to completion through the
+    service's ``ExecutorScheduler`` (see the module docstring).
+
+    ``--no-prefix-caching``: the scheduler always caches prefixes, so each
+    request gets a cache salt of its own instead, and no request hits
+    another's blocks."""
     config = TraceConfig(num_requests=args.num_requests, seed=args.seed)
     trace = build_trace(config)
-    spec = KVCacheSpec(args.block_size, 16, 8, 128, "bfloat16")
-    kv = KVCacheManager(
-        [spec], args.num_blocks, enable_caching=not args.no_prefix_caching, model_id="bench"
+    info = executor_info(
+        args.num_blocks,
+        args.max_running,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=2 * config.max_len,  # a prompt and its output, each capped
+    )
+    scheduler = ExecutorScheduler(
+        "bench",
+        info,
+        common_pb2.Owner(owner_id="bench", epoch=1),
+        max_num_seqs=args.max_running,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
     t0 = time.perf_counter()
-    requests = [
-        kv.make_request(t.request_id, t.prompt_token_ids, max_tokens=t.num_output_tokens)
-        for t in trace
+    generations = [
+        generation(
+            scheduler,
+            key,
+            t.prompt_token_ids,
+            t.num_output_tokens,
+            arrival=float(key),
+            cache_salt=t.request_id if args.no_prefix_caching else None,
+        )
+        for key, t in enumerate(trace, 1)
     ]
     creation_s = time.perf_counter() - t0
-    vocab_size = config.vocab_size
+    for gen in generations:
+        scheduler.add(gen.sequences[0])
+    num_requests = len(generations)
+    del generations  # a finished generation goes
 
-    max_running = args.max_running
-    max_batched = args.max_num_batched_tokens
-    allocate_slots = kv.allocate_slots
-    allocate_decode_slots = kv.allocate_decode_slots
-    get_computed_blocks = kv.get_computed_blocks
-    free = kv.free
-    pool = kv.pool
+    kv = scheduler.kv
+    free_blocks = kv.pool.free_block_queue
     num_usable = args.num_blocks - 1
-    waiting: deque[Request] = deque(requests)
-    decoding: list[Request] = []  # running, prompt done: one token per step; oldest first
-    prefilling: list[Request] = []  # running, prompt partly computed (chunked prefill)
-    step_ns: list[int] = []
-    num_running_per_step: list[int] = []
-    usage_per_step: list[float] = []
-    num_preemptions = 0
+    records = StepRecords.empty()
+    step_ns, num_running_per_step, usage_per_step = (
+        records.step_ns,
+        records.num_running,
+        records.usage,
+    )
     num_finished = 0
     num_output_tokens = 0
-
-    def preempt_newest() -> None:
-        nonlocal num_preemptions
-        victim = prefilling.pop() if prefilling else decoding.pop()
-        free(victim)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_preemptions += 1
-        waiting.appendleft(victim)
-        num_preemptions += 1
-
-    def sample(request: Request) -> int:
-        # Any id will do: the outputs are never shared.
-        return request.num_tokens * 40503 % vocab_size
-
     gc.collect()
     gc.freeze()  # the trace's objects live all run long; keep them out of GC passes
-    perf_counter_ns = time.perf_counter_ns
-    while waiting or decoding or prefilling:
-        start = perf_counter_ns()
-        num_preempted = num_preemptions
-        # 1. Running requests first: one token for each decoding request, in
-        # order; on a miss the newest running request is preempted and the
-        # slots go on from the request that missed ...
-        num_allocated = 0
-        while True:
-            num_allocated += allocate_decode_slots(decoding, num_allocated).num_allocated
-            if num_allocated == len(decoding):
-                break
-            preempt_newest()
-        num_decoding = len(decoding)
-        budget = max_batched - num_decoding
-        # ... then the next chunk of each partly computed prompt.
-        chunks: list[tuple[Request, int]] = []
-        for request in prefilling:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or allocate_slots(request, num_new) is None:
-                break
-            chunks.append((request, num_new))
-            budget -= num_new
-        # 2. Admission, with a prefix-cache lookup, unless this step preempted.
-        num_running = num_decoding + len(prefilling)
-        while (
-            num_preempted == num_preemptions
-            and waiting
-            and budget > 0
-            and num_running < max_running
-        ):
-            request = waiting[0]
-            computed = get_computed_blocks(request)
-            num_new = min(request.num_tokens - computed.num_tokens, budget)
-            if allocate_slots(request, num_new, computed) is None:
-                if not num_running:
-                    raise RuntimeError(
-                        f"{request.seq_id} needs more blocks than the pool has; raise --num-blocks"
-                    )
-                break
-            waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            prefilling.append(request)
-            chunks.append((request, num_new))
-            budget -= num_new
-            num_running += 1
-        # 3. After the forward: sampled tokens, finished requests, finished prompts.
-        if num_decoding:
-            num_done = 0
-            for request in decoding:
-                num_computed = request.num_computed_tokens + 1  # also its tokens, as sampled
-                request.num_computed_tokens = num_computed
-                request.append_output_token_ids(num_computed * 40503 % vocab_size)
-                if num_computed + 1 - request.num_prompt_tokens == request.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    free(request)
-                    num_done += 1
-            if num_done:
-                decoding[:] = [r for r in decoding if not r.status.is_finished]
-            num_output_tokens += num_decoding
-            num_finished += num_done
-        for request, num_new in chunks:
-            num_computed = request.num_computed_tokens + num_new
-            request.num_computed_tokens = num_computed
-            if num_computed == request.num_tokens:  # the prompt is done: first sample
-                prefilling.remove(request)
-                request.append_output_token_ids(sample(request))
-                num_output_tokens += 1
-                if request.num_output_tokens == request.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    free(request)
-                    num_finished += 1
-                else:
-                    decoding.append(request)
-        step_ns.append(perf_counter_ns() - start)
+    clock = time.perf_counter_ns
+    while scheduler.running or scheduler.waiting:
+        start = clock()
+        step = scheduler.schedule()
+        scheduled = clock()
+        if step is None:
+            raise RuntimeError("nothing could be scheduled with requests waiting")
+        num_running = len(scheduler.running)
+        replies = answers(step, len(step_ns))  # the executor's side: not timed
+        answered = clock()
+        touched = apply_answers(scheduler, replies)
+        end = clock()
+        for gen in touched:
+            if gen.sequences[0].finished:
+                num_finished += 1
+                num_output_tokens += gen.sequences[0].request.num_output_tokens
+        step_ns.append(scheduled - start + end - answered)
         num_running_per_step.append(num_running)
-        usage_per_step.append(1.0 - pool.free_block_queue.num_free_blocks / num_usable)
+        usage_per_step.append(1.0 - free_blocks.num_free_blocks / num_usable)
     gc.unfreeze()
 
-    report = kv.check_integrity()
-    stats = kv.prefix_cache_stats
-    total_ns = sum(step_ns)
-    step_us = sorted(ns / 1000 for ns in step_ns)
-    return TraceResult(
-        num_steps=len(step_ns),
-        total_s=total_ns / 1e9,
-        us_per_step_mean=total_ns / len(step_ns) / 1000,
-        us_per_step_median=statistics.median(step_us),
-        us_per_step_p99=step_us[min(len(step_us) - 1, int(0.99 * len(step_us)))],
-        ns_per_running_request_per_step=total_ns / sum(num_running_per_step),
-        mean_running=statistics.fmean(num_running_per_step),
-        prefix_hit_rate=stats.hit_rate,
-        prefix_hit_tokens=stats.hits,
-        prefix_query_tokens=stats.queries,
-        block_utilisation_mean=statistics.fmean(usage_per_step),
-        block_utilisation_peak=max(usage_per_step),
-        num_preemptions=num_preemptions,
+    return trace_result(
+        records,
+        kv,
+        num_preemptions=scheduler.num_preemptions,
         num_finished=num_finished,
         num_output_tokens=num_output_tokens,
-        leaked_blocks=num_usable - pool.get_num_free_blocks(),
-        integrity_ok=report.ok,
-        request_creation_us_mean=creation_s / len(requests) * 1e6,
+        creation_s=creation_s,
+        num_requests=num_requests,
     )
 
 
@@ -260,6 +183,7 @@ def _machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "xxhash": version("xxhash"),
         "numpy": version("numpy"),
+        "protobuf": version("protobuf"),
         "pagedkv_scheduler": version("pagedkv-scheduler"),
     }
 
@@ -282,17 +206,21 @@ def calibration_ns() -> float:
 
 def main(args: argparse.Namespace) -> int:
     calibrations = []
-    runs = []
+    runs: list[TraceResult] = []
+    former_runs: list[TraceResult] = []
     for _ in range(args.repeat):
         calibrations.append(calibration_ns())
         runs.append(run_trace(args))
+        if args.compare_old:  # interleaved, so that both see the same machine
+            former_runs.append(legacy_run_trace(args))
     trace = min(runs, key=lambda run: run.ns_per_running_request_per_step)
     hash_us = measure_hash_2048(args.block_size)
     lookup_us = measure_lookup_2048(args.block_size)
-    results = {
+    results: dict[str, Any] = {
         "benchmark": "blocks",
         "machine": _machine(),
         "config": {
+            "policy": POLICY,
             "num_requests": args.num_requests,
             "num_blocks": args.num_blocks,
             "block_size": args.block_size,
@@ -316,6 +244,15 @@ def main(args: argparse.Namespace) -> int:
             "hash_2048_tokens_us": TARGET_HASH_US,
         },
     }
+    if former_runs:
+        former = min(former_runs, key=lambda run: run.ns_per_running_request_per_step)
+        results["former_loop"] = {
+            "policy": FORMER_POLICY,
+            "trace": asdict(former),
+            "trace_runs_ns_per_running_request_per_step": [
+                run.ns_per_running_request_per_step for run in former_runs
+            ],
+        }
     rows = table_rows(results)
     print(format_table(rows))
     if args.output:
@@ -323,25 +260,18 @@ def main(args: argparse.Namespace) -> int:
         output.write_text(json.dumps(results, indent=2) + "\n")
         output.with_suffix(".md").write_text(format_markdown(results, rows))
         print(f"results written to {output} and {output.with_suffix('.md')}")
-    clean = all(run.leaked_blocks == 0 and run.integrity_ok for run in runs)
+    clean = all(run.leaked_blocks == 0 and run.integrity_ok for run in runs + former_runs)
     return 0 if clean else 1
 
 
-def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
-    t = results["trace"]
-    rows = [
+def _trace_rows(t: dict[str, Any], runs_ns: list[float]) -> list[tuple[str, str, str]]:
+    """A trace run's rows: metric, value, target."""
+    return [
         ("steps", f"{t['num_steps']}", ""),
         (
             "runs: ns per running request per step",
-            " / ".join(f"{ns:.0f}" for ns in results["trace_runs_ns_per_running_request_per_step"]),
+            " / ".join(f"{ns:.0f}" for ns in runs_ns),
             "best shown below",
-        ),
-        (
-            "runs: machine speed, ns per loop iteration",
-            " / ".join(
-                f"{ns:.1f}" for ns in results["trace_runs_calibration_ns_per_loop_iteration"]
-            ),
-            "lower is faster",
         ),
         (
             "µs per step (mean / median / p99)",
@@ -363,9 +293,36 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         ("preemptions", f"{t['num_preemptions']}", ""),
         ("finished requests", f"{t['num_finished']}", ""),
+        ("output tokens", f"{t['num_output_tokens']}", ""),
         ("leaked blocks at the end", f"{t['leaked_blocks']}", "0"),
         ("integrity check", "ok" if t["integrity_ok"] else "FAILED", "ok"),
         ("request creation incl. prompt hashing (µs)", f"{t['request_creation_us_mean']:.1f}", ""),
+    ]
+
+
+def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The report's rows: metric, value, target; with the former loop's run
+    (``--compare-old``), metric, value, the former loop's value, target."""
+    rows: list[tuple[str, ...]] = list(
+        _trace_rows(results["trace"], results["trace_runs_ns_per_running_request_per_step"])
+    )
+    former = results.get("former_loop")
+    if former is not None:
+        former_rows = _trace_rows(
+            former["trace"], former["trace_runs_ns_per_running_request_per_step"]
+        )
+        rows = [
+            (name, value, former_value, target)
+            for (name, value, target), (_, former_value, _) in zip(rows, former_rows, strict=True)
+        ]
+    shared: list[tuple[str, ...]] = [
+        (
+            "runs: machine speed, ns per loop iteration",
+            " / ".join(
+                f"{ns:.1f}" for ns in results["trace_runs_calibration_ns_per_loop_iteration"]
+            ),
+            "lower is faster",
+        ),
         (
             "hash 2,048 tokens (µs)",
             f"{results['hash_2048_tokens_us']:.1f}",
@@ -377,34 +334,62 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"≤ {TARGET_LOOKUP_US:.0f}",
         ),
     ]
-    return rows
+    if former is not None:
+        shared = [(name, value, "", target) for name, value, target in shared]
+    return rows + shared
 
 
-def format_table(rows: list[tuple[str, str, str]]) -> str:
+def _header(rows: list[tuple[str, ...]]) -> tuple[str, ...]:
+    if len(rows[0]) == 4:
+        return ("metric", POLICY, "former loop", "target")
+    return ("metric", "value", "target")
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
     """The rows as an aligned plain-text table."""
-    width = max(len(r[0]) for r in rows)
-    value_width = max(len(r[1]) for r in rows)
-    lines = [f"{'metric':<{width}}  {'value':>{value_width}}  target"]
-    lines.append("-" * (width + value_width + 10))
-    lines += [f"{name:<{width}}  {value:>{value_width}}  {target}" for name, value, target in rows]
+    header = _header(rows)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [f"{row[0]:<{widths[0]}}"]
+        cells += [f"{cell:>{width}}" for cell, width in zip(row[1:-1], widths[1:], strict=True)]
+        return "  ".join([*cells, row[-1]])
+
+    lines = [line(header), "-" * (sum(widths) + 2 * len(widths) + 6)]
+    lines += [line(row) for row in rows]
     return "\n".join(lines)
 
 
-def format_markdown(results: dict[str, Any], rows: list[tuple[str, str, str]]) -> str:
+def format_markdown(results: dict[str, Any], rows: list[tuple[str, ...]]) -> str:
     """A short report: the machine, the configuration and the table."""
     machine = results["machine"]
+    header = _header(rows)
     lines = [
         "# Block-core benchmark (`pagedkv bench blocks`)",
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['system']}; "
-        f"Python {machine['python']}, xxhash {machine['xxhash']}, numpy {machine['numpy']}.",
+        f"Python {machine['python']}, xxhash {machine['xxhash']}, numpy {machine['numpy']}, "
+        f"protobuf {machine.get('protobuf', '?')}.",
         "",
         "Trace: {num_requests} requests, {num_blocks} blocks of {block_size} tokens, up to "
         "{max_running} running, {max_num_batched_tokens} tokens per step, prefix caching "
         "{prefix_caching}; best of the trace runs listed.".format(**results["config"]),
         "",
-        "| metric | value | target |",
-        "|---|---|---|",
+        "Each step is the service's `ExecutorScheduler`: `schedule()` (the policy, the "
+        "block-core calls and the step message), then `process()` of a simulated "
+        "executor's answer (the chunks for the Generate streams are not made).",
     ]
-    lines += [f"| {name} | {value} | {target} |" for name, value, target in rows]
+    if "former_loop" in results:
+        lines += [
+            "",
+            "The former loop is the hand-written copy of the policy that this benchmark "
+            "timed before (preempting the newest request, no step message, no response "
+            "applied), run on the same trace, its runs interleaved with the scheduler's.",
+        ]
+    lines += [
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"

@@ -11,10 +11,11 @@ from pagedkv.common.cli import requires
 def register(subparsers: Any, name: str) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
-        help="block-core benchmark: a ShareGPT-like trace through the KV cache manager",
+        help="block-core benchmark: a ShareGPT-like trace through the executor's scheduler",
         description=(
-            "Runs a synthetic ShareGPT-like trace through the scheduler's block core and "
-            "reports the bookkeeping cost per step, prefix hits and block use."
+            "Runs a synthetic ShareGPT-like trace through the service's ExecutorScheduler "
+            "(its policy over the block core, answered by a simulated executor) and reports "
+            "the scheduler's cost per step, prefix hits and block use."
         ),
     )
     parser.add_argument("--num-requests", type=int, default=10_000)
@@ -26,6 +27,11 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeat", type=int, default=3, help="trace runs; the fastest is reported (default 3)"
+    )
+    parser.add_argument(
+        "--compare-old",
+        action="store_true",
+        help="also run the former hand-written loop (kept to compare) and report both",
     )
     parser.add_argument(
         "--output", help="write the results as JSON to this file (default: none, printed only)"

@@ -4,7 +4,8 @@ Drives the service's own step code, ``ExecutorScheduler.schedule()`` then
 ``process()`` and the generations' ``flush()`` (what ``SchedulerService``'s
 step loop runs per step), with a synthetic ``StepResponse`` built from each
 step message (one token sampled per entry that asks for one; a round of
-samples per step of a decode window), two steps in flight as in the service.
+samples per step of a decode window; ``executor_sim``), two steps in flight
+as in the service.
 Reports microseconds of scheduler CPU per running request per decode step
 (the median step once every request decodes, divided by its decode steps;
 the best step too, the one least disturbed by a loaded machine).
@@ -26,96 +27,16 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
+from pagedkv.common.text import TextTokenizer
+from pagedkv.scheduler.bench.executor_sim import (
+    BLOCK_SIZE,
+    VOCAB_SIZE,
+    answers,
+    executor_info,
+    generation,
+)
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2
-
-BLOCK_SIZE = 16
-VOCAB_SIZE = 32_000
-
-
-def executor_info(num_blocks: int, max_num_rows: int) -> executor_pb2.GetInfoResponse:
-    """A GetInfo answer for a 22-layer llama-like model (no executor behind it)."""
-    return executor_pb2.GetInfoResponse(
-        model_id="bench",
-        dtype="bfloat16",
-        max_model_len=8192,
-        vocab_size=VOCAB_SIZE,
-        eos_token_ids=[2],
-        block_size=BLOCK_SIZE,
-        num_blocks=num_blocks,
-        kv_cache_groups=[
-            common_pb2.KVCacheSpec(
-                block_size=BLOCK_SIZE,
-                layer_indices=list(range(22)),
-                num_kv_heads=4,
-                head_size=64,
-                dtype="bfloat16",
-            )
-        ],
-        max_num_rows=max_num_rows,
-        max_num_batched_tokens=8192,
-        max_logprobs=20,
-    )
-
-
-def sampled_rows(message: executor_pb2.StepRequest) -> list[int]:
-    """The rows of a response's samples, in order: each entry that asks for
-    a sample, once per step of a decode window."""
-    rows = [r.row for r in message.new_requests] + list(message.rows)
-    sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
-    return sampled * max(1, message.num_decode_steps)
-
-
-def step_response(
-    message: executor_pb2.StepRequest, tokens: list[int]
-) -> executor_pb2.StepResponse:
-    """An executor's answer to ``message`` sampling ``tokens`` (one per
-    ``sampled_rows``), with no top logprobs."""
-    rows = sampled_rows(message)
-    return executor_pb2.StepResponse(
-        step_id=message.step_id,
-        sampled_rows=rows,
-        sampled_token_ids=tokens,
-        sampled_logprobs=[-1.0] * len(rows),
-        num_top_logprobs=[0] * len(rows),
-    )
-
-
-def response_for(message: executor_pb2.StepRequest, token_id: int) -> executor_pb2.StepResponse:
-    """What an executor answers: a token for every entry that asks for a
-    sample, in each step of a window."""
-    rows = sampled_rows(message)
-    width = len(rows) // max(1, message.num_decode_steps)
-    return step_response(
-        message, [(token_id + k // width + row) % VOCAB_SIZE for k, row in enumerate(rows)]
-    )
-
-
-def generation(
-    scheduler: ExecutorScheduler,
-    key: int,
-    prompt: list[int],
-    max_tokens: int,
-    tokenizer: TextTokenizer | None,
-) -> Generation:
-    gen = Generation(
-        request_id=f"r{key}",
-        prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(temperature=0.0),
-        max_tokens=max_tokens,
-        n=1,
-        priority=0,
-        cache_salt="",
-        eos_token_ids=frozenset(),
-        stop_token_ids=frozenset(),
-        key=key,
-    )
-    request = scheduler.kv.make_request(gen.new_seq_id(), prompt, max_tokens=max_tokens)
-    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-    gen.sequences.append(Sequence(gen, 0, request, detokenizer=detokenizer))
-    return gen
 
 
 def measure(
@@ -156,11 +77,7 @@ def measure(
         t1 = clock()
         if step is None:
             raise RuntimeError("nothing scheduled: the requests finished early")
-        responses = [response_for(early, i) for early in step.before]
-        response = response_for(step.request, i)
-        for early, answer in zip(step.before, responses, strict=True):
-            inflight.append((ScheduledStep(early), answer))
-        inflight.append((step, response))
+        inflight.extend(answers(step, i))
         busy = t1 - t0
         while len(inflight) >= 2:
             sent, answer = inflight.popleft()

@@ -1,0 +1,63 @@
+"""One scheduling policy: the benchmarks and the simulation drive the real one.
+
+The block benchmark and the router's cluster simulation schedule their
+steps with the service's ``ExecutorScheduler`` (against a simulated
+executor's answers), so what they time and simulate is what the service
+runs. No other module keeps a copy of the policy: no ``plan_step``, no
+``preempt_newest``. The one exception is the former copy the block
+benchmark kept to compare once (``--compare-old``), which says so.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ("shared", "services", "kernels", "bench")
+DRIVERS = ("pagedkv.scheduler.bench.blocks", "pagedkv.router.sim.executor")
+FORMER_COPY = "pagedkv.scheduler.bench.blocks_legacy"
+POLICY_COPIES = {"plan_step", "preempt_newest", "_preempt_newest"}
+
+
+def _path(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return Path(spec.origin)
+
+
+def _uses_executor_scheduler(tree: ast.Module) -> bool:
+    imported = any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == "pagedkv.scheduler.executor_scheduler"
+        and any(alias.name == "ExecutorScheduler" for alias in node.names)
+        for node in ast.walk(tree)
+    )
+    built = any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "ExecutorScheduler"
+        for node in ast.walk(tree)
+    )
+    return imported and built
+
+
+def test_the_block_benchmark_and_the_simulation_run_the_executor_scheduler() -> None:
+    for module in DRIVERS:
+        tree = ast.parse(_path(module).read_text())
+        assert _uses_executor_scheduler(tree), f"{module} does not build an ExecutorScheduler"
+
+
+def test_no_module_keeps_a_copy_of_the_policy() -> None:
+    former = _path(FORMER_COPY).resolve()
+    assert "kept to compare" in (ast.get_docstring(ast.parse(former.read_text())) or "")
+    copies = []
+    for root in SOURCES:
+        for path in sorted((REPO / root).rglob("*.py")):
+            if path.resolve() == former or "/build/" in path.as_posix():
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef) and node.name in POLICY_COPIES:
+                    copies.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert copies == []
