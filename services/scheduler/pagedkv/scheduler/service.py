@@ -107,10 +107,14 @@ class SchedulerService:
         task.add_done_callback(self._tasks.discard)
 
     def fail(self, generation: Generation, error: ServiceError) -> None:
+        """``Generations.fail``: no executor can run the generation."""
         self.generations.fail(generation, error)
 
     def hand_back(self, generation: Generation, error: Unavailable) -> None:
+        """``Generations.hand_back``: another cluster member can resume it."""
         self.generations.hand_back(generation, error)
+
+    # -- stopping ---------------------------------------------------------------
 
     async def shutdown(self, drain_timeout: float) -> None:
         """A graceful stop (SIGTERM): health turns NOT_SERVING (the
