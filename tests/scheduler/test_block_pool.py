@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.common.ids import BlockHash
-from pagedkv.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:

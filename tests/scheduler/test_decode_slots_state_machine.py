@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockId, SeqId
-from pagedkv.scheduler.block_pool import KVCacheBlock
+from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 from pagedkv.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedkv.scheduler.request import Request
 from tests.scheduler.factories import FULL, HYBRID, SLIDING, Config

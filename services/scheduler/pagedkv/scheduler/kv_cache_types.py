@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pagedkv.common.ids import BlockId
-from pagedkv.scheduler.block_pool import KVCacheBlock
+from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 
 
 class ComputedBlocks(NamedTuple):

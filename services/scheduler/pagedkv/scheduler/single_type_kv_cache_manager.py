@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from pagedkv.common.ids import BlockHash, BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
-from pagedkv.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedkv.scheduler.block_pool import BlockPool
+from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 
 
 def cdiv(a: int, b: int) -> int:
