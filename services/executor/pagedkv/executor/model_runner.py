@@ -1,5 +1,6 @@
-"""Loads a Hugging Face decoder model on our attention, owns its KV memory and
-rows, and runs one packed forward plus sampling per step.
+"""Runs a Hugging Face decoder model (loaded on our attention by
+model_loading.py), owns its KV memory and rows, and runs one packed forward
+plus sampling per step.
 
 All scheduled tokens of all entries go through one forward as a batch of one
 sequence of ``num_tokens`` tokens, with their position ids; the attention
@@ -17,23 +18,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedkv.common.logging import get_logger
-from pagedkv.common.model_source import resolve_model
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
-from pagedkv.executor.fused_model import FusedDecoder, unsupported_reason
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
-from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec, model_spec_from_config
+from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
+from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
 from pagedkv.executor.rows import Rows, to_device
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
-
-log = get_logger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,24 +86,20 @@ class ModelRunner:
     """The model, its KV memory and the rows of one executor."""
 
     def __init__(self, config: RunnerConfig) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         self.config = config
         self.device = torch.device(config.device)
         self.backend = get_backend(config.kernel_backend)
-        model_dir = resolve_model(config.model)  # a directory, or a cached hub id's snapshot
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        self.spec: ModelSpec = model_spec_from_config(hf_config, config.max_model_len)
-        self.dtype = self._resolve_dtype(hf_config)
-        attention.register()
-        kwargs = {"dtype": self.dtype, "attn_implementation": attention.ATTENTION_NAME}
-        if config.load_format == "dummy":
-            with self.device:
-                model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-        self.model = model.to(self.device).eval()
-        self.fused = self._fuse() if config.fused_ops else None
+        loaded = load_model(
+            config.model, config.dtype, config.load_format, config.max_model_len, self.device
+        )
+        self.spec: ModelSpec = loaded.spec
+        self.dtype = loaded.dtype
+        self.model = loaded.model
+        self.fused = (
+            fused_decoder(self.model, self.backend, self.spec.max_model_len)
+            if config.fused_ops
+            else None
+        )
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.groups: tuple[KVCacheGroup, ...] = self.spec.kv_cache_groups(
             config.block_size, dtype_name
@@ -137,29 +128,6 @@ class ModelRunner:
             group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
             eos_token_ids=self.spec.eos_token_ids,
         )
-
-    def _fuse(self) -> FusedDecoder | None:
-        """The fused decoder stack, or None (with the reason logged) for a
-        model it does not support: transformers' modules then run."""
-        reason = unsupported_reason(self.model)
-        if reason is None:
-            try:
-                return FusedDecoder(self.model, self.backend, self.spec.max_model_len)
-            except ValueError as exc:
-                reason = str(exc)
-        log.info("fused ops off: transformers' modules run", reason=reason)
-        return None
-
-    def _resolve_dtype(self, hf_config: object) -> torch.dtype:
-        if self.config.dtype != "auto":
-            return DTYPES[self.config.dtype]
-        dtype = getattr(hf_config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = DTYPES.get(dtype, torch.float32)
-        if self.device.type == "cpu" and dtype != torch.float32:
-            return torch.float32
-        assert isinstance(dtype, torch.dtype)
-        return dtype
 
     # -- sizing ---------------------------------------------------------------
 
