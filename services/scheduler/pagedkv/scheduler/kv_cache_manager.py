@@ -6,7 +6,10 @@ all-or-nothing allocation, freeing, copy-on-write forks, stats and the
 integrity audit. It never touches KV data: the executor applies the table
 updates and copy ops it produces.
 
-The result types live in ``kv_cache_types`` and are re-exported here.
+The result types live in ``kv_cache_types`` and are re-exported here. The
+prefix-cache lookup across groups is ``PrefixLookup`` (prefix_lookup.py);
+the fast paths of the common layout, one full-attention group, are in
+single_group.py.
 """
 
 from __future__ import annotations
@@ -28,12 +31,10 @@ from pagedkv.scheduler.kv_cache_types import (
     PrefixCacheStats,
     TableUpdate,
 )
+from pagedkv.scheduler.prefix_lookup import PrefixLookup
 from pagedkv.scheduler.request import Request
-from pagedkv.scheduler.single_type_kv_cache_manager import (
-    SingleTypeKVCacheManager,
-    cdiv,
-    make_manager,
-)
+from pagedkv.scheduler.single_group import admit_single, decode_single
+from pagedkv.scheduler.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
 
 __all__ = [
     "NO_TABLE_CHANGE",
@@ -91,10 +92,8 @@ class KVCacheManager:
         # Requests that took part in a fork: only their tables can hold a
         # shared block that is written next (copy-on-write).
         self._forked: set[SeqId] = set()
-        self._num_requests = 0
-        self._num_queries = 0
-        self._num_hits = 0
-        self._empty_hit = ComputedBlocks(tuple(() for _ in self.managers), 0)
+        self._lookup = PrefixLookup(self.managers, self.block_size, enable_caching)
+        self._empty_hit = self._lookup.empty_hit
         # The decode hot path: one full-attention group.
         only = self.managers[0]
         self._single_full: SingleTypeKVCacheManager | None = (
@@ -132,36 +131,11 @@ class KVCacheManager:
         Takes no reference (``allocate_slots`` does). Counts one lookup in the
         prefix-cache stats unless ``count`` is False (a placement probe).
         """
-        if not self.enable_caching:
-            return self._empty_hit
-        max_length = request.num_tokens - 1
-        hashes = request.block_hashes
-        managers = self.managers
-        if len(managers) == 1:
-            hits = managers[0].find_longest_cache_hit(hashes, max_length)
-            num_tokens = len(hits) * self.block_size
-            result = ComputedBlocks((tuple(hits),), num_tokens)
-        else:
-            # Shrink the candidate length until every group accepts it.
-            length = max_length
-            while True:
-                per_group = [m.find_longest_cache_hit(hashes, length) for m in managers]
-                agreed = min(len(h) for h in per_group) * self.block_size
-                if all(len(h) * self.block_size == agreed for h in per_group):
-                    break
-                length = agreed
-            num_tokens = agreed
-            result = ComputedBlocks(tuple(tuple(h) for h in per_group), num_tokens)
-        if not count:
-            return result
-        self._num_requests += 1
-        self._num_queries += request.num_tokens
-        self._num_hits += num_tokens
-        return result
+        return self._lookup.find(request, count=count)
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_requests, self._num_queries, self._num_hits)
+        return self._lookup.stats
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any block is held."""
@@ -193,7 +167,7 @@ class KVCacheManager:
         if fast is not None and not num_lookahead_tokens:
             blocks = fast.req_to_blocks.get(request.seq_id)
             if blocks is None:
-                return self._admit_single(fast, request, num_new_tokens, computed)
+                return admit_single(fast, request, num_new_tokens, computed, self.enable_caching)
             if computed is None:
                 # Decode hot path: the request's last block has room and is its own.
                 num_computed = request.num_computed_tokens
@@ -210,43 +184,6 @@ class KVCacheManager:
                         fast.cache_blocks(request.seq_id, request.block_hashes, num_tokens)
                     return NO_TABLE_CHANGE
         return self._allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
-
-    def _admit_single(
-        self,
-        manager: SingleTypeKVCacheManager,
-        request: Request,
-        num_new_tokens: int,
-        computed: ComputedBlocks | None,
-    ) -> Allocation | None:
-        """``allocate_slots`` for a request new to a single full-attention group."""
-        if computed is not None and computed.num_tokens:
-            if request.num_computed_tokens:
-                raise ValueError(f"{request.seq_id}: prefix hits are for a request with no blocks")
-            hits = computed.blocks[0]
-            num_computed = computed.num_tokens
-        else:
-            hits = ()
-            num_computed = request.num_computed_tokens
-        num_tokens = num_computed + num_new_tokens
-        if num_new_tokens < 0 or num_tokens > request.num_tokens:
-            raise ValueError(
-                f"{request.seq_id}: {num_tokens} tokens scheduled, "
-                f"the request has {request.num_tokens}"
-            )
-        num_new_blocks = cdiv(num_tokens, self.block_size) - len(hits)
-        num_evictable = sum(1 for block in hits if not block.ref_cnt)
-        pool = self.pool
-        if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
-            return None
-        pool.touch(hits)
-        blocks = [*hits, *pool.get_new_blocks(num_new_blocks)]
-        seq_id = request.seq_id
-        manager.req_to_blocks[seq_id] = blocks
-        manager.num_cached_blocks[seq_id] = len(hits)
-        if self.enable_caching:
-            manager.cache_blocks(seq_id, request.block_hashes, num_tokens)
-        request.num_computed_tokens = num_computed
-        return Allocation((TableUpdate(0, tuple(map(_block_id, blocks))),))
 
     def _allocate_slots(
         self,
@@ -327,11 +264,11 @@ class KVCacheManager:
         ``allocate_slots`` per request; stops at the first request that cannot
         get a block (``num_allocated`` says where) so that the caller can
         preempt and call again from there. Requests whose last block has room
-        and is their own cost a few attribute reads.
+        and is their own cost a few attribute reads (``decode_single``).
         """
         fast = self._single_full
-        updates: list[tuple[int, Allocation]] = []
         if fast is None:
+            updates: list[tuple[int, Allocation]] = []
             for i in range(start, len(requests)):
                 allocation = self._allocate_one_more(requests[i])
                 if allocation is None:
@@ -339,40 +276,9 @@ class KVCacheManager:
                 if allocation.updates:
                     updates.append((i, allocation))
             return DecodeAllocation(len(requests) - start, updates)
-        tables = fast.req_to_blocks
-        block_size = self.block_size
-        caching = self.enable_caching
-        pool = self.pool
-        forked = self._forked
-        for i, request in enumerate(requests[start:] if start else requests, start):
-            seq_id = request.seq_id
-            blocks = tables[seq_id]
-            num_computed = request.num_computed_tokens
-            num_slots = len(blocks) * block_size
-            if num_computed < num_slots and not (
-                forked and seq_id in forked and blocks[num_computed // block_size].ref_cnt > 1
-            ):
-                # Room in its own last block: only a block that fills needs work.
-                # (A block whose last token is not known yet, in async stepping,
-                # is entered when the next one fills, or by free().)
-                if caching and not (num_computed + 1) % block_size:
-                    fast.cache_blocks(seq_id, request.block_hashes, num_computed + 1)
-                continue
-            if num_computed == num_slots and pool.free_block_queue.num_free_blocks:
-                # The next token starts a new block: append one.
-                block = pool.get_new_block()
-                blocks.append(block)
-                update = TableUpdate(len(blocks) - 1, (block.block_id,))
-                updates.append((i, Allocation((update,))))
-                if caching and block_size == 1:
-                    fast.cache_blocks(seq_id, request.block_hashes, num_computed + 1)
-                continue
-            allocation = self._allocate_one_more(request)
-            if allocation is None:
-                return DecodeAllocation(i - start, updates)
-            if allocation.updates:
-                updates.append((i, allocation))
-        return DecodeAllocation(len(requests) - start, updates)
+        return decode_single(
+            fast, requests, start, self._forked, self.enable_caching, self._allocate_one_more
+        )
 
     def covers(self, request: Request, num_tokens: int) -> bool:
         """Whether ``request``'s own blocks already hold slots for
