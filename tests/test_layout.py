@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.structure import field_writes, imports
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "triton", "transformers", "pagedkv.kernels", "pagedkv.executor")
@@ -92,36 +95,15 @@ ROW_STATE = {
 }
 
 
+def _rows(node: ast.expr) -> bool:
+    """Whether ``node`` names the executor's rows (``rows``, ``runner.rows``)."""
+    return (node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")) == "rows"
+
+
 def _row_state_writes(source: str) -> list[str]:
     """Assignments (plain, augmented or by index) to a ``rows.X`` of the
-    executor's row state, and in-place tensor calls on one."""
-    import ast
-
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
-            targets = [node.target]
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr.endswith("_")
-        ):
-            targets = [node.func.value]
-        for target in targets:
-            while isinstance(target, ast.Subscript):
-                target = target.value
-            if (
-                isinstance(target, ast.Attribute)
-                and target.attr in ROW_STATE
-                and isinstance(target.value, ast.Attribute | ast.Name)
-                and (getattr(target.value, "attr", None) or getattr(target.value, "id", ""))
-                == "rows"
-            ):
-                found.append(f"line {node.lineno}: rows.{target.attr}")
-    return found
+    executor's row state, and in-place tensor calls (``zero_()``) on one."""
+    return field_writes(source, ROW_STATE, _rows, lambda method: method.endswith("_"))
 
 
 def test_only_rows_py_writes_the_executors_row_state() -> None:
@@ -136,22 +118,8 @@ def test_only_rows_py_writes_the_executors_row_state() -> None:
 
 
 def _imports(source: str, module: str) -> list[str]:
-    """``line N: name`` of every import in ``source`` (the code of ``module``),
-    wherever it is (module level, in a function, under ``TYPE_CHECKING``):
-    ``from a.b import c`` gives ``a.b.c`` (``c`` may be a module), and
-    relative imports are resolved against ``module``'s package."""
-    import ast
-
-    package = module.split(".")[:-1]
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: {alias.name}" for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            parent = ".".join([*base, *([node.module] if node.module else [])])
-            found += [f"line {node.lineno}: {parent}.{alias.name}" for alias in node.names]
-    return found
+    """``line N: name`` of every import in ``source`` (``structure.imports``)."""
+    return [f"line {i.line}: {i.name}" for i in imports(source, module)]
 
 
 def _forbidden_imports(

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.structure import field_writes, imports
+
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULER = REPO / "services" / "scheduler" / "pagedkv" / "scheduler"
 MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "sort", "set", "add"}
@@ -52,29 +54,7 @@ def _holder(node: ast.expr) -> bool:
 
 def scheduler_state_writes(source: str, fields: set[str]) -> list[str]:
     """The writes of ``source`` to an ExecutorScheduler's ``fields``."""
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
-            targets = [node.target]
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in MUTATORS
-        ):
-            targets = [node.func.value]
-        for target in targets:
-            while isinstance(target, ast.Subscript):
-                target = target.value
-            if (
-                isinstance(target, ast.Attribute)
-                and target.attr in fields
-                and _holder(target.value)
-            ):
-                found.append((node.lineno, f"line {node.lineno}: .{target.attr}"))
-    return [text for _, text in sorted(found)]
+    return field_writes(source, fields, _holder, MUTATORS.__contains__)
 
 
 def test_only_the_executor_scheduler_writes_its_state() -> None:
@@ -126,18 +106,19 @@ def import_graph() -> dict[str, set[str]]:
     modules = {}
     for part, root in PARTS.items():
         for path in root.rglob("*.py"):
-            names = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
-            modules[".".join(["pagedkv", part, *names])] = path
+            names = path.relative_to(root).with_suffix("").parts
+            module = [p for p in names if p != "__init__"]
+            modules[".".join(["pagedkv", part, *module])] = (
+                path,
+                ".".join(["pagedkv", part, *names]),
+            )
     graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            imported: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                imported = [f"{node.module}.{alias.name}" for alias in node.names]
-                imported = [m if m in modules else node.module for m in imported]
-            elif isinstance(node, ast.Import):
-                imported = [alias.name for alias in node.names]
-            graph[name].update(m for m in imported if m in modules and m != name)
+    for name, (path, source_name) in modules.items():
+        for imported in imports(path.read_text(), source_name):
+            # ``from a.b import c``: the module ``a.b.c``, else ``c`` is a name of ``a.b``
+            module = imported.name if imported.name in modules else imported.module
+            if module in modules and module != name:
+                graph[name].add(module)
     return graph
 
 
