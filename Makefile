@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
 # Each part is its own distribution holding a piece of the `pagedkv` namespace.
-PARTS := shared services/scheduler services/router services/client services/gateway kernels services/executor
+PARTS := shared services/scheduler services/router services/client services/gateway kernels services/executor bench
 PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
@@ -60,7 +60,8 @@ lint: setup
 # gateway's app with its HTTP stack (FastAPI, uvicorn, Jinja2), list no command that
 # needs the executor part (serve, executor, make-tiny-model) and hold neither
 # torch nor transformers, the executor set a `pagedkv executor` command (torch
-# as pip finds it: CPU here, CUDA in the image).
+# as pip finds it: CPU here, CUDA in the image); neither holds the benchmarks
+# (pagedkv.bench, the bench/ part).
 image-install-check:
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	echo "image-install-check: the scheduler image's parts" && \
@@ -72,7 +73,7 @@ image-install-check:
 	"$$tmp/scheduler/bin/python" -c "import fastapi, uvicorn, jinja2, pagedkv.gateway.app" && \
 	if "$$tmp/scheduler/bin/pagedkv" --help | grep -Eq '^    (serve|executor|make-tiny-model) '; then \
 		echo "image-install-check: the scheduler set lists commands it cannot run"; exit 1; fi && \
-	for module in torch transformers; do \
+	for module in torch transformers pagedkv.bench; do \
 		if "$$tmp/scheduler/bin/python" -c "import $$module" 2>/dev/null; then \
 			echo "image-install-check: $$module is importable in the scheduler set"; exit 1; fi; \
 	done && \
@@ -81,6 +82,8 @@ image-install-check:
 		{ cat "$$tmp/executor.log"; exit 1; }; } && \
 	"$$tmp/executor/bin/pagedkv" executor --help >/dev/null && \
 	"$$tmp/executor/bin/python" -c "import torch, triton, transformers, pagedkv.executor.server" && \
+	if "$$tmp/executor/bin/python" -c "import pagedkv.bench" 2>/dev/null; then \
+		echo "image-install-check: pagedkv.bench is importable in the executor set"; exit 1; fi && \
 	echo "image-install-check: ok"
 
 # Regenerates shared/pagedkv/v1 from protos/ (never edit the generated files).
@@ -128,8 +131,8 @@ bench-serve-cpu: setup
 # The live scheduler's CPU per running request per decode step, without an
 # executor, single steps and windows of 8 (docs/benchmarks.md; seconds).
 bench-steps-cpu: setup
-	{ $(BIN)/python -m pagedkv.scheduler.bench.steps --requests 64 256 && \
-	  $(BIN)/python -m pagedkv.scheduler.bench.steps --requests 64 256 --decode-window 8 \
+	{ $(BIN)/python -m pagedkv.bench.scheduler.steps --requests 64 256 && \
+	  $(BIN)/python -m pagedkv.bench.scheduler.steps --requests 64 256 --decode-window 8 \
 	  | tail -n +2; } > tests/benchmarks/results/scheduler-steps-cpu.txt
 
 # KV memory, paged against contiguous, on the live CPU stack: the three

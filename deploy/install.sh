@@ -7,10 +7,12 @@
 #   deploy/install.sh scheduler|executor VENV
 #
 # scheduler: the torch-free side (shared, scheduler, router, client, gateway):
-#   the `pagedkv scheduler`, `router`, `gateway`, `generate`, `stats`, `demo
-#   --target` and `bench blocks|cluster-sim` commands (those that start
-#   executors are not listed), no torch;
-# executor: every part, torch and the Triton kernels included.
+#   the `pagedkv scheduler`, `router`, `gateway`, `generate`, `stats` and
+#   `demo --target` commands (those that start executors are not listed), no
+#   torch;
+# executor: every service part, torch and the Triton kernels included.
+# Neither installs the benchmarks (bench/, pagedkv-bench): the images carry
+# no benchmark code, and their `pagedkv bench` says so.
 #
 # Run it from the repository root (the images' build context). PYTHON picks
 # the interpreter that makes the venv (default: python3). Extra pip options

@@ -16,8 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("shared", "services", "kernels", "bench")
-DRIVERS = ("pagedkv.scheduler.bench.blocks", "pagedkv.router.sim.executor")
-FORMER_COPY = "pagedkv.scheduler.bench.blocks_legacy"
+DRIVERS = ("pagedkv.bench.scheduler.blocks", "pagedkv.bench.cluster_sim.executor")
+FORMER_COPY = "pagedkv.bench.scheduler.blocks_legacy"
 POLICY_COPIES = {"plan_step", "preempt_newest", "_preempt_newest"}
 
 

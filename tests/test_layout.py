@@ -38,7 +38,7 @@ def test_scheduler_side_imports_no_torch_triton_or_transformers() -> None:
         "pagedkv.v1.executor_pb2_grpc",
         "pagedkv.scheduler",
         "pagedkv.scheduler.kv_cache_manager",
-        "pagedkv.scheduler.bench.blocks",
+        "pagedkv.bench.scheduler.blocks",
         "pagedkv.router",
         "pagedkv.router.scoring",
         "pagedkv.router.index",
@@ -65,6 +65,7 @@ def test_pagedkv_is_one_namespace_across_the_part_folders() -> None:
         REPO / "services" / "client",
         REPO / "services" / "executor",
         REPO / "kernels",
+        REPO / "bench",
     }
     assert expected <= roots
     assert not (REPO / "shared" / "pagedkv" / "__init__.py").exists()

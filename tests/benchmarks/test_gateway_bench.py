@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.scheduler.bench.serving.cli import register
-from pagedkv.scheduler.bench.serving.gateway import cpu_seconds
-from pagedkv.scheduler.bench.serving.http_load import _Stream, spread
-from pagedkv.scheduler.bench.serving.run import main
-from pagedkv.scheduler.bench.serving.stack import model_dir, word_tokenizer
+from pagedkv.bench.scheduler.serving.cli import register
+from pagedkv.bench.scheduler.serving.gateway import cpu_seconds
+from pagedkv.bench.scheduler.serving.http_load import _Stream, spread
+from pagedkv.bench.scheduler.serving.run import main
+from pagedkv.bench.scheduler.serving.stack import model_dir, word_tokenizer
 
 
 def _event(text: str | None = None, usage: dict[str, int] | None = None) -> bytes:

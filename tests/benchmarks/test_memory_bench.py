@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.scheduler.bench.memory.cli import register
-from pagedkv.scheduler.bench.memory.live import Samples
-from pagedkv.scheduler.bench.memory.run import main
-from pagedkv.scheduler.bench.memory.scenarios import blocks_for, chat_lengths
+from pagedkv.bench.scheduler.memory.cli import register
+from pagedkv.bench.scheduler.memory.live import Samples
+from pagedkv.bench.scheduler.memory.run import main
+from pagedkv.bench.scheduler.memory.scenarios import blocks_for, chat_lengths
 
 
 def test_chat_lengths_have_their_mean_and_stay_within_the_context() -> None:

@@ -10,24 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.common.step_trace import StepTrace
-from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
-from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_time_by_name
-from pagedkv.scheduler.bench.serving.cli import register
-from pagedkv.scheduler.bench.serving.load import RequestResult
-from pagedkv.scheduler.bench.serving.metrics import Slo, itl_s, summarize, tpot_s
-from pagedkv.scheduler.bench.serving.report import markdown, plot
-from pagedkv.scheduler.bench.serving.run import main
-from pagedkv.scheduler.bench.serving.runs import parse_fixed_batches
-from pagedkv.scheduler.bench.serving.step_trace import analyze as analyze_trace
-from pagedkv.scheduler.bench.serving.sweep import Setting, best_setting, parse_settings
-from pagedkv.scheduler.bench.serving.workload import (
+from pagedkv.bench.scheduler.serving.cli import register
+from pagedkv.bench.scheduler.serving.load import RequestResult
+from pagedkv.bench.scheduler.serving.metrics import Slo, itl_s, summarize, tpot_s
+from pagedkv.bench.scheduler.serving.report import markdown, plot
+from pagedkv.bench.scheduler.serving.run import main
+from pagedkv.bench.scheduler.serving.runs import parse_fixed_batches
+from pagedkv.bench.scheduler.serving.step_trace import analyze as analyze_trace
+from pagedkv.bench.scheduler.serving.sweep import Setting, best_setting, parse_settings
+from pagedkv.bench.scheduler.serving.workload import (
     MixConfig,
     fixed_batch,
     parse_rates,
     poisson_arrivals,
     sharegpt_like,
 )
+from pagedkv.common.step_trace import StepTrace
+from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
+from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_time_by_name
 from pagedkv.scheduler.step_loop import TRACE_FIELDS as SCHEDULER_FIELDS
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.executor import bench
-from pagedkv.executor.bench_profile import kernel_times
+from pagedkv.bench.executor import bench
+from pagedkv.bench.executor.bench_profile import kernel_times
 from pagedkv.executor.engine import Executor
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model

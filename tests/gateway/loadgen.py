@@ -207,7 +207,7 @@ def bench_serve_options(argv: Sequence[str]) -> argparse.Namespace:
     """``pagedkv bench serve``'s options read from ``argv`` (``--preset``,
     ``--device``, ``--dtype``, ``--decode-window``, ...): the server this
     module starts runs with the serving benchmark's settings and defaults."""
-    from pagedkv.scheduler.bench.serving.cli import register
+    from pagedkv.bench.scheduler.serving.cli import register
 
     parser = argparse.ArgumentParser(prog="python -m tests.gateway.loadgen")
     register(parser.add_subparsers(), "serve")
@@ -230,7 +230,7 @@ def run_against_serve(
     ``AutoTokenizer`` needs) and server settings, runs
     guidellm's ``loads`` against it into ``report`` and stops it; guidellm's
     exit status. Its console output goes to this process's as it comes."""
-    from pagedkv.scheduler.bench.serving import stack
+    from pagedkv.bench.scheduler.serving import stack
 
     with stack.model_dir(bench) as model:
         port = _free_port()
@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if status != 0:
             return status
         report = json.loads(raw.read_text())
-    from pagedkv.scheduler.bench.serving.run import machine
+    from pagedkv.bench.scheduler.serving.run import machine
 
     benchmarks = read_report(report)
     for benchmark in report["benchmarks"]:

@@ -23,11 +23,11 @@ setup
 report
 mkdir -p "$RESULTS"
 sweep=$RESULTS/kernels-tune-64-$NAME.json
-"$PYTHON" -m pagedkv.kernels.tune --only decode --decode-shapes 64x768,256x768 \
+"$PYTHON" -m pagedkv.bench.kernels.tune --only decode --decode-shapes 64x768,256x768 \
   --head-size 64 --output "$sweep"
-best=$("$PYTHON" -m pagedkv.kernels.tune --best "$sweep")
+best=$("$PYTHON" -m pagedkv.bench.kernels.tune --best "$sweep")
 echo "run-decode-tune: closest to each shape's best: $best"
-"$PYTHON" -m pagedkv.executor.bench --decode-constants "$best" \
+"$PYTHON" -m pagedkv.bench.executor.bench --decode-constants "$best" \
   --output "$RESULTS/executor-tuned-$NAME.json"
-"$PYTHON" -m pagedkv.executor.bench --decode-constants "$best" --batch 256 \
+"$PYTHON" -m pagedkv.bench.executor.bench --decode-constants "$best" --batch 256 \
   --output "$RESULTS/executor-tuned-256-$NAME.json"

@@ -7,14 +7,14 @@
 #                                            # against HF generate, GPU timeline
 #   bash tests/gpu/run-serve-bench.sh 8b     # Llama-3-8B's shape: rates, the same batch
 #   bash tests/gpu/run-serve-bench.sh 256    # ~1.1B: 256 x (512 -> 256), no HF
-#   bash tests/gpu/run-serve-bench.sh executor   # python -m pagedkv.executor.bench,
+#   bash tests/gpu/run-serve-bench.sh executor   # python -m pagedkv.bench.executor.bench,
 #                                            # decode batch 64 and 256
 #   bash tests/gpu/run-serve-bench.sh sweep      # ~1.1B: 64 and 256 x (512 -> 256) under
 #                                            # each scheduler setting WINDOW:DEPTH of
 #                                            # SWEEP, on one executor (bench serve --sweep)
 #   bash tests/gpu/run-serve-bench.sh timeline   # ~1.1B: the GPU timeline of 64 x (512 -> 256)
 #                                            # alone (no rates, no HF; a minute)
-#   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.kernels.bench_gemm
+#   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.bench.kernels.bench_gemm
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
 #                                            # request per decode step (no executor;
 #                                            # single steps and windows of 8)
@@ -78,7 +78,7 @@ mkdir -p "$RESULTS"
 if [[ "${WINDOW:-1}" == best ]]; then
   swept=$RESULTS/serve-sweep-$NAME.json
   [[ -e "$swept" ]] || swept=tests/benchmarks/results/serve-sweep-$NAME.json
-  best=$("$PYTHON" -m pagedkv.scheduler.bench.serving.sweep "$swept" 64=25000 256=40000)
+  best=$("$PYTHON" -m pagedkv.bench.scheduler.serving.sweep "$swept" 64=25000 256=40000)
   read -r WINDOW DEPTH <<<"$best"
   echo "run-serve-bench: the sweep's best setting: --decode-window $WINDOW --pipeline-depth $DEPTH"
 fi
@@ -108,15 +108,15 @@ case "${1:-1b}" in
       --output "$RESULTS/serve-timeline-$NAME.json"
     ;;
   gemm)
-    "$PYTHON" -m pagedkv.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
     ;;
   executor)
-    "$PYTHON" -m pagedkv.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
-    "$PYTHON" -m pagedkv.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
     ;;
   steps)
-    { "$PYTHON" -m pagedkv.scheduler.bench.steps --requests 64 256 &&
-      "$PYTHON" -m pagedkv.scheduler.bench.steps --requests 64 256 --decode-window 8 |
+    { "$PYTHON" -m pagedkv.bench.scheduler.steps --requests 64 256 &&
+      "$PYTHON" -m pagedkv.bench.scheduler.steps --requests 64 256 --decode-window 8 |
       tail -n +2; } >"$RESULTS/scheduler-steps-$NAME.txt"
     cat "$RESULTS/scheduler-steps-$NAME.txt"
     ;;

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.bench.cluster_sim.cluster import ClusterConfig, FailurePlan, RunResult, run_cluster
+from pagedkv.bench.cluster_sim.cost_model import RECORDED, StepCostModel, load_measurements
+from pagedkv.bench.cluster_sim.trace import TraceConfig, generate
 from pagedkv.router.scoring import make_policy
-from pagedkv.router.sim.cluster import ClusterConfig, FailurePlan, RunResult, run_cluster
-from pagedkv.router.sim.cost_model import RECORDED, StepCostModel, load_measurements
-from pagedkv.router.sim.trace import TraceConfig, generate
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 CONFIG = ClusterConfig(num_executors=8, num_schedulers=2, num_blocks=2048, window_s=1.5)

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from pagedkv.bench.routing.load import RequestRecord
+from pagedkv.bench.routing.report import goal, summarize, table
+from pagedkv.bench.routing.routing import main
+from pagedkv.bench.routing.trace import TraceConfig, generate, prefix_weights
 from pagedkv.common.cli import build_parser
-from pagedkv.router.bench.load import RequestRecord
-from pagedkv.router.bench.report import goal, summarize, table
-from pagedkv.router.bench.routing import main
-from pagedkv.router.bench.trace import TraceConfig, generate, prefix_weights
 from pagedkv.v1 import scheduler_pb2
 
 pytestmark = pytest.mark.slow  # a live cluster per routing policy

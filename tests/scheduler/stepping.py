@@ -1,5 +1,5 @@
 """The live ``ExecutorScheduler`` stepped without an executor: a scheduler
-over a synthetic executor (``pagedkv.scheduler.bench.executor_sim.executor_info``),
+over a synthetic executor (``pagedkv.bench.scheduler.executor_sim.executor_info``),
 generations added to it as the service adds them, and a loop that sends
 steps, answers each as it is sent and applies the answers with some in
 flight, as the service's step loop does."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from pagedkv.bench.scheduler.executor_sim import executor_info
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.bench.executor_sim import executor_info
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.sequence import Generation, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2

@@ -10,8 +10,8 @@ from functools import partial
 
 import pytest
 
+from pagedkv.bench.scheduler.executor_sim import sampled_rows
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.bench.executor_sim import sampled_rows
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation
 from pagedkv.v1 import common_pb2, executor_pb2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedkv.scheduler.bench.steps import measure
+from pagedkv.bench.scheduler.steps import measure
 
 
 def test_step_profile_measures_steps_with_every_request_decoding() -> None:

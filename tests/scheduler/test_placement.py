@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.bench.scheduler.executor_sim import sampled_rows, step_response
 from pagedkv.common.errors import InvalidArgument, ResourceExhausted
-from pagedkv.scheduler.bench.executor_sim import sampled_rows, step_response
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.placement import new_generation, place
 from pagedkv.scheduler.sequence import Generation

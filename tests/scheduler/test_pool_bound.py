@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.scheduler.bench.executor_sim import sampled_rows, step_response
+from pagedkv.bench.scheduler.executor_sim import sampled_rows, step_response
 from pagedkv.scheduler.sequence import FinishReason
 from tests.scheduler.stepping import add_generation, live_scheduler, run_to_end
 

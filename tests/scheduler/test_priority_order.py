@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.scheduler.bench.executor_sim import sampled_rows, step_response
+from pagedkv.bench.scheduler.executor_sim import sampled_rows, step_response
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation
 from pagedkv.v1 import executor_pb2

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.scheduler.bench.executor_sim import sampled_rows, step_response
+from pagedkv.bench.scheduler.executor_sim import sampled_rows, step_response
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
 from tests.scheduler.stepping import add_generation, live_scheduler, run_to_end
 

@@ -3,7 +3,7 @@
 One program per (sequence, KV head, split of the context) reads each K/V
 byte once for all the query heads that share it; a second kernel merges the
 splits by their log-sum-exp. Launch constants come from
-``python -m pagedkv.kernels.tune`` on the H200. Oracle:
+``python -m pagedkv.bench.kernels.tune`` on the H200. Oracle:
 ``reference.paged_attention``; the entry point is
 ``paged_attention.paged_attention``, which checks the arguments.
 """
@@ -253,7 +253,7 @@ def _decode_merge_kernel(
     )
 
 
-# Decode tuning, from ``python -m pagedkv.kernels.tune`` on the H200 (results
+# Decode tuning, from ``python -m pagedkv.bench.kernels.tune`` on the H200 (results
 # in tests/benchmarks/results/kernels-tune-h200.json). DECODE_TILE: keys per
 # step, warps and pipeline stages. DECODE_PROGRAMS_PER_SM: how many of those
 # programs a multiprocessor holds at once (at head size 128 registers allow

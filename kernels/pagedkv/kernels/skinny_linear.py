@@ -13,7 +13,7 @@ do not depend on scheduling) and rounds; a consumer kernel of our own could
 read the partials instead, saving that launch.
 Accumulates in float32 and rounds once to the output dtype. Oracle:
 ``x @ weight.T`` in float32. Its speed against cuBLAS is measured by
-``python -m pagedkv.kernels.bench_gemm``.
+``python -m pagedkv.bench.kernels.bench_gemm``.
 """
 
 from __future__ import annotations

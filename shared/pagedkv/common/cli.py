@@ -250,8 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
                 sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
                 groups[prefix] = sub.add_subparsers(dest="_".join(prefix), metavar="COMMAND")
         register(groups[path[:-1]], path[-1])
+    if ("bench",) not in groups:  # the benchmarks are a part of their own
+        bench = groups[()].add_parser("bench", help="benchmarks (pagedkv-bench is not installed)")
+        bench.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        bench.set_defaults(handler=_bench_not_installed)
     show_defaults(parser)
     return parser
+
+
+def _bench_not_installed(args: argparse.Namespace) -> int:
+    print(
+        "pagedkv bench: pagedkv-bench is not installed (the images carry no benchmarks; "
+        "in a checkout, `make setup` installs it, or pip install ./bench)",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

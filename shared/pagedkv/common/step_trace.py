@@ -10,7 +10,7 @@ host's processes, so records of different processes line up. CPU times are
 ``time.process_time()`` of the recording process.
 
 ``pagedkv bench serve --step-trace`` runs a fixed batch with tracing on and
-reads the files with ``pagedkv.scheduler.bench.step_trace``.
+reads the files with ``pagedkv.bench.scheduler.step_trace``.
 """
 
 from __future__ import annotations

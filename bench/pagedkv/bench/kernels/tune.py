@@ -1,0 +1,229 @@
+"""``python -m pagedkv.bench.kernels.tune``: sweeps the launch constants of
+``paged_attention`` on a GPU and prints the best per shape.
+
+The constants live in ``pagedkv.kernels.decode_attention`` (``DECODE_*``)
+and ``pagedkv.kernels.paged_attention`` (``PREFILL_TILE``); this sets them,
+times the benchmark's shapes with the same timer as ``pagedkv bench
+kernels``, and writes every measurement to a JSON file, so that a choice of
+constants can be traced to its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from pagedkv.bench.kernels.bench import HEAD_SIZE, Case, time_us
+from pagedkv.kernels import decode_attention as da
+from pagedkv.kernels import paged_attention as pa
+
+DECODE_SHAPES = [
+    (1, 1024),
+    (1, 8192),
+    (1, 32768),
+    (4, 32768),
+    (8, 32768),
+    (32, 1024),
+    (32, 8192),
+    (128, 1024),
+    (128, 8192),
+]
+PREFILL_SHAPES = [(8, 0, 2048), (8, 4096, 512)]
+
+
+def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
+    batch, context = case.batch, case.context
+    for name, value in settings.items():
+        setattr(da, name, value)
+    try:
+        us = time_us(case.ours, iters=20)
+    except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:
+        print(f"skip {settings}: {exc}", flush=True)
+        return None
+    return {
+        "kind": "decode",
+        "batch": batch,
+        "context": context,
+        "head_size": case.head_size,
+        **settings,
+        "us": us,
+        "gbps": case.kv_bytes() / us / 1e3,
+    }
+
+
+# With --decode-shapes: a wider grid at fewer shapes (programs per
+# multiprocessor, tiles with deeper pipelines, steps a split takes at least).
+WIDE_TILES = ((64, 4, 2), (64, 4, 3), (64, 2, 2), (64, 2, 3), (32, 4, 2), (32, 2, 3), (128, 4, 2))
+
+
+def decode_settings(wide: bool) -> list[dict[str, Any]]:
+    """The decode constants to try: the default grid, or the wide one."""
+    if wide:
+        return [
+            {
+                "DECODE_PROGRAMS_PER_SM": per_sm,
+                "DECODE_TILE": tile,
+                "DECODE_MIN_STEPS_PER_SPLIT": min_steps,
+            }
+            for per_sm, tile, min_steps in itertools.product(
+                (2, 3, 4, 6, 8, 12, 16), WIDE_TILES, (1, 2)
+            )
+        ]
+    grid = itertools.product(
+        (3, 4, 6, 8),
+        ((64, 4, 2), (64, 2, 2), (32, 4, 2), (128, 4, 2)),
+        (128, 256),
+    )
+    return [
+        {"DECODE_PROGRAMS_PER_SM": per_sm, "DECODE_TILE": tile, "DECODE_MAX_SPLITS": max_splits}
+        for per_sm, tile, max_splits in grid
+    ]
+
+
+def sweep_decode(
+    quick: bool,
+    shapes: list[tuple[int, int]] | None = None,
+    head_size: int = HEAD_SIZE,
+) -> list[dict[str, Any]]:
+    """Programs per multiprocessor the splits aim for, tiles and split limits,
+    at the benchmark's shapes or at ``shapes`` (batch, context) with the wide grid."""
+    rows = []
+    defaults = {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
+    settings_list = decode_settings(wide=shapes is not None)
+    if quick:
+        settings_list = settings_list[:2]
+    shapes = shapes or DECODE_SHAPES
+    for batch, context in shapes:
+        case = Case(batch, context, 1, head_size)
+        for settings in settings_list:
+            row = _time_decode(case, settings)
+            rows += [row] if row else []
+        del case
+        torch.cuda.empty_cache()
+    for name, value in defaults.items():
+        setattr(da, name, value)
+    for batch, context in shapes:
+        best = min(
+            (r for r in rows if (r["batch"], r["context"]) == (batch, context)),
+            key=lambda r: r["us"],
+        )
+        print("best decode", json.dumps(best), flush=True)
+    return rows
+
+
+def sweep_prefill(quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    tiles = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+    if quick:
+        tiles = tiles[:1]
+    for batch, context, new_tokens in PREFILL_SHAPES:
+        case = Case(batch, context, new_tokens)
+        for tile in tiles:
+            pa.PREFILL_TILE = tile
+            try:
+                us = time_us(case.ours, iters=10)
+            except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:
+                print(f"skip {tile}: {exc}", flush=True)
+                continue
+            rows.append(
+                {
+                    "kind": "prefill",
+                    "batch": batch,
+                    "context": context,
+                    "new_tokens": new_tokens,
+                    "tile": list(tile),
+                    "us": us,
+                    "tflops": case.flops() / us / 1e6,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def best_overall(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The decode constants that come closest to each shape's best: the
+    least worst ratio of their time to the shape's best time (every shape
+    of ``rows`` measured under them)."""
+    decode = [r for r in rows if r["kind"] == "decode"]
+    shapes = {(r["batch"], r["context"]) for r in decode}
+    fastest = {
+        shape: min(r["us"] for r in decode if (r["batch"], r["context"]) == shape)
+        for shape in shapes
+    }
+    worst: dict[str, float] = {}
+    measured: dict[str, int] = {}
+    for r in decode:
+        key = json.dumps({k: v for k, v in r.items() if k.startswith("DECODE_")}, sort_keys=True)
+        ratio = r["us"] / fastest[(r["batch"], r["context"])]
+        worst[key] = max(worst.get(key, 0.0), ratio)
+        measured[key] = measured.get(key, 0) + 1
+    complete = [key for key in worst if measured[key] == len(shapes)]
+    return dict(json.loads(min(complete, key=lambda key: worst[key])))
+
+
+def apply_constants(constants: dict[str, Any]) -> dict[str, Any]:
+    """Sets ``pagedkv.kernels.decode_attention``'s ``DECODE_*`` constants
+    (JSON lists become tuples); returns every ``DECODE_*`` value now in force."""
+    for name, value in constants.items():
+        if not name.startswith("DECODE_") or not hasattr(da, name):
+            raise ValueError(f"decode constants: no constant {name!r}")
+        setattr(da, name, tuple(value) if isinstance(value, list) else value)
+    return {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"not BATCHxCONTEXT,...: {text!r}")
+    return [(b, c) for b, c in shapes]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.kernels.tune")
+    parser.add_argument("--output", default="kernels-tune.json")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("decode", "prefill"))
+    parser.add_argument(
+        "--decode-shapes",
+        type=_shapes,
+        help="BATCHxCONTEXT,...: sweep the wide decode grid at these shapes only",
+    )
+    parser.add_argument("--head-size", type=int, default=HEAD_SIZE)
+    parser.add_argument(
+        "--best",
+        metavar="FILE",
+        help="print, as JSON, the decode constants of FILE (a sweep's output) "
+        "closest to each shape's best, and exit",
+    )
+    args = parser.parse_args(argv)
+    if args.best:
+        print(json.dumps(best_overall(json.loads(Path(args.best).read_text())["rows"])))
+        return 0
+    rows = []
+    if args.only != "prefill":
+        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size)
+    if args.only != "decode":
+        rows += sweep_prefill(args.quick)
+    header = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    Path(args.output).write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Where a step's time goes, from the step traces of a scheduler and its
+executor (``pagedkv.common.step_trace``).
+
+``analyze(folder, since, until)`` reads the traces written in ``folder`` and
+looks at the steps the scheduler began in that time (``time.perf_counter()``):
+
+- ``device_busy_fraction``: the share of the span, from the first step's
+  device start to the last one's device end, in which the device ran a step;
+- each gap between one step's device end and the next one's device start
+  splits into ``late_send`` (the scheduler had not yet sent the next step),
+  ``in_transit`` (sent, not yet read by the executor) and ``launching`` (read,
+  its device work not yet started: the executor's launch);
+- the median time of each stage of a step, in both processes;
+- each process's CPU use over the span (CPU seconds per second: above 1 means
+  more than one thread was busy).
+
+Only the scheduler's and one executor's records are used (the serving
+benchmark runs one executor).
+``python -m pagedkv.bench.scheduler.serving.step_trace FOLDER`` prints the
+analysis as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pagedkv.common.step_trace import ENV
+
+# (name, stage end, stage start) of the median stage times, per process
+SCHEDULER_STAGES = (
+    ("schedule", "scheduled", "scheduling"),
+    ("send", "sent", "scheduled"),
+    ("process", "processed", "received"),
+)
+EXECUTOR_STAGES = (
+    ("launch", "launched", "received"),
+    ("device", "device_end", "device_start"),
+    ("seen_done_after_device", "done", "device_end"),
+    ("respond", "completed", "done"),
+)
+
+
+@contextlib.contextmanager
+def tracing(folder: str | None) -> Iterator[None]:
+    """Children started inside trace their steps into ``folder`` (None: as
+    this process's environment says)."""
+    if folder is None:
+        yield
+        return
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = previous
+
+
+def _load(folder: Path, role: str) -> list[dict[str, float]]:
+    files = sorted(folder.glob(f"{role}-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no {role} step trace in {folder}")
+    document = json.loads(files[0].read_text())
+    fields = document["fields"]
+    return [dict(zip(fields, record, strict=True)) for record in document["records"]]
+
+
+def _median_us(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e6, 1) if values else 0.0
+
+
+def _cpu_use(records: list[dict[str, float]], clock: str) -> float:
+    if len(records) < 2:
+        return 0.0
+    seconds = records[-1][clock] - records[0][clock]
+    return round((records[-1]["cpu"] - records[0]["cpu"]) / seconds, 3) if seconds else 0.0
+
+
+def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[str, Any]:
+    """The measures above, of the steps begun between ``since`` and ``until``."""
+    scheduler = [r for r in _load(folder, "scheduler") if since <= r["scheduling"] < until]
+    sent = {int(r["step_id"]): r for r in scheduler}
+    # A step id names one step of one scheduler: an executor that served
+    # several schedulers in turn saw each id more than once, and its record
+    # of this step is the one read between its scheduling and its answer.
+    executor = [
+        r
+        for r in _load(folder, "executor")
+        if (step := sent.get(int(r["step_id"]))) is not None
+        and step["scheduling"] <= r["received"] <= step["received"]
+    ]
+    executor.sort(key=lambda r: r["device_start"])
+    if len(executor) < 2:
+        raise ValueError(f"{len(executor)} traced steps after the mark: too few to analyze")
+    span = executor[-1]["device_end"] - executor[0]["device_start"]
+    busy = 0.0
+    reach = executor[0]["device_start"]  # the device is accounted for up to here
+    gaps = {"late_send": 0.0, "in_transit": 0.0, "launching": 0.0}
+    for step in executor:
+        start, end = step["device_start"], step["device_end"]
+        if start > reach:  # an idle gap before this step: why did it start late?
+            sent_at = sent[int(step["step_id"])]["sent"]
+            late = min(max(sent_at - reach, 0.0), start - reach)
+            transit = min(max(step["received"] - max(sent_at, reach), 0.0), start - reach - late)
+            gaps["late_send"] += late
+            gaps["in_transit"] += transit
+            gaps["launching"] += start - reach - late - transit
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    decode_steps = sum(int(r["num_steps"]) for r in executor)
+    return {
+        "steps": len(executor),
+        "decode_steps": decode_steps,  # a window of N counts N
+        "windows": sum(1 for r in executor if r["num_steps"] > 1),
+        "span_ms": round(span * 1e3, 2),
+        "device_busy_fraction": round(busy / span, 4) if span else 0.0,
+        "idle_ms": {name: round(seconds * 1e3, 2) for name, seconds in gaps.items()},
+        "wall_per_decode_step_us": round(span / decode_steps * 1e6, 1),
+        "median_us": {
+            **{
+                f"scheduler_{name}": _median_us([r[end] - r[start] for r in scheduler])
+                for name, end, start in SCHEDULER_STAGES
+            },
+            "request_transit": _median_us(
+                [r["received"] - sent[int(r["step_id"])]["sent"] for r in executor]
+            ),
+            **{
+                f"executor_{name}": _median_us([r[end] - r[start] for r in executor])
+                for name, end, start in EXECUTOR_STAGES
+            },
+            "response_transit": _median_us(
+                [sent[int(r["step_id"])]["received"] - r["completed"] for r in executor]
+            ),
+            "scheduler_received_to_next_sent": _median_us(
+                [b["sent"] - a["received"] for a, b in itertools.pairwise(scheduler)]
+            ),
+        },
+        "cpu_use": {
+            "scheduler": _cpu_use(scheduler, "processed"),
+            "executor": _cpu_use(executor, "completed"),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pagedkv.bench.scheduler.serving.step_trace FOLDER", file=sys.stderr)
+        return 2
+    print(json.dumps(analyze(Path(args[0])), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
