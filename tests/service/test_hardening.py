@@ -16,7 +16,7 @@ import pytest
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import configure_logging
 from pagedkv.scheduler.config import SchedulerConfig
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
+from pagedkv.scheduler.entry_writer import EntryWriter
 from pagedkv.scheduler.sequence import Sequence
 from pagedkv.scheduler.service import SchedulerService
 from pagedkv.v1 import common_pb2, executor_pb2, scheduler_pb2
@@ -116,7 +116,7 @@ async def _drain(generation) -> tuple[list[scheduler_pb2.GenerateResponse], Serv
 # building the step (an entry's state changes).
 FAULTS = {
     "apply": (Sequence, "stop_reason"),
-    "build": (ExecutorScheduler, "_commit"),
+    "build": (EntryWriter, "_commit"),
 }
 
 

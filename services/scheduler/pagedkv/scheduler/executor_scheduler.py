@@ -7,10 +7,10 @@ of their prompt, preempting by recompute when one cannot get a block, the
 least important, newest running sequence first, its full blocks staying in
 the prefix cache; then admission from the waiting queue in (priority,
 arrival) order with a prefix-cache lookup, all within a token budget),
-makes the step's state changes and records them in a ``StepPlan``, which
-``encode_step`` turns into messages (step_message.py, no state changes
-there). ``process()`` applies the executor's samples (step_outputs.py);
-forks and beams are in groups.py.
+makes the step's state changes and records them in a ``StepPlan`` (the
+entries' by entry_writer.py), which ``encode_step`` turns into messages
+(step_message.py, no state changes there). ``process()`` applies the
+executor's samples (step_outputs.py); forks and beams are in groups.py.
 
 Decode entries of consecutive running sequences get their slots in one
 ``KVCacheManager.allocate_decode_slots`` call, the block core's decode path.
@@ -27,17 +27,12 @@ from itertools import repeat
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent
+from pagedkv.scheduler.entry_writer import EntryWriter
 from pagedkv.scheduler.groups import stalled_beams
 from pagedkv.scheduler.kv_cache_manager import NO_TABLE_CHANGE, KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
-from pagedkv.scheduler.step_message import (
-    NewRequestPlan,
-    ScheduledStep,
-    StepPlan,
-    copy_phases,
-    encode_step,
-)
+from pagedkv.scheduler.step_message import ScheduledStep, StepPlan, copy_phases, encode_step
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
 from pagedkv.scheduler.windows import Decision, Window, window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
@@ -97,7 +92,7 @@ class ExecutorScheduler:
         # (the Redis prefix mirror); must not block.
         self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
         self.num_groups = len(info.kv_cache_groups)
-        self._no_new_blocks = (0,) * self.num_groups  # a decode's new_block_counts
+        self._entries = EntryWriter(self.kv, self.num_groups)
         self.max_model_len = info.max_model_len
         # The most tokens one sequence's blocks can hold with the whole pool
         # to itself: a sequence ends there (FINISH_REASON_LENGTH, as at
@@ -382,11 +377,9 @@ class ExecutorScheduler:
         self, decisions: list[Decision], num_steps: int = 1
     ) -> tuple[StepPlan, list[tuple[Sequence, ExecutorRow]]]:
         """Makes a step's state changes and returns what they send, and the
-        samples it asks for (see ``ScheduledStep``): the requests' computed
-        counts move on (the executor computes the tokens before any later
-        step), rows record what the executor will hold, queued copies, cache
-        events and freed rows are taken, step ids are used. Entries come new
-        sequences first, as the wire wants."""
+        samples it asks for (see ``ScheduledStep``): queued copies, cache
+        events and freed rows are taken, step ids are used, and each entry's
+        own changes are made as it is written (``EntryWriter``)."""
         events = self.kv.pool.take_events()
         if events and self.on_cache_events is not None:
             self.on_cache_events(events)
@@ -394,86 +387,12 @@ class ExecutorScheduler:
         plan.num_decode_steps = num_steps
         self.step_id += len(plan.copy_phases)
         self.freed_rows = []
-        # New sequences first. (Decided sequences are running: each holds a row.)
-        new = [d for d in decisions if d[0].placed.table_lengths is None]  # type: ignore[union-attr]
-        if new:
-            old = [d for d in decisions if d[0].placed.table_lengths is not None]  # type: ignore[union-attr]
-            decisions = new + old
-        sampled: list[tuple[Sequence, ExecutorRow]] = []
-        commit = self._commit
-        seq = None
         try:
-            for seq, _, _ in new:
-                plan.new_requests.append(
-                    NewRequestPlan(
-                        seq.seq_id,
-                        seq.placed.row,  # type: ignore[union-attr]
-                        seq.request.token_ids[:],
-                        seq.generation.sampling_for(seq.index),
-                        seq.generation.num_prompt_tokens,
-                    )
-                )
-            for seq, num, allocation in decisions:
-                if commit(seq, num, allocation, plan):
-                    sampled.append((seq, seq.placed))  # type: ignore[arg-type]
-            if num_steps > 1:  # a window: each entry computes num_steps tokens
-                for seq, _, _ in decisions:
-                    placed = seq.placed
-                    assert placed is not None
-                    seq.request.num_computed_tokens += num_steps - 1
-                    placed.inflight_samples += num_steps - 1
+            sampled = self._entries.write(plan, decisions, num_steps)
         except BaseException:
-            self.current = seq  # the culprit: the scheduler's own code raised
+            self.current = self._entries.culprit  # the scheduler's own code raised
             raise
-        plan.num_scheduled_tokens = [num for _, num, _ in decisions]
         return plan, sampled
-
-    def _commit(
-        self, seq: Sequence, num: int, allocation: Allocation | None, plan: StepPlan
-    ) -> bool:
-        """One entry's state changes (see ``_plan``), appended to ``plan``;
-        returns whether the entry asks for a sample."""
-        placed = seq.placed
-        assert placed is not None
-        request = seq.request
-        computed = request.num_computed_tokens
-        request.num_computed_tokens = computed + num
-        inflight = placed.inflight_samples
-        needs_sample = computed + num == len(request.token_ids) + inflight
-        plan.num_computed_tokens.append(computed)
-        plan.continue_from_sampled.append(placed.pending_on_executor)
-        plan.needs_sample.append(needs_sample)
-        # The executor keeps what it samples now and appends it when a
-        # later step continues from it (beams send their chosen token).
-        if needs_sample:
-            placed.pending_on_executor = seq.generation.beam is None
-            placed.inflight_samples = inflight + 1
-        else:
-            placed.pending_on_executor = False
-        lengths = placed.table_lengths
-        if placed.token_unsent:  # a beam's token, chosen here, not sampled there
-            if lengths is not None:
-                plan.token_ids.append(request.token_ids[-1])
-            placed.token_unsent = False
-        if lengths is None or allocation is None:
-            tables = self.kv.get_block_ids(request.seq_id)
-            placed.table_lengths = [len(table) for table in tables]
-            for table in tables:
-                plan.block_table_starts.append(0)
-                plan.new_block_counts.append(len(table))
-                plan.new_block_ids.extend(table)
-            return needs_sample
-        plan.rows.append(placed.row)
-        if not allocation.updates:  # the common decode: no table changed
-            plan.block_table_starts.extend(lengths)
-            plan.new_block_counts.extend(self._no_new_blocks)
-            return needs_sample
-        for g, update in enumerate(allocation.updates):
-            lengths[g] = update.start + len(update.block_ids)
-            plan.block_table_starts.append(update.start)
-            plan.new_block_counts.append(len(update.block_ids))
-            plan.new_block_ids.extend(update.block_ids)
-        return needs_sample
 
     # -- results --------------------------------------------------------------
 
