@@ -25,7 +25,7 @@ PYTHON=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 WHEEL_DIR=${WHEEL_DIR:-.whl}
 LOG=${OUT:-${TMPDIR:-/tmp}}/gpu-tests.log
-PARTS=(shared services/scheduler services/router services/client services/gateway services/executor kernels)
+PARTS=(shared services/scheduler services/router services/client services/gateway services/executor kernels bench)
 
 setup() {
   mkdir -p "$SITE"
