@@ -24,6 +24,7 @@ import redis.asyncio
 
 from pagedkv.cluster.keys import Keys
 from pagedkv.common.logging import get_logger
+from pagedkv.common.tasks import cancel_and_wait
 
 log = get_logger("pagedkv.cluster.load")
 
@@ -112,10 +113,8 @@ class LoadPublisher:
 
     async def close(self) -> None:
         """Stops publishing and deletes the report (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         with contextlib.suppress(redis.RedisError, OSError):
             await self.client.delete(self.keys.load(self.member_id))
 

@@ -41,6 +41,7 @@ import redis.asyncio
 from pagedkv.cluster.keys import Keys, mirror_field
 from pagedkv.cluster.kv_events import Cleared, KVEvent, Stored, batch_events
 from pagedkv.common.logging import get_logger
+from pagedkv.common.tasks import cancel_and_wait
 
 log = get_logger("pagedkv.cluster.mirror")
 
@@ -168,10 +169,8 @@ class PrefixMirror:
 
     async def close(self) -> None:
         """Flushes once more (best effort) and stops the task."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         await self.flush()
 
     async def _run(self) -> None:

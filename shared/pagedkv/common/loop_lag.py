@@ -12,10 +12,11 @@ process of threads without an event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Callable
+
+from pagedkv.common.tasks import cancel_and_wait
 
 LAG_INTERVAL_S = 0.1
 """Seconds between two measures."""
@@ -40,11 +41,8 @@ class LoopLag:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -15,6 +15,7 @@ from pagedkv.common.ports import ListenError, check_free
 from pagedkv.common.redis_health import follow_redis
 from pagedkv.common.security import client_tls_from_args
 from pagedkv.common.server_security import ServerSecurity, server_security_from_args
+from pagedkv.common.tasks import cancel_and_wait
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.scoring import RoutingWeights
 from pagedkv.router.service import RouterConfig, RouterService
@@ -86,7 +87,7 @@ async def serve_router(
     )
     await stop.wait()
     log.info("router stopping", open_streams=service.num_open_streams)
-    follower.cancel()
+    await cancel_and_wait([follower])
     await server.not_serving()
     deadline = time.monotonic() + drain_timeout
     while service.num_open_streams and time.monotonic() < deadline:

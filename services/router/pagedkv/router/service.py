@@ -31,6 +31,7 @@ from pagedkv.common.ids import BlockHash
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.security import TlsConfig
+from pagedkv.common.tasks import cancel_and_wait
 from pagedkv.common.text import TextTokenizer
 from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.router.follower import KVEventFollower
@@ -126,9 +127,7 @@ class RouterService:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self.loop_lag is not None:
             await self.loop_lag.stop()
         await self.channels.close()
