@@ -40,15 +40,9 @@ from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.scheduler import cluster_policy as policy
 from pagedkv.scheduler.cluster_feeds import MirroredCaches, executor_loads
 from pagedkv.scheduler.cluster_leases import REDIS_ERRORS, HeldLeases
-from pagedkv.scheduler.cluster_policy import (
-    cluster_view,
-    lease_counts,
-    may_claim,
-    share,
-    to_give_up,
-)
 from pagedkv.scheduler.config import ClusterConfig
 from pagedkv.scheduler.executor_client import PROBE_TIMEOUT_S, ExecutorClient, ExecutorDown
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
@@ -281,7 +275,7 @@ class ClusterMember:
                 continue
             self.mirror.drop(incarnation)  # that incarnation ended
         self.incarnations = current
-        self.view = cluster_view(records, members, leases)
+        self.view = policy.cluster_view(records, members, leases)
 
     async def _check_in_service(self) -> None:
         """Executors in service here that the registry does not show as that
@@ -330,10 +324,10 @@ class ClusterMember:
         if time.monotonic() < self._no_claims_until:
             return
         live = {m.member_id for m in members} | {self.member_id}
-        counts = lease_counts(live, leases, self.member_id, len(self.held))
-        most = share(len(records), len(live))
+        counts = policy.lease_counts(live, leases, self.member_id, len(self.held))
+        most = policy.share(len(records), len(live))
         for record in records:
-            if not may_claim(counts, self.member_id, most):
+            if not policy.may_claim(counts, self.member_id, most):
                 return
             address = record.address
             if address in leases or address in self.host.clients:
@@ -377,10 +371,10 @@ class ClusterMember:
         if any(r.address not in leases for r in records):
             return  # executors are still to be claimed
         member_ids = (m.member_id for m in members)
-        counts = lease_counts(member_ids, leases, self.member_id, len(self.held))
+        counts = policy.lease_counts(member_ids, leases, self.member_id, len(self.held))
         schedulers = self.host.schedulers
         running = {a: len(schedulers[a].running) for a in self.held if a in schedulers}
-        address = to_give_up(counts, self.member_id, running)
+        address = policy.to_give_up(counts, self.member_id, running)
         if address is None:
             return
         log.info("rebalancing: giving an executor up", executor=address, held=len(self.held))

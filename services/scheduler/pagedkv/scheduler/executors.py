@@ -73,7 +73,7 @@ class Executors:
         self.schedulers: dict[str, ExecutorScheduler] = {}  # executors in service
         self.down: dict[str, str] = {}  # address -> why ("cause: detail")
         self.recoveries: dict[str, int] = {}  # address -> times taken back
-        self.wake: dict[str, asyncio.Event] = {}  # set: the step loop looks again
+        self.wake: dict[str, asyncio.Event] = {}  # set: its step loop looks again (and clears it)
         self.cluster: ClusterMember | None = None  # the Redis control plane, if any
         self._resync: set[str] = set()  # executors whose accounting must be rebuilt
         self._unattributed: dict[str, int] = {}  # errors in a row with no culprit
@@ -86,8 +86,6 @@ class Executors:
 
     def internal_error(self, exc: BaseException, where: str) -> ServiceError:
         return self.errors.report(exc, where)
-
-    # -- counts ---------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
