@@ -40,6 +40,7 @@ from pagedkv.cluster.mirror import PrefixMirror
 from pagedkv.cluster.registry import ExecutorRecord, list_executors
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
+from pagedkv.common.tasks import cancel_and_wait
 from pagedkv.scheduler import cluster_policy as policy
 from pagedkv.scheduler.cluster_feeds import MirroredCaches, executor_loads
 from pagedkv.scheduler.cluster_leases import REDIS_ERRORS, HeldLeases
@@ -156,9 +157,7 @@ class ClusterMember:
     async def close(self) -> None:
         """Stops the member task and the lease keeper, and leaves the member
         set (leases left to expire)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         await asyncio.to_thread(self.leases.keeper.stop)
         await self.mirror.close()
         await self.load.close()

@@ -32,6 +32,7 @@ from pagedkv.common.errors import (
 from pagedkv.common.ids import MAX_REQUEST_ID_BYTES
 from pagedkv.common.logging import get_logger
 from pagedkv.common.loop_lag import LoopLag
+from pagedkv.common.tasks import cancel_and_wait
 from pagedkv.common.text import TextTokenizer
 from pagedkv.common.text_prompts import PromptEncoder
 from pagedkv.scheduler.config import SchedulerConfig
@@ -149,13 +150,7 @@ class SchedulerService:
         and closes the executors."""
         for generation in list(self.generations.live.values()):
             self.abort(generation.request_id)
-        pending = set(self._tasks)
-        for _ in range(5):  # a cancellation can be lost in a race with a result
-            if not pending:
-                break
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=1.0)
+        await cancel_and_wait(self._tasks)  # a cancellation can be lost (tasks.py)
         await self.executors.close()
         self.prompts.close()
         if self.loop_lag is not None:
