@@ -1,126 +1,44 @@
-"""A Generate stream's queue of response chunks, built when the stream reads them.
+"""A Generate stream's queue of messages, made when the stream reads them.
 
-The step loop queues a ``PendingChunk`` per generation with news: plain
-references to the tokens, logprobs and finish state of each sequence. The
-``GenerateResponse`` message, and the text delta of a sequence that has a
-detokenizer, are made when the Generate stream takes the chunk from the
-queue (``ChunkQueue.get``), in the stream's own task: neither costs the step
-loop anything, and chunks are read in the order they were queued, so every
-detokenizer sees its tokens in order.
+The step loop does not make a message per generation per step: it only
+marks that a generation has news (``ChunkQueue.put_news``; consecutive marks
+are one). The ``GenerateResponse``, with every sequence's tokens, logprobs
+and finish since the stream's last message and the text deltas of those
+with a detokenizer, is made from the generation's state when the stream
+takes the mark (``Generation.take_response``), in the stream's own task:
+a step costs the step loop a token appended and a mark, and the stream
+makes one message however many steps ran since its last one. Messages are
+made in the order the stream reads them, so every detokenizer sees its
+tokens in order. A message that must hold the state as it is now (the
+state is about to change, ``Generation.flush_now``) is queued made, and
+full messages (beam search's) and the error a stream ends with are queued
+as they are.
 
 A Generate stream's messages cost the scheduler's process CPU (some 40-50
 us each in gRPC), which the step loop needs: one message per sequence per
 step would cost more than the step itself with a few hundred streams. So
-chunks queued while a stream is not reading leave as one message, and
 streams pace their reads (``ChunkQueue.pause``): after a message, a stream
 waits a pace that grows with the number of open streams
-(``SchedulerConfig.stream_pace_per_stream``) before reading again. The first
-chunk leaves at once, and so does the last (a final chunk or an error ends
-the pause).
+(``SchedulerConfig.stream_pace_per_stream``) before reading again, and the
+news of the steps in between leaves as one message. The first message
+leaves at once, and so does the last (a final mark or an error ends the
+pause).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import NamedTuple
+from collections.abc import Callable
 
 from pagedkv.common.errors import ServiceError
 from pagedkv.common.logging import get_logger
-from pagedkv.common.text import IncrementalDetokenizer
 from pagedkv.v1 import scheduler_pb2
 
 log = get_logger(__name__)
 
-
-class PendingOutput(NamedTuple):
-    """One sequence's news in a chunk (``seq_index``: its index in the
-    generation). ``finish_reason`` None: not finished. ``text``: text the
-    step loop made already (a sequence with stop strings; its detokenizer is
-    then None), and ``stop_string`` the one that finished it. A tuple: the
-    step loop makes one per sequence with news, and a tuple is the cheapest
-    to make."""
-
-    seq_index: int
-    token_ids: list[int]
-    logprobs: list[scheduler_pb2.TokenLogprobs]
-    detokenizer: IncrementalDetokenizer | None
-    finish_reason: int | None = None
-    stop_token_id: int | None = None
-    error_message: str = ""
-    text: str = ""
-    stop_string: str = ""
-
-
-class PendingChunk(NamedTuple):
-    """A chunk as the step loop leaves it: its outputs, and on the final chunk
-    the usage. ``placement`` is set on a generation's first chunk."""
-
-    request_id: str
-    outputs: list[PendingOutput]
-    usage: scheduler_pb2.Usage | None = None
-    placement: scheduler_pb2.Placement | None = None
-
-    def build(self) -> scheduler_pb2.GenerateResponse:
-        """The chunk's message; runs each output's detokenizer on its tokens
-        (and flushes it on the sequence's last output)."""
-        response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
-        for pending in self.outputs:
-            text = pending.text
-            detokenizer = pending.detokenizer
-            if detokenizer is not None:
-                if pending.token_ids:
-                    text += detokenizer.push(pending.token_ids)
-                if pending.finish_reason is not None:
-                    text += detokenizer.flush()
-            output = response.outputs.add(
-                index=pending.seq_index,
-                token_ids=pending.token_ids,
-                text_delta=text,
-                logprobs=pending.logprobs,
-            )
-            if pending.finish_reason is not None:
-                output.finish_reason = pending.finish_reason  # type: ignore[assignment]
-                if pending.stop_token_id is not None:
-                    output.stop_token_id = pending.stop_token_id
-                output.error_message = pending.error_message
-                output.stop_string = pending.stop_string
-        if self.usage is not None:
-            response.usage.CopyFrom(self.usage)
-        if self.placement is not None:
-            response.placement.CopyFrom(self.placement)
-        return response
-
-
-def merge(chunks: list[PendingChunk]) -> PendingChunk:
-    """Consecutive chunks of one generation as one: each sequence's tokens,
-    logprobs and text in order, its finish from the chunk that has it, the usage
-    of the last chunk and the placement of the first."""
-    if len(chunks) == 1:
-        return chunks[0]
-    merged: dict[int, PendingOutput] = {}
-    for chunk in chunks:
-        for output in chunk.outputs:
-            earlier = merged.get(output.seq_index)
-            if earlier is None:
-                merged[output.seq_index] = output
-                continue
-            merged[output.seq_index] = PendingOutput(
-                output.seq_index,
-                earlier.token_ids + output.token_ids,
-                earlier.logprobs + output.logprobs,
-                output.detokenizer,
-                output.finish_reason,
-                output.stop_token_id,
-                output.error_message,
-                earlier.text + output.text,
-                output.stop_string,
-            )
-    first, last = chunks[0], chunks[-1]
-    return PendingChunk(first.request_id, list(merged.values()), last.usage, first.placement)
-
-
-Item = scheduler_pb2.GenerateResponse | PendingChunk | BaseException
+Message = scheduler_pb2.GenerateResponse | BaseException
+_NEWS = object()  # the mark of news: the message is made when it is read
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -129,27 +47,30 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 class ChunkQueue:
-    """Chunks (built on the way out), or the error a stream ends with.
+    """News marks, made messages, or the error a stream ends with.
 
-    One writer (the step loop, ``put_nowait``) and one reader (the
+    One writer (the step loop and the generation's ends) and one reader (the
     generation's stream, ``get``): a deque and the reader's waiter, without
     ``asyncio.Queue``'s bookkeeping (bounds, several getters and putters,
-    ``task_done``), since a put runs once per generation per step.
+    ``task_done``), since a mark is put once per generation per step.
 
-    ``get`` and ``get_nowait`` never return a ``PendingChunk``: a chunk whose
-    text cannot be made comes out as the INTERNAL error its stream ends with.
-    Chunks queued behind the one taken leave with it, as one message: a
-    stream that reads less often than the steps run gets fewer, larger
-    messages (see ``pause``).
+    ``take``: the generation's ``take_response``, which makes the message of
+    a news mark (None when there is no news). ``get`` and ``get_nowait``
+    return a message or an error: news whose message cannot be made comes
+    out as the INTERNAL error its stream ends with.
     """
 
-    __slots__ = ("_items", "_pause", "_waiter", "closing")
+    __slots__ = ("_items", "_pause", "_take", "_waiter", "closing", "request_id")
 
-    def __init__(self) -> None:
-        self._items: deque[Item] = deque()
+    def __init__(
+        self, take: Callable[[], scheduler_pb2.GenerateResponse | None], request_id: str = ""
+    ) -> None:
+        self._take = take
+        self.request_id = request_id  # for the log
+        self._items: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None  # the reader, waiting in ``get``
         self._pause: asyncio.Future[None] | None = None  # the reader, pausing
-        self.closing = False  # a final chunk or an error is queued
+        self.closing = False  # the final news, a final message or an error is queued
 
     def empty(self) -> bool:
         return not self._items
@@ -157,51 +78,73 @@ class ChunkQueue:
     def qsize(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, item: Item) -> None:
-        """Queues ``item`` and wakes the reader; a final chunk or an error
-        also ends the reader's pause."""
+    def put_news(self, final: bool = False) -> None:
+        """Marks news (one mark for news not read yet) and wakes the
+        reader; the ``final`` news (the message with usage) also ends the
+        reader's pause."""
+        items = self._items
+        if not items or items[-1] is not _NEWS:
+            items.append(_NEWS)
+            if self._waiter is not None:
+                _wake(self._waiter)
+        if final:
+            self._close()
+
+    def drop_news(self) -> None:
+        """Forgets a news mark at the end of the queue: a message made now
+        holds that news."""
+        if self._items and self._items[-1] is _NEWS:
+            self._items.pop()
+
+    def put_nowait(self, item: Message) -> None:
+        """Queues a made message or an error and wakes the reader; an error
+        or a message with usage also ends the reader's pause."""
         self._items.append(item)
         if self._waiter is not None:
             _wake(self._waiter)
-        if not isinstance(item, PendingChunk) or item.usage is not None:
-            self.closing = True
-            if self._pause is not None:
-                _wake(self._pause)
+        if not isinstance(item, scheduler_pb2.GenerateResponse) or item.HasField("usage"):
+            self._close()
 
-    async def get(self) -> scheduler_pb2.GenerateResponse | BaseException:
-        """The next message (chunks queued together as one) or error, once
-        there is one."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self.get_nowait()
+    def _close(self) -> None:
+        self.closing = True
+        if self._pause is not None:
+            _wake(self._pause)
 
-    def get_nowait(self) -> scheduler_pb2.GenerateResponse | BaseException:
+    async def get(self) -> Message:
+        """The next message or error, once there is one."""
+        while True:
+            while not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            message = self._next()
+            if message is not None:
+                return message
+
+    def get_nowait(self) -> Message:
         """As ``get``; raises ``asyncio.QueueEmpty`` when nothing is queued."""
-        items = self._items
-        if not items:
-            raise asyncio.QueueEmpty
-        item = items.popleft()
-        if not isinstance(item, PendingChunk):
-            return item
-        if items and isinstance(items[0], PendingChunk):
-            chunks = [item]
-            while items and isinstance(items[0], PendingChunk):
-                chunks.append(items.popleft())  # type: ignore[arg-type]
-            item = merge(chunks)
+        while self._items:
+            message = self._next()
+            if message is not None:
+                return message
+        raise asyncio.QueueEmpty
+
+    def _next(self) -> Message | None:
+        item = self._items.popleft()
+        if item is not _NEWS:
+            return item  # type: ignore[return-value]
         try:
-            return item.build()
+            return self._take()
         except Exception as exc:
-            log.error("internal error", where="chunk", request_id=item.request_id, exc_info=exc)
+            log.error("internal error", where="chunk", request_id=self.request_id, exc_info=exc)
             return ServiceError("internal error in the scheduler while making a chunk's text")
 
     async def pause(self, seconds: float) -> None:
-        """Waits ``seconds``, or less once a final chunk or an error is
-        queued: a stream paces its messages with it, so that the chunks of
-        the steps in between leave as one."""
+        """Waits ``seconds``, or less once the final news or an error is
+        queued: a stream paces its messages with it, so that the news of
+        the steps in between leaves as one message."""
         if seconds <= 0 or self.closing:
             return
         loop = asyncio.get_running_loop()

@@ -102,7 +102,7 @@ class Generations:
             self.end(generation)  # it has finished: its final chunk goes out
             return
         try:
-            generation.flush()  # not final: its sequence has not finished
+            generation.flush_now()  # not final: its sequence has not finished
         except Exception as exc:
             self.fail(
                 generation, self.errors.report(exc, "flush", request_id=generation.request_id)

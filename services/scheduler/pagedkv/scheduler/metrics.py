@@ -344,11 +344,12 @@ class SchedulerMetrics:
         """Record a request's time from arrival to its first output token."""
         self._time_to_first_token.observe(seconds)
 
-    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+    def observe_inter_token(self, seconds: float, count: int = 1, requests: int = 1) -> None:
         """Record the time between two consecutive output tokens of a
         request; ``count`` tokens that came together after ``seconds`` (a
-        decode window's) are ``count`` gaps of ``seconds / count``."""
-        self._inter_token_latency.observe(seconds / count, count)
+        decode window's) are ``count`` gaps of ``seconds / count``; the same
+        for each of ``requests`` requests."""
+        self._inter_token_latency.observe(seconds / count, count * requests)
 
     def observe_loop_lag(self, seconds: float) -> None:
         """Record how late the event loop ran a task that was due."""

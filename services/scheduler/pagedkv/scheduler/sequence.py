@@ -3,8 +3,9 @@ output ``Sequence``s, each a block-core ``Request`` on one executor.
 
 Sequences move WAITING -> RUNNING -> FINISHED, and RUNNING -> WAITING again
 when preempted or when their executor is lost (recompute: their KV is
-recomputed from their whole history). The generation owns the queue of
-response chunks its Generate stream reads.
+recomputed from their whole history). The generation owns the queue its
+Generate stream reads (chunks.py): news marks, whose messages it makes from
+its sequences' pending outputs when the stream reads them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pagedkv.common.ids import SeqId
 from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.beam import BeamSearch
-from pagedkv.scheduler.chunks import ChunkQueue, PendingChunk, PendingOutput
+from pagedkv.scheduler.chunks import ChunkQueue
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.stop_strings import StopMatcher
 from pagedkv.v1 import common_pb2, scheduler_pb2
@@ -65,17 +66,17 @@ class Sequence:
     finish_reason: int = FinishReason.FINISH_REASON_UNSPECIFIED
     stop_token_id: int | None = None
     error_message: str = ""  # with FINISH_REASON_ERROR: what failed, for humans
-    # Output since the last chunk, and logprobs per output token.
+    # Output since its stream's last message, and logprobs per output token.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[scheduler_pb2.TokenLogprobs] = field(default_factory=list)
     # Its text: made lazily from pending_token_ids by the detokenizer when
-    # its stream reads a chunk, or, with stop strings, eagerly by the stop
+    # its stream makes a message, or, with stop strings, eagerly by the stop
     # matcher (which then owns the detokenizer) into pending_text.
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopMatcher | None = None
     pending_text: str = ""
     admitted: bool = False  # admitted once (cached prompt tokens are counted then)
-    finish_reported: bool = False  # its finishing chunk was queued
+    finish_reported: bool = False  # a message has carried its finish
     # Its state on its executor while it holds a row there (see ExecutorRow);
     # None: it holds none. Replaced, never reset, so that responses to steps
     # sent before a release are told apart (``ScheduledStep.sampled``).
@@ -182,12 +183,15 @@ class Generation:
     stop_token_ids: frozenset[int]
     arrival: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
-    chunks: ChunkQueue = field(default_factory=ChunkQueue)
+    chunks: ChunkQueue = field(init=False)  # what its stream reads (chunks.py)
     num_cached_prompt_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     forked: bool = False  # the other n - 1 sequences were forked from the first
-    done: bool = False
+    done: bool = False  # its last news or message is queued
+    final_queued: bool = False  # the final news is queued: the message with usage
+    final_taken: bool = False  # the message with usage was made
+    window_tokens: int = 0  # a plain generation's tokens of its last decode window
     beam: BeamSearch | None = None  # beam search (beam_width >= 2)
     tokenizer: TextTokenizer | None = None  # the text of beams and sequences; None: none
     reserved_rows: list[int] = field(default_factory=list)  # rows kept for its forks
@@ -204,6 +208,7 @@ class Generation:
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        self.chunks = ChunkQueue(self.take_response, self.request_id)
         eos, stop = FinishReason.FINISH_REASON_EOS, FinishReason.FINISH_REASON_STOP
         self.stop_reasons = {token: eos for token in self.eos_token_ids}
         self.stop_reasons.update({token: stop for token in self.stop_token_ids})
@@ -243,9 +248,11 @@ class Generation:
         return params
 
     def flush(self) -> None:
-        """Queues one chunk with every sequence's news; the final one (with
-        usage) once every sequence has finished. The chunk's message and text
-        are made when its stream reads it (see chunks.py)."""
+        """Marks the generation's news for its stream (the message is made
+        when the stream reads it, ``take_response``); the final news (every
+        sequence finished: the message with usage) once. The step loop
+        calls it once per step for each generation with a sample, so it
+        costs a check of each sequence and a mark."""
         if self.done:
             return
         if self.beam is not None:
@@ -254,63 +261,98 @@ class Generation:
                 self._finish_beams(response)
             return
         all_finished = True
-        outputs: list[PendingOutput] = []
+        news = False
         for seq in self.sequences:
-            finished = seq.state is _FINISHED
-            if not finished:
+            if seq.state is not _FINISHED:
                 all_finished = False
+                if seq.pending_token_ids:
+                    news = True
+            elif seq.pending_token_ids or not seq.finish_reported:
+                news = True
+        if all_finished:
+            self.done = self.final_queued = True
+        elif not news:
+            return
+        self.chunks.put_news(all_finished)
+
+    def flush_now(self) -> None:
+        """As ``flush``, the message made now: the caller is about to change
+        the sequences' state in ways the stream must not see (a hand-back
+        finishes them with an error after the news it sends)."""
+        if self.done or self.beam is not None:
+            self.flush()
+            return
+        if all(seq.state is _FINISHED for seq in self.sequences):
+            self.done = self.final_queued = True
+        self.chunks.drop_news()  # the message made now holds that news
+        response = self.take_response()
+        if response is not None:
+            self.chunks.put_nowait(response)
+
+    def take_response(self) -> scheduler_pb2.GenerateResponse | None:
+        """The news since the stream's last message, as one message (None:
+        no news): each sequence's new tokens, logprobs and text delta (its
+        detokenizer runs on the tokens now), its finish once; the usage once
+        the final news is queued; the placement on the first message."""
+        response = None
+        for seq in self.sequences:
             tokens = seq.pending_token_ids
-            matcher = seq.stop_matcher
-            if finished and not seq.finish_reported:
-                seq.finish_reported = True
-                stop_string = ""
-                if matcher is not None:  # held text goes out, unless a stop string ended it
-                    seq.pending_text += matcher.flush()
-                    stop_string = matcher.stopped or ""
-                output = PendingOutput(
-                    seq.index,
-                    tokens,
-                    seq.pending_logprobs,
-                    seq.detokenizer,
-                    seq.finish_reason,
-                    seq.stop_token_id,
-                    seq.error_message,
-                    seq.pending_text,
-                    stop_string,
-                )
-            elif tokens:
-                output = PendingOutput(
-                    seq.index, tokens, seq.pending_logprobs, seq.detokenizer, text=seq.pending_text
-                )
-            else:
+            finishing = seq.state is _FINISHED and not seq.finish_reported
+            if not tokens and not finishing:
                 continue
-            outputs.append(output)
-            seq.pending_token_ids = []
+            if response is None:
+                response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
+            text = seq.pending_text
+            stop_string = ""
+            matcher = seq.stop_matcher
+            if finishing and matcher is not None:
+                # Held text goes out, unless a stop string ended it.
+                text += matcher.flush()
+                stop_string = matcher.stopped or ""
+            detokenizer = seq.detokenizer
+            if detokenizer is not None:
+                if tokens:
+                    text += detokenizer.push(tokens)
+                if finishing:
+                    text += detokenizer.flush()
+            output = response.outputs.add(
+                index=seq.index, token_ids=tokens, text_delta=text, logprobs=seq.pending_logprobs
+            )
+            if tokens:
+                seq.pending_token_ids = []
             if seq.pending_text:
                 seq.pending_text = ""
             if seq.pending_logprobs:
                 seq.pending_logprobs = []
-        usage = None
-        if all_finished:
-            usage = scheduler_pb2.Usage(
-                prompt_tokens=self.num_prompt_tokens,
-                # A resumed sequence's cache hit can reach into its resumed tokens.
-                cached_prompt_tokens=min(self.num_cached_prompt_tokens, self.num_prompt_tokens),
-                completion_tokens=sum(s.request.num_output_tokens for s in self.sequences),
-            )
-            self.done = True
-        elif not outputs:
-            return
-        placement = None if self.placement is None else self._take_placement()
-        self.chunks.put_nowait(PendingChunk(self.request_id, outputs, usage, placement))
+            if finishing:
+                seq.finish_reported = True
+                output.finish_reason = seq.finish_reason  # type: ignore[assignment]
+                if seq.stop_token_id is not None:
+                    output.stop_token_id = seq.stop_token_id
+                output.error_message = seq.error_message
+                output.stop_string = stop_string
+        if self.final_queued and not self.final_taken:
+            self.final_taken = True
+            if response is None:
+                response = scheduler_pb2.GenerateResponse(request_id=self.request_id)
+            usage = response.usage
+            usage.prompt_tokens = self.num_prompt_tokens
+            # A resumed sequence's cache hit can reach into its resumed tokens.
+            usage.cached_prompt_tokens = min(self.num_cached_prompt_tokens, self.num_prompt_tokens)
+            usage.completion_tokens = sum(s.request.num_output_tokens for s in self.sequences)
+        placement = self.placement
+        if response is not None and placement is not None:
+            self.placement = None
+            response.placement.CopyFrom(placement)
+        return response
 
     def _take_placement(self) -> scheduler_pb2.Placement | None:
-        """The placement, for the first chunk only."""
+        """The placement, for the first message only."""
         placement, self.placement = self.placement, None
         return placement
 
     def _send(self, response: scheduler_pb2.GenerateResponse) -> None:
-        """Queues a chunk; the first one carries the placement."""
+        """Queues a made message; the first one carries the placement."""
         placement = self._take_placement()
         if placement is not None:
             response.placement.CopyFrom(placement)

@@ -212,7 +212,9 @@ class StepLoops:
                     clock(),
                     time.process_time(),
                 )
-            await asyncio.sleep(0)  # let Generate handlers run between steps
+            # No yield here: the next step is scheduled and sent first (the
+            # device may be waiting for it); the Generate handlers run while
+            # this loop waits for that step's answer.
 
     def _publish(
         self,
@@ -221,24 +223,27 @@ class StepLoops:
         seconds: float,
         window: bool = False,
     ) -> None:
-        """Queues the touched generations' chunks and records the latency
-        metrics: a step gives each generation one token, a decode window
-        (``window``) each plain one up to its steps, the gap spread over
-        them."""
+        """Marks the touched generations' news for their streams and records
+        the latency metrics: a step gives each generation one token, a
+        decode window (``window``) each plain one its window's tokens, the
+        gap spread over them. Generations whose last tokens came in the
+        same step have the same gap: each gap is observed once, with its
+        count."""
         now = time.monotonic()
         metrics = self.metrics
         address = scheduler.address
+        gaps: dict[tuple[float, int], int] = {}  # (last token at, tokens): generations
+        retire = self.generations.retire
         for generation in touched:
-            if metrics is not None:
-                if generation.first_token_at is None:
+            last = generation.last_token_at
+            if last is None:
+                if metrics is not None and generation.first_token_at is None:
                     metrics.observe_first_token(now - generation.arrival)
-                elif generation.last_token_at is not None:
-                    count = 1
-                    if window and generation.plain:
-                        count = max(1, len(generation.sequences[0].pending_token_ids))
-                    metrics.observe_inter_token(now - generation.last_token_at, count)
-            if generation.first_token_at is None:
                 generation.first_token_at = now
+            elif metrics is not None:
+                count = (generation.window_tokens or 1) if window and generation.plain else 1
+                key = (last, count)
+                gaps[key] = gaps.get(key, 0) + 1
             generation.last_token_at = now
             try:
                 generation.flush()
@@ -246,8 +251,11 @@ class StepLoops:
                 error = self.errors.report(exc, "flush", executor=address)
                 self.generations.fail(generation, error)
                 continue
-            self.generations.retire(generation)
+            if generation.done:
+                retire(generation)
         if metrics is not None:
+            for (last, count), num in gaps.items():
+                metrics.observe_inter_token(now - last, count, num)
             kv = scheduler.kv
             stats = kv.prefix_cache_stats
             metrics.observe_step(address, seconds)

@@ -7,8 +7,8 @@ to its request and to its pending output, then checked once
 finished sequence is released at once. Beams keep their candidates until
 every live beam of the generation has them (see groups.py). Text is not made
 here, except for sequences with stop strings (their text is matched as it
-grows, see stop_strings.py): a chunk's text deltas are decoded when its
-stream reads it (chunks.py).
+grows, see stop_strings.py): a message's text deltas are decoded when its
+stream makes it (chunks.py).
 
 The common sample (no beam search, no logprobs, no stop strings, no forks to
 make) takes a short path through plain lists; the others go through
@@ -128,6 +128,7 @@ def _apply_window(
                 placed.inflight_samples -= len(applied)
                 seq.request.token_ids.extend(applied)
                 seq.pending_token_ids.extend(applied)
+                generation.window_tokens = len(applied)
                 if reason is not None:
                     seq.finish(reason, applied[-1] if reason == _STOP else None)
                     rows.release(seq)
