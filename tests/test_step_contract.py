@@ -20,6 +20,8 @@ from pagedkv.common.step_contract import (
     DEFAULT_PIPELINE_DEPTH,
     MAX_DECODE_STEPS,
     ONE_STEP,
+    SINGLE_STEP_PIPELINE_DEPTH,
+    default_pipeline_depth,
 )
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_plan import plan_message
@@ -111,6 +113,11 @@ def test_the_cli_defaults_are_the_contracts() -> None:
     config = config_from_args(_scheduler_args(), ["127.0.0.1:1"])
     assert config.decode_window == DEFAULT_DECODE_WINDOW
     assert config.pipeline_depth == DEFAULT_PIPELINE_DEPTH
+    # Single steps get more steps in flight, unless asked for fewer.
+    single = config_from_args(_scheduler_args("--decode-window", "1"), ["127.0.0.1:1"])
+    assert single.pipeline_depth == SINGLE_STEP_PIPELINE_DEPTH == default_pipeline_depth(1)
+    asked = _scheduler_args("--decode-window", "1", "--pipeline-depth", "2")
+    assert config_from_args(asked, ["127.0.0.1:1"]).pipeline_depth == 2
     # Code that builds a scheduler itself gets one step per message.
     assert SchedulerConfig(executors=()).decode_window == ONE_STEP
     assert SchedulerConfig(executors=()).pipeline_depth == DEFAULT_PIPELINE_DEPTH

@@ -29,7 +29,8 @@
 #                                            # gateway process (HTTP) on the same stack
 #                                            # (bench serve --gateway; a minute or two)
 #
-# WINDOW and DEPTH (default 8 and 2, the scheduler's) are the --decode-window and
+# WINDOW and DEPTH (default 8 and the scheduler's default for the window:
+# 2, or 4 with single steps) are the --decode-window and
 # --pipeline-depth of the 1b, 8b and 256 runs (WINDOW=best: the sweep's
 # best, read from its results); SWEEP (default 1:2,4:2,8:2,8:3,16:2,16:3)
 # the settings of the sweep. Within ten minutes:
@@ -82,7 +83,11 @@ if [[ "${WINDOW:-1}" == best ]]; then
   read -r WINDOW DEPTH <<<"$best"
   echo "run-serve-bench: the sweep's best setting: --decode-window $WINDOW --pipeline-depth $DEPTH"
 fi
-tuned=(--decode-window "${WINDOW:-8}" --pipeline-depth "${DEPTH:-2}")
+tuned=(--decode-window "${WINDOW:-8}")
+# Without DEPTH, the scheduler's default for the window (2; 4 with WINDOW=1).
+if [[ -n "${DEPTH:-}" ]]; then
+  tuned+=(--pipeline-depth "$DEPTH")
+fi
 case "${1:-1b}" in
   1b)
     bench --preset llama-1.1b --rates 4,16,64,inf --num-requests 160 \

@@ -49,4 +49,23 @@ DEFAULT_PIPELINE_DEPTH = 2
 ``SchedulerConfig.pipeline_depth``): step N + 1 is scheduled and sent while
 the executor runs step N, so the next request is usually waiting when a
 step's device work is enqueued (the executor's step pipeline launches each
-request as it arrives). 1: no async stepping."""
+request as it arrives). 1: no async stepping. The scheduler CLI's default
+with windows; with single steps it is ``SINGLE_STEP_PIPELINE_DEPTH``
+(``default_pipeline_depth``)."""
+
+SINGLE_STEP_PIPELINE_DEPTH = 4
+"""The scheduler CLI's default ``--pipeline-depth`` with single steps
+(``--decode-window 1``). A single step's device time is short next to the
+host work around it (the executor's launch, the response's way back, the
+scheduler's processing and the next step's scheduling), so two steps in
+flight leave the device idle between steps; on the H200 single steps served
+64 x (512 -> 256) at 0.68x the windowed figure with 2 in flight, 0.83x with
+3 and 0.92x with 4 (256 x: 0.82x, 0.92x, 0.98x; the committed
+serve-sweep-h200.md). The cost: a sequence that stops, and the next request's
+admission, are seen up to 3 steps late (the steps' samples after a stop are
+dropped, never sent)."""
+
+
+def default_pipeline_depth(decode_window: int) -> int:
+    """The scheduler CLI's default ``--pipeline-depth`` for ``decode_window``."""
+    return SINGLE_STEP_PIPELINE_DEPTH if decode_window <= ONE_STEP else DEFAULT_PIPELINE_DEPTH

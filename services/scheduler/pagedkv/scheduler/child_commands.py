@@ -78,7 +78,8 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
         command += ["--max-num-seqs", str(args.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         command += ["--decode-window", str(args.decode_window)]
-        command += ["--pipeline-depth", str(args.pipeline_depth)]
+        if args.pipeline_depth is not None:  # else the window's default, there too
+            command += ["--pipeline-depth", str(args.pipeline_depth)]
         command += ["--stream-pace-us", str(args.stream_pace_us)]
         command += ["--executor-timeout", str(args.executor_timeout)]
         command += ["--drain-timeout", str(args.drain_timeout)]

@@ -21,6 +21,7 @@ from pagedkv.common.step_contract import (
     DEFAULT_PIPELINE_DEPTH,
     MAX_DECODE_STEPS,
     ONE_STEP,
+    SINGLE_STEP_PIPELINE_DEPTH,
 )
 
 MAX_PIPELINE_DEPTH = 8
@@ -67,9 +68,9 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline-depth",
         type=_int_in(1, MAX_PIPELINE_DEPTH),
-        default=DEFAULT_PIPELINE_DEPTH,
         help="steps in flight per executor: the next ones are scheduled and sent while the "
-        "executor runs the first (1: none ahead)",
+        f"executor runs the first (1: none ahead; default {DEFAULT_PIPELINE_DEPTH}, "
+        f"{SINGLE_STEP_PIPELINE_DEPTH} with --decode-window 1)",
     )
     parser.add_argument(
         "--stream-pace-us",

@@ -16,6 +16,7 @@ from pagedkv.common.logging import get_logger
 from pagedkv.common.ports import ListenError
 from pagedkv.common.security import client_tls_from_args
 from pagedkv.common.server_security import ServerSecurity, server_security_from_args
+from pagedkv.common.step_contract import default_pipeline_depth
 from pagedkv.scheduler.config import ClusterConfig, SchedulerConfig
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.service import SchedulerService
@@ -51,7 +52,11 @@ def config_from_args(
         max_num_batched_tokens=args.max_num_batched_tokens,
         stream_pace_per_stream=getattr(args, "stream_pace_us", 150.0) * 1e-6,
         decode_window=args.decode_window,
-        pipeline_depth=args.pipeline_depth,
+        pipeline_depth=(
+            default_pipeline_depth(args.decode_window)
+            if args.pipeline_depth is None
+            else args.pipeline_depth
+        ),
         executor_timeout=args.executor_timeout,
         model_dir=args.model,
         cluster=cluster,

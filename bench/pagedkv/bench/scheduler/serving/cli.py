@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.common.cli import requires
-from pagedkv.common.step_contract import DEFAULT_DECODE_WINDOW, DEFAULT_PIPELINE_DEPTH
+from pagedkv.common.step_contract import DEFAULT_DECODE_WINDOW
 
 PRESETS = ("tiny", "llama-1.1b", "llama-8b")
 
@@ -81,8 +81,7 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument(
         "--pipeline-depth",
         type=int,
-        default=DEFAULT_PIPELINE_DEPTH,
-        help="the scheduler's --pipeline-depth (default its default)",
+        help="the scheduler's --pipeline-depth (default its default for the window)",
     )
     model.add_argument("--max-model-len", type=int, help="clip lengths to this (default: model's)")
     model.add_argument("--enforce-eager", action="store_true")

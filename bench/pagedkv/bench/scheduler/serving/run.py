@@ -66,6 +66,7 @@ from pagedkv.bench.scheduler.serving.workload import (
     sharegpt_like,
 )
 from pagedkv.common.logging import get_logger
+from pagedkv.common.step_contract import default_pipeline_depth
 
 PACKAGES = ("pagedkv-scheduler", "pagedkv-executor", "pagedkv-common")
 GATEWAY_PACKAGES = ("pagedkv-gateway", "fastapi", "starlette", "uvicorn", "pydantic", "aiohttp")
@@ -233,6 +234,8 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.pipeline_depth is None:  # the scheduler's default for the window, recorded
+        args.pipeline_depth = default_pipeline_depth(args.decode_window)
     batches = parse_fixed_batches(args.fixed_batch)
     parse_rates(args.rates)  # refuse bad rates before anything starts
     if args.sweep:
