@@ -3,9 +3,9 @@
 The block benchmark and the router's cluster simulation schedule their
 steps with the service's ``ExecutorScheduler`` (against a simulated
 executor's answers), so what they time and simulate is what the service
-runs. No other module keeps a copy of the policy: no ``plan_step``, no
-``preempt_newest``. The one exception is the former copy the block
-benchmark kept to compare once (``--compare-old``), which says so.
+runs. No module keeps a copy of the policy: no ``plan_step``, no
+``preempt_newest`` (the block benchmark's former copy was compared with the
+scheduler once, docs/benchmarks.md, and removed).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("shared", "services", "kernels", "bench")
 DRIVERS = ("pagedkv.bench.scheduler.blocks", "pagedkv.bench.cluster_sim.executor")
-FORMER_COPY = "pagedkv.bench.scheduler.blocks_legacy"
 POLICY_COPIES = {"plan_step", "preempt_newest", "_preempt_newest"}
 
 
@@ -50,12 +49,10 @@ def test_the_block_benchmark_and_the_simulation_run_the_executor_scheduler() -> 
 
 
 def test_no_module_keeps_a_copy_of_the_policy() -> None:
-    former = _path(FORMER_COPY).resolve()
-    assert "kept to compare" in (ast.get_docstring(ast.parse(former.read_text())) or "")
     copies = []
     for root in SOURCES:
         for path in sorted((REPO / root).rglob("*.py")):
-            if path.resolve() == former or "/build/" in path.as_posix():
+            if "/build/" in path.as_posix():
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.FunctionDef) and node.name in POLICY_COPIES:

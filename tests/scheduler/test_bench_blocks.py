@@ -52,14 +52,3 @@ def test_small_pool_preempts_and_still_finishes_everything(tmp_path: Path) -> No
     assert trace["num_finished"] == 300
     assert trace["leaked_blocks"] == 0
     assert trace["integrity_ok"]
-
-
-def test_compare_old_reports_the_former_loop_beside_the_scheduler(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--num-requests", "200", "--repeat", "1", "--compare-old")
-    assert results["config"]["policy"] == "ExecutorScheduler"
-    new, old = results["trace"], results["former_loop"]["trace"]
-    assert new["num_finished"] == old["num_finished"] == 200
-    assert new["num_output_tokens"] == old["num_output_tokens"]
-    assert new["leaked_blocks"] == old["leaked_blocks"] == 0
-    report = (tmp_path / "blocks.md").read_text()
-    assert "| metric | ExecutorScheduler | former loop | target |" in report

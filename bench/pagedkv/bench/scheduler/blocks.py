@@ -7,15 +7,11 @@ prefill chunk, preempting the least important, newest one when a block is
 short; then admission from the waiting queue with a prefix-cache lookup;
 then the step message), then ``process()`` of the executor's answer, as the
 service's step loop runs them. A simulated executor answers each step
-(``executor_sim``; not timed), one step in flight. The generations' chunks
-(``flush``) are not made: the step profile (``steps.py``, ``make
-bench-steps-cpu``) times the whole step loop, chunks included, at a steady
+(``executor_sim``; not timed), one step in flight. The generations' news
+(``flush``) is not marked: the step profile (``steps.py``, ``make
+bench-steps-cpu``) times the whole step loop, news included, at a steady
 batch. Generations are made (and their prompts hashed) before the loop, as
 on arrival; that cost is reported on its own.
-
-``--compare-old`` also runs the former hand-written loop
-(``blocks_legacy.py``, kept only for that) on the same trace and reports
-the two side by side.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.scheduler.blocks_legacy import legacy_run_trace
 from pagedkv.bench.scheduler.executor_sim import answers, apply_answers, executor_info, generation
 from pagedkv.bench.scheduler.trace import TraceConfig, build_trace
 from pagedkv.bench.scheduler.trace_result import StepRecords, TraceResult, trace_result
@@ -44,14 +39,14 @@ from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request
 from pagedkv.v1 import common_pb2
 
-# Targets from the issue, on 2-core machines (set for the former loop,
-# which encoded no step message and applied no response).
+# Targets from the issue, on 2-core machines (set for a former copy of the
+# loop, which encoded no step message and applied no response; see
+# docs/benchmarks.md).
 TARGET_NS_PER_RUNNING_REQUEST = 1000.0
 TARGET_LOOKUP_US = 10.0
 TARGET_HASH_US = 40.0
 
 POLICY = "ExecutorScheduler"
-FORMER_POLICY = "the former loop (blocks_legacy.py)"
 
 
 def run_trace(args: argparse.Namespace) -> TraceResult:
@@ -207,12 +202,9 @@ def calibration_ns() -> float:
 def main(args: argparse.Namespace) -> int:
     calibrations = []
     runs: list[TraceResult] = []
-    former_runs: list[TraceResult] = []
     for _ in range(args.repeat):
         calibrations.append(calibration_ns())
         runs.append(run_trace(args))
-        if args.compare_old:  # interleaved, so that both see the same machine
-            former_runs.append(legacy_run_trace(args))
     trace = min(runs, key=lambda run: run.ns_per_running_request_per_step)
     hash_us = measure_hash_2048(args.block_size)
     lookup_us = measure_lookup_2048(args.block_size)
@@ -244,15 +236,6 @@ def main(args: argparse.Namespace) -> int:
             "hash_2048_tokens_us": TARGET_HASH_US,
         },
     }
-    if former_runs:
-        former = min(former_runs, key=lambda run: run.ns_per_running_request_per_step)
-        results["former_loop"] = {
-            "policy": FORMER_POLICY,
-            "trace": asdict(former),
-            "trace_runs_ns_per_running_request_per_step": [
-                run.ns_per_running_request_per_step for run in former_runs
-            ],
-        }
     rows = table_rows(results)
     print(format_table(rows))
     if args.output:
@@ -260,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
         output.write_text(json.dumps(results, indent=2) + "\n")
         output.with_suffix(".md").write_text(format_markdown(results, rows))
         print(f"results written to {output} and {output.with_suffix('.md')}")
-    clean = all(run.leaked_blocks == 0 and run.integrity_ok for run in runs + former_runs)
+    clean = all(run.leaked_blocks == 0 and run.integrity_ok for run in runs)
     return 0 if clean else 1
 
 
@@ -301,20 +284,10 @@ def _trace_rows(t: dict[str, Any], runs_ns: list[float]) -> list[tuple[str, str,
 
 
 def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The report's rows: metric, value, target; with the former loop's run
-    (``--compare-old``), metric, value, the former loop's value, target."""
+    """The report's rows: metric, value, target."""
     rows: list[tuple[str, ...]] = list(
         _trace_rows(results["trace"], results["trace_runs_ns_per_running_request_per_step"])
     )
-    former = results.get("former_loop")
-    if former is not None:
-        former_rows = _trace_rows(
-            former["trace"], former["trace_runs_ns_per_running_request_per_step"]
-        )
-        rows = [
-            (name, value, former_value, target)
-            for (name, value, target), (_, former_value, _) in zip(rows, former_rows, strict=True)
-        ]
     shared: list[tuple[str, ...]] = [
         (
             "runs: machine speed, ns per loop iteration",
@@ -334,20 +307,15 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             f"≤ {TARGET_LOOKUP_US:.0f}",
         ),
     ]
-    if former is not None:
-        shared = [(name, value, "", target) for name, value, target in shared]
     return rows + shared
 
 
-def _header(rows: list[tuple[str, ...]]) -> tuple[str, ...]:
-    if len(rows[0]) == 4:
-        return ("metric", POLICY, "former loop", "target")
-    return ("metric", "value", "target")
+HEADER = ("metric", "value", "target")
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
     """The rows as an aligned plain-text table."""
-    header = _header(rows)
+    header = HEADER
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
 
     def line(row: tuple[str, ...]) -> str:
@@ -363,7 +331,7 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def format_markdown(results: dict[str, Any], rows: list[tuple[str, ...]]) -> str:
     """A short report: the machine, the configuration and the table."""
     machine = results["machine"]
-    header = _header(rows)
+    header = HEADER
     lines = [
         "# Block-core benchmark (`pagedkv bench blocks`)",
         "",
@@ -377,16 +345,7 @@ def format_markdown(results: dict[str, Any], rows: list[tuple[str, ...]]) -> str
         "",
         "Each step is the service's `ExecutorScheduler`: `schedule()` (the policy, the "
         "block-core calls and the step message), then `process()` of a simulated "
-        "executor's answer (the chunks for the Generate streams are not made).",
-    ]
-    if "former_loop" in results:
-        lines += [
-            "",
-            "The former loop is the hand-written copy of the policy that this benchmark "
-            "timed before (preempting the newest request, no step message, no response "
-            "applied), run on the same trace, its runs interleaved with the scheduler's.",
-        ]
-    lines += [
+        "executor's answer (the Generate streams' news is not marked).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

@@ -29,11 +29,6 @@ def register(subparsers: Any, name: str) -> None:
         "--repeat", type=int, default=3, help="trace runs; the fastest is reported (default 3)"
     )
     parser.add_argument(
-        "--compare-old",
-        action="store_true",
-        help="also run the former hand-written loop (kept to compare) and report both",
-    )
-    parser.add_argument(
         "--output", help="write the results as JSON to this file (default: none, printed only)"
     )
     parser.set_defaults(handler=_run)
