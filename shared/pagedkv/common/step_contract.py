@@ -27,7 +27,7 @@ executor refuses more (INVALID_ARGUMENT naming the field), and the
 scheduler's ``--decode-window`` is checked against it. A window runs its steps
 back to back before it answers, so it bounds how long one message holds the
 executor and how many rounds of samples its response holds; windows past 16
-gave no more throughput on the H200 (tests/benchmarks/results/serve-sweep-h200.md)."""
+gave no more throughput on the H200 (tests/benchmarks/results/serve-sweep-windows-h200.md)."""
 
 ONE_STEP = 1
 """A decode window of one step: one decode step per message, windows off.
@@ -42,7 +42,7 @@ DEFAULT_DECODE_WINDOW = 8
 """The scheduler CLI's default ``--decode-window`` (``pagedkv scheduler`` and
 ``pagedkv serve``): on the H200 windows of 8 serve a 64 x (512 -> 256) batch
 1.9 times and a 256 one 1.8 times as fast as single steps, 16 no faster
-(tests/benchmarks/results/serve-sweep-h200.md)."""
+(tests/benchmarks/results/serve-sweep-windows-h200.md)."""
 
 DEFAULT_PIPELINE_DEPTH = 2
 """Steps in flight per executor, by default (``--pipeline-depth``,
@@ -58,12 +58,12 @@ SINGLE_STEP_PIPELINE_DEPTH = 4
 (``--decode-window 1``). A single step's device time is short next to the
 host work around it (the executor's launch, the response's way back, the
 scheduler's processing and the next step's scheduling), so two steps in
-flight leave the device idle between steps; on the H200 single steps served
-64 x (512 -> 256) at 0.68x the windowed figure with 2 in flight, 0.83x with
-3 and 0.92x with 4 (256 x: 0.82x, 0.92x, 0.98x; the committed
-serve-sweep-h200.md). The cost: a sequence that stops, and the next request's
-admission, are seen up to 3 steps late (the steps' samples after a stop are
-dropped, never sent)."""
+flight leave the device idle between steps. On the H200, single steps
+served 64 x (512 -> 256) at 0.83x the windowed figure with 3 in flight and
+0.92x with 4 (256 x: 0.92x and 0.98x; serve-sweep-h200.md); on a slower
+host, 0.61x with 2 (256 x: 0.77x; serve-sweep-noisy-h200.md). The cost: a
+sequence that stops, and the next request's admission, are seen up to 3
+steps late (the steps' samples after a stop are dropped, never sent)."""
 
 
 def default_pipeline_depth(decode_window: int) -> int:
