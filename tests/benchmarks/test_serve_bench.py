@@ -217,10 +217,56 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
         (3, 4, 4, 1, 32 * ms, 32.5 * ms, 33 * ms, 52 * ms, 53 * ms, 13 * ms),
         (4, 4, 4, 1, 60 * ms, 61 * ms, 62 * ms, 70 * ms, 71 * ms, 15 * ms),  # after `until`
     ]
-    executor = [  # step_id, rows, num_steps, received .. completed, device span, cpu
-        (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
-        (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),
-        (3, 4, 1, 36 * ms, 39 * ms, 50 * ms, 51 * ms, 40 * ms, 50 * ms, 20 * ms),
+    executor = [  # step_id, rows, num_steps, received, planned, applied, ran, launched,
+        # launch CPU, done, completed, device span, cpu
+        (
+            1,
+            4,
+            1,
+            4 * ms,
+            5 * ms,
+            6 * ms,
+            8 * ms,
+            9 * ms,
+            2 * ms,
+            20 * ms,
+            21 * ms,
+            10 * ms,
+            20 * ms,
+            0.0,
+        ),
+        (
+            2,
+            4,
+            1,
+            7 * ms,
+            7.5 * ms,
+            8 * ms,
+            20 * ms,
+            20.5 * ms,
+            4 * ms,
+            31 * ms,
+            31.5 * ms,
+            21 * ms,
+            31 * ms,
+            10 * ms,
+        ),
+        (
+            3,
+            4,
+            1,
+            36 * ms,
+            37 * ms,
+            37.5 * ms,
+            38 * ms,
+            39 * ms,
+            3 * ms,
+            50 * ms,
+            51 * ms,
+            40 * ms,
+            50 * ms,
+            20 * ms,
+        ),
     ]
     _write_trace(tmp_path, "scheduler", SCHEDULER_FIELDS, scheduler)
     _write_trace(tmp_path, "executor", EXECUTOR_FIELDS, executor)
@@ -231,7 +277,12 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
     assert trace["idle_ms"] == pytest.approx(
         {"late_send": 2.0, "in_transit": 3.0, "launching": 5.0}
     )
-    assert trace["median_us"]["executor_launch"] == pytest.approx(5000.0)  # of 5, 13.5, 3
+    median = trace["median_us"]
+    assert median["executor_launch"] == pytest.approx(5000.0)  # of 5, 13.5, 3
+    assert median["executor_plan"] == pytest.approx(1000.0)  # of 1, 0.5, 1
+    assert median["executor_apply"] == pytest.approx(500.0)  # of 1, 0.5, 0.5
+    assert median["executor_run"] == pytest.approx(2000.0)  # of 2, 12, 0.5
+    assert median["executor_launch_cpu"] == pytest.approx(3000.0)  # of 2, 4, 3
     assert trace["cpu_use"]["executor"] == pytest.approx(20 / 30, abs=1e-3)  # completed 21 .. 51
 
 
@@ -339,11 +390,14 @@ def test_an_executor_shared_by_schedulers_in_turn_has_each_step_matched_to_its_o
         (1, 4, 4, 1, 100 * ms, 101 * ms, 102 * ms, 108 * ms, 109 * ms, 0.0),
         (2, 4, 32, 8, 103 * ms, 104 * ms, 105 * ms, 140 * ms, 141 * ms, 1 * ms),
     ]
-    executor = [
-        (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
-        (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),
-        (1, 4, 1, 102.5 * ms, 103 * ms, 107 * ms, 107.5 * ms, 103 * ms, 107 * ms, 11 * ms),
-        (2, 4, 8, 105.5 * ms, 106 * ms, 139 * ms, 139.5 * ms, 107 * ms, 139 * ms, 40 * ms),
+    executor = [  # the launch's phases all at its start, no launch CPU
+        (*row[:4], row[3], row[3], row[3], row[4], 0.0, *row[5:])
+        for row in (
+            (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
+            (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),
+            (1, 4, 1, 102.5 * ms, 103 * ms, 107 * ms, 107.5 * ms, 103 * ms, 107 * ms, 11 * ms),
+            (2, 4, 8, 105.5 * ms, 106 * ms, 139 * ms, 139.5 * ms, 107 * ms, 139 * ms, 40 * ms),
+        )
     ]
     _write_trace(tmp_path, "scheduler", SCHEDULER_FIELDS, scheduler)
     _write_trace(tmp_path, "executor", EXECUTOR_FIELDS, executor)

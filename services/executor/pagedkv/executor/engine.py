@@ -62,14 +62,21 @@ DRAIN_IDLE_S = 2.0
 stops: a running row is stepped every few milliseconds while its owner
 lives."""
 # A step's record in a step trace (pagedkv.common.step_trace): perf_counter
-# times when it came in, was launched, was seen done and was answered, and
-# when its device work started and ended (CUDA events, on the same clock).
+# times when it came in, was decoded (its plan), applied to the rows, run
+# (its device work enqueued), launched, seen done and answered; the
+# launching thread's CPU seconds over its launch (against the launch's wall
+# time: the rest waited, for the GIL or the device); when its device work
+# started and ended (CUDA events, on the same clock).
 TRACE_FIELDS = (
     "step_id",
     "rows",
     "num_steps",
     "received",
+    "planned",
+    "applied",
+    "ran",
     "launched",
+    "launch_cpu",
     "done",
     "completed",
     "device_start",
@@ -285,6 +292,7 @@ class Executor:
         one completes (it continues from the earlier one's samples on the
         device)."""
         received = time.perf_counter()
+        thread_cpu = time.thread_time()
         with self.lock:
             if session is not None and session != self.session:
                 raise FailedPrecondition("the executor was reset: this step stream is over")
@@ -292,6 +300,7 @@ class Executor:
             self.last_step_at = time.monotonic()
             runner = self.runner
             plan = plan_message(request, runner.rows, runner.limits)
+            planned = time.perf_counter()
             self._settle_tags()  # earlier steps' tags come before this step's untags
             tags = self.tags
             if len(tags):
@@ -300,8 +309,10 @@ class Executor:
                 if len(plan.copies):
                     tags.untag([BlockId(b) for b in plan.copies[:, 1].tolist()])
             self.runner.rows.apply(plan)
+            applied = time.perf_counter()
             start = device_clock(runner.device)
             result = runner.run(plan)
+            ran = time.perf_counter()
             samples = None
             sampled_rows = plan.rows[plan.needs_sample]
             if plan.num_steps > 1:  # a decode window: its steps' samples, in turn
@@ -319,7 +330,9 @@ class Executor:
                 start=start,
                 end=device_clock(runner.device),
                 num_steps=plan.num_steps,
+                phases=(planned, applied, ran),
                 launched=time.perf_counter(),
+                launch_cpu=time.thread_time() - thread_cpu,
             )
             if plan.tags.block_ids:
                 self._untagged.append(launched)
@@ -348,7 +361,9 @@ class Executor:
                 len(launched.sampled_rows) // launched.num_steps,
                 launched.num_steps,
                 launched.received,
+                *launched.phases,
                 launched.launched,
+                launched.launch_cpu,
                 done,
                 completed,
                 *span,

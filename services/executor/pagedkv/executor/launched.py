@@ -64,7 +64,12 @@ class LaunchedStep:
     start: torch.cuda.Event | float  # device clock before the step's work
     end: torch.cuda.Event | float  # after its last work (the samples' copies)
     num_steps: int = 1  # decode steps (a window's)
-    launched: float = 0.0  # time.perf_counter() when its launch returned
+    # time.perf_counter() when its plan was decoded, applied to the rows and
+    # run (its device work enqueued), and when its launch returned; the
+    # launching thread's CPU seconds over the launch.
+    phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    launched: float = 0.0
+    launch_cpu: float = 0.0
 
     def done(self) -> bool:
         """Whether the device has finished the step (never waits)."""

@@ -10,7 +10,10 @@ looks at the steps the scheduler began in that time (``time.perf_counter()``):
   splits into ``late_send`` (the scheduler had not yet sent the next step),
   ``in_transit`` (sent, not yet read by the executor) and ``launching`` (read,
   its device work not yet started: the executor's launch);
-- the median time of each stage of a step, in both processes;
+- the median time of each stage of a step, in both processes (the
+  executor's launch also split into decoding its plan, applying it to the
+  rows and running it, and the launching thread's CPU time over the launch:
+  the rest of the launch's wall time it waited, for the GIL or the device);
 - each process's CPU use over the span (CPU seconds per second: above 1 means
   more than one thread was busy).
 
@@ -43,6 +46,9 @@ SCHEDULER_STAGES = (
 )
 EXECUTOR_STAGES = (
     ("launch", "launched", "received"),
+    ("plan", "planned", "received"),
+    ("apply", "applied", "planned"),
+    ("run", "ran", "applied"),
     ("device", "device_end", "device_start"),
     ("seen_done_after_device", "done", "device_end"),
     ("respond", "completed", "done"),
@@ -139,6 +145,7 @@ def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[s
                 f"executor_{name}": _median_us([r[end] - r[start] for r in executor])
                 for name, end, start in EXECUTOR_STAGES
             },
+            "executor_launch_cpu": _median_us([r["launch_cpu"] for r in executor]),
             "response_transit": _median_us(
                 [sent[int(r["step_id"])]["received"] - r["completed"] for r in executor]
             ),
