@@ -25,6 +25,7 @@ import numpy as np
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId
 from pagedkv.executor.block_tags import MAX_BLOCK_HASH_BYTES, TagColumns
+from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_entries import Entries, first, plan_entries
 from pagedkv.executor.step_tokens import Columns, Tokens, plan_tokens, token_columns
@@ -43,8 +44,22 @@ def plan_message(
 ) -> StepPlan:
     """Validates ``message`` against ``rows`` (not changed) and ``limits``.
 
-    Raises InvalidArgument or AlreadyExists naming the field.
+    Raises InvalidArgument or AlreadyExists naming the field. A plain decode
+    message takes the short path (plain_decode.py).
     """
+    if isinstance(message, executor_pb2.StepRequest):
+        plain = plain_decode_plan(message, rows, limits)
+        if plain is not None:
+            return plain
+    return plan_general(message, rows, limits)
+
+
+def plan_general(
+    message: executor_pb2.StepRequest | executor_pb2.AllocateRequest,
+    rows: Rows,
+    limits: Limits,
+) -> StepPlan:
+    """``plan_message`` by the general path: every part checked in turn."""
     step = message if isinstance(message, executor_pb2.StepRequest) else None
     untags: Sequence[BlockId] = ()
     if step is not None and step.untag_block_ids:
