@@ -18,14 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.common.step_contract import ONE_STEP
-from pagedkv.executor.block_tags import TagColumns
 from pagedkv.executor.rows import Rows
-from pagedkv.executor.step_types import Limits, StepPlan
+from pagedkv.executor.step_types import NO_COPIES, NO_IDS, NO_TAGS, Limits, StepPlan
 from pagedkv.v1 import executor_pb2
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-_NO_TAGS = TagColumns((), (), ())
 
 
 def plain_decode_plan(
@@ -94,23 +89,23 @@ def plain_decode_plan(
         untag_block_ids=(),
         freed_rows=[],
         new_rows=[],
-        table_groups=_EMPTY,
-        table_rows=_EMPTY,
-        table_columns=_EMPTY,
-        table_block_ids=np.zeros(0, dtype=np.int64),
+        table_groups=NO_IDS,
+        table_rows=NO_IDS,
+        table_columns=NO_IDS,
+        table_block_ids=NO_IDS,
         table_lengths=np.stack([group_of, row_of, starts]),
-        copies=_NO_COPIES,
+        copies=NO_COPIES,
         continue_rows=entry_rows,
         continue_positions=history,
-        token_rows=_EMPTY,
-        token_positions=_EMPTY,
-        token_values=_EMPTY,
+        token_rows=NO_IDS,
+        token_positions=NO_IDS,
+        token_values=NO_IDS,
         history_rows=entry_rows,
         history_lengths=history + 1,
         rows=entry_rows,
         num_computed=computed,
         num_scheduled=scheduled,
         needs_sample=sample,
-        tags=_NO_TAGS,
+        tags=NO_TAGS,
         num_steps=ONE_STEP,
     )

@@ -29,12 +29,8 @@ from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_entries import Entries, first, plan_entries
 from pagedkv.executor.step_tokens import Columns, Tokens, plan_tokens, token_columns
-from pagedkv.executor.step_types import Limits, StepPlan
+from pagedkv.executor.step_types import NO_COPIES, NO_IDS, NO_TAGS, Limits, StepPlan
 from pagedkv.v1 import executor_pb2
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-_NO_TAGS = TagColumns((), (), ())
 
 
 def plan_message(
@@ -74,7 +70,7 @@ def plan_general(
     columns = token_columns(step, entries.num_entries)
     tokens = plan_tokens(step, entries, columns, rows, limits)
     _check_coverage(tables, tokens.ends, rows.num_groups, limits.block_size)
-    tags = _NO_TAGS
+    tags = NO_TAGS
     if step is not None and (step.tag_block_ids or step.tag_block_hashes or step.tag_group_ids):
         tags = _plan_tags(step, limits)
     return _step_plan(untags, entries, tables, copies, columns, tokens, tags)
@@ -89,7 +85,7 @@ def plan_copies(
     """Checks block copies (a step's columns, or CopyBlocksRequest's, whose
     field ``names`` the errors use); returns int64 ``[n, 2]``: (src, dst)."""
     if not len(src_ids) and not len(dst_ids):
-        return _NO_COPIES
+        return NO_COPIES
     src_name, dst_name = names
     src = np.asarray(src_ids, dtype=np.int64)
     dst = np.asarray(dst_ids, dtype=np.int64)
@@ -221,7 +217,7 @@ def _plan_tables(
             f"new_block_counts[{i}]: the row would hold {lengths[i]} blocks > {max_blocks}"
         )
     if not len(block_ids):  # no table changes (most decode steps)
-        return _Tables(_EMPTY, _EMPTY, _EMPTY, block_ids, group_of, row_of, lengths)
+        return _Tables(NO_IDS, NO_IDS, NO_IDS, block_ids, group_of, row_of, lengths)
     id_groups = np.repeat(group_of, counts)
     _check_new_block_ids(block_ids, id_groups, limits)
     id_offsets = np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)

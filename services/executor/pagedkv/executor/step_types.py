@@ -16,6 +16,11 @@ from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.executor.block_tags import TagColumns
 from pagedkv.v1 import common_pb2
 
+# The empty columns of a plan (shared, never written to).
+NO_IDS = np.zeros(0, dtype=np.int64)
+NO_COPIES = np.zeros((0, 2), dtype=np.int64)
+NO_TAGS = TagColumns((), (), ())
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:

@@ -236,8 +236,8 @@ class StepLoops:
         retire = self.generations.retire
         for generation in touched:
             last = generation.last_token_at
-            if last is None:
-                if metrics is not None and generation.first_token_at is None:
+            if last is None:  # its first token (first_token_at is None too)
+                if metrics is not None:
                     metrics.observe_first_token(now - generation.arrival)
                 generation.first_token_at = now
             elif metrics is not None:
