@@ -43,7 +43,8 @@
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
 # gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
-# serve-cold-h200 / serve-cold-single-h200 (cold), serve-fixed-h200 (fixed) and serve-gateway-h200
+# serve-cold-h200 / serve-cold-single-h200 (cold), serve-fixed-h200 (fixed; with
+# WINDOW=1 serve-fixed-single-h200) and serve-gateway-h200
 # (gateway; serve-gateway-text-h200 with GRPC_TEXT=1, the gRPC runs then
 # asking for text as the gateway does); set DEVICE_NAME for another GPU.
 #
@@ -135,9 +136,12 @@ case "${1:-1b}" in
       --decode-window 1 --output "$RESULTS/serve-cold-single-$NAME.json"
     ;;
   fixed)
+    # Single steps (WINDOW=1) to serve-fixed-single-NAME, beside the windows'.
+    single=''
+    [[ "${WINDOW:-8}" == 1 ]] && single=single-
     bench --preset llama-1.1b --rates '' --no-hf \
       --fixed-batch 64x512x256,256x512x256,64x512x256,256x512x256 "${tuned[@]}" \
-      --output "$RESULTS/serve-fixed-$NAME.json"
+      --output "$RESULTS/serve-fixed-$single$NAME.json"
     ;;
   gateway)
     # Each shape twice, alternating, on prompts of their own: every row is a
