@@ -12,6 +12,11 @@ built from the ``Allocation`` updates. After every rule the machine checks the
 pool's own audit, that nothing anyone relies on was overwritten (indexed
 blocks hold the tokens their hash names, running requests' tables hold their
 own tokens) and that prefix hits are exactly as long as the index allows.
+
+With a host tier (one full-attention group), the machine applies each step's
+offloads and loads to a shadow host memory before the step's copies and
+forward, as the executor does, and checks that every host block the tier
+indexes holds the tokens its hash names.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class Snapshot(NamedTuple):
     cached: list[dict[BlockHash, int]]  # per group: hash -> block id
     tables: list[dict[SeqId, list[int]]]  # per group: request -> block ids
     num_cached: list[dict[SeqId, int]]
+    host: list[tuple[BlockHash, int]]  # the host tier's index, least recently used first
 
 
 @dataclass
@@ -88,14 +94,16 @@ class Shadow:
     """The executor's KV memory: what each slot of each block holds."""
 
     slots: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    host: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     def copy_block(self, src: int, dst: int, block_size: int) -> None:
-        for offset in range(block_size):
-            value = self.slots.get((src, offset))
-            if value is None:
-                self.slots.pop((dst, offset), None)
-            else:
-                self.slots[(dst, offset)] = value
+        _copy(self.slots, src, self.slots, dst, block_size)
+
+    def offload(self, block_id: int, host_id: int, block_size: int) -> None:
+        _copy(self.slots, block_id, self.host, host_id, block_size)
+
+    def load(self, host_id: int, block_id: int, block_size: int) -> None:
+        _copy(self.host, host_id, self.slots, block_id, block_size)
 
     def check_block(
         self, block_id: int, j: int, tokens: Sequence[int], block_size: int, who: str
@@ -107,8 +115,24 @@ class Shadow:
             assert got == (pos, tokens[pos]), f"{who}: block {block_id} at {pos} holds {got}"
 
 
+def _copy(
+    source: dict[tuple[int, int], tuple[int, int]],
+    src: int,
+    target: dict[tuple[int, int], tuple[int, int]],
+    dst: int,
+    block_size: int,
+) -> None:
+    for offset in range(block_size):
+        value = source.get((src, offset))
+        if value is None:
+            target.pop((dst, offset), None)
+        else:
+            target[(dst, offset)] = value
+
+
 class BlockCoreMachine(RuleBasedStateMachine):
     layouts: tuple[str, ...] = (FULL, SLIDING, HYBRID)
+    host_tier = False  # one full-attention group with host blocks
 
     def _seen(self, event: str) -> None:
         SEEN[(type(self).__name__, event)] += 1
@@ -122,11 +146,20 @@ class BlockCoreMachine(RuleBasedStateMachine):
             block_size=data.draw(st.sampled_from([2, 4, 16]), label="block_size"),
             window=data.draw(st.integers(1, 20), label="window"),
             num_blocks=data.draw(st.integers(6, 10) | st.integers(6, 40), label="num_blocks"),
-            enable_caching=data.draw(st.booleans(), label="enable_caching"),
+            enable_caching=self.host_tier or data.draw(st.booleans(), label="enable_caching"),
         )
         self.cfg = cfg
+        num_host_blocks = (
+            data.draw(st.integers(1, 4) | st.integers(1, 24), label="num_host_blocks")
+            if self.host_tier
+            else 0
+        )
         self.kv = KVCacheManager(
-            cfg.specs, cfg.num_blocks, enable_caching=cfg.enable_caching, model_id="m"
+            cfg.specs,
+            cfg.num_blocks,
+            enable_caching=cfg.enable_caching,
+            model_id="m",
+            num_host_blocks=num_host_blocks,
         )
         # Token ids come from a seeded generator so that hypothesis's choices
         # stay few per step and every run gets its full number of steps.
@@ -299,7 +332,14 @@ class BlockCoreMachine(RuleBasedStateMachine):
             request.status = RequestStatus.RUNNING
             batch.append(Scheduled(live, hit.num_tokens, num_new, 0, hit))
 
-        # The forward: copy-on-write copies first, then every scheduled token.
+        # The message: the host tier's offloads, then its loads, then the
+        # copy-on-write copies, then every scheduled token.
+        offloads, loads = self.kv.take_host_copies()
+        for copy in offloads:
+            self.shadow.offload(copy.block_id, copy.host_id, bs)
+            self._seen("offloaded")
+        for copy in loads:
+            self.shadow.load(copy.host_id, copy.block_id, bs)
         for src, dst in self.copies:
             self.shadow.copy_block(src, dst, bs)
         self.copies = []
@@ -312,6 +352,12 @@ class BlockCoreMachine(RuleBasedStateMachine):
                         self.shadow.check_block(
                             block.block_id, j, s.live.request.token_ids, bs, "hit"
                         )
+            if s.hit is not None and s.hit.host:
+                self._seen("host_hit")
+                first = len(s.hit.blocks[0])
+                for j in range(first, first + len(s.hit.host)):
+                    block_id = s.live.tables[0][j]
+                    self.shadow.check_block(block_id, j, s.live.request.token_ids, bs, "host hit")
         for s in batch:
             self._advance(s)
 
@@ -424,6 +470,16 @@ class BlockCoreMachine(RuleBasedStateMachine):
         if not self.cfg.enable_caching:
             return 0
         bs, hashes = self.cfg.block_size, request.block_hashes
+        host = self.kv.host
+        if host is not None:  # the GPU's run from the start, then the host's
+            candidates = hashes[: (request.num_tokens - 1) // bs]
+            index = self.kv.pool.cached_blocks[0]
+            num_hit = 0
+            while num_hit < len(candidates) and candidates[num_hit] in index:
+                num_hit += 1
+            while num_hit < len(candidates) and candidates[num_hit] in host:
+                num_hit += 1
+            return num_hit * bs
         for num_blocks in range(min((request.num_tokens - 1) // bs, len(hashes)), 0, -1):
             if all(
                 hashes[j] in self.kv.pool.cached_blocks[g]
@@ -450,6 +506,7 @@ class BlockCoreMachine(RuleBasedStateMachine):
                 for m in self.kv.managers
             ],
             [dict(m.num_cached_blocks) for m in self.kv.managers],
+            self.kv.host.cached() if self.kv.host is not None else [],
         )
 
     @invariant()
@@ -478,6 +535,17 @@ class BlockCoreMachine(RuleBasedStateMachine):
                 _, prefix = self.prefixes[block_hash]
                 j = len(prefix) // bs - 1
                 self.shadow.check_block(block.block_id, j, prefix, bs, f"group {g} index")
+
+    @invariant()
+    def host_blocks_hold_the_tokens_of_their_hash(self) -> None:
+        host, bs = self.kv.host, self.cfg.block_size
+        for block_hash, host_id in host.cached() if host is not None else ():
+            _, prefix = self.prefixes[block_hash]
+            j = len(prefix) // bs - 1
+            for offset in range(bs):
+                pos = j * bs + offset
+                got = self.shadow.host.get((host_id, offset))
+                assert got == (pos, prefix[pos]), f"host block {host_id} at {pos} holds {got}"
 
     @invariant()
     def requests_hold_their_own_tokens(self) -> None:
@@ -539,4 +607,20 @@ def test_block_core_invariants_hold_under_random_scheduling(layout: str) -> None
     wanted = {"prefix_hit", "copy_on_write", "refused", "preempted_to_fit", "evicted", "fork"}
     if layout != FULL:
         wanted.add("window_release")
+    assert wanted <= exercised, f"never exercised: {wanted - exercised}"
+
+
+def test_block_core_invariants_hold_with_a_host_tier() -> None:
+    """One full-attention group with a host tier: evictions offload, misses
+    on the GPU hit the host, and every host block holds its hash's tokens."""
+    machine = type(
+        "BlockCore_host_tier", (BlockCoreMachine,), {"layouts": (FULL,), "host_tier": True}
+    )
+    run_state_machine_as_test(
+        machine, settings=settings(SETTINGS, max_examples=2 * SETTINGS.max_examples)
+    )
+    name = machine.__name__
+    assert STEPS[name] >= 5_000, STEPS[name]
+    exercised = {event for (m, event), n in SEEN.items() if m == name and n}
+    wanted = {"prefix_hit", "host_hit", "offloaded", "evicted", "preempted_to_fit", "fork"}
     assert wanted <= exercised, f"never exercised: {wanted - exercised}"

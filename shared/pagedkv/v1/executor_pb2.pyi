@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks", "draining")
+    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks", "draining", "num_host_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class GetInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_TAGGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     max_model_len: int
@@ -47,7 +48,8 @@ class GetInfoResponse(_message.Message):
     device: str
     num_tagged_blocks: int
     draining: bool
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "row", "prompt_token_ids", "sampling", "num_prompt_tokens")
@@ -64,7 +66,7 @@ class NewRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., row: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids", "num_decode_steps")
+    __slots__ = ("owner", "step_id", "new_requests", "rows", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "continue_from_sampled", "needs_sample", "block_table_starts", "new_block_counts", "new_block_ids", "freed_rows", "copy_src_block_ids", "copy_dst_block_ids", "untag_block_ids", "tag_block_ids", "tag_block_hashes", "tag_group_ids", "num_decode_steps", "offload_block_ids", "offload_host_block_ids", "load_host_block_ids", "load_block_ids")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,10 @@ class StepRequest(_message.Message):
     TAG_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAG_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_HOST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_HOST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     owner: _common_pb2.Owner
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -105,7 +111,11 @@ class StepRequest(_message.Message):
     tag_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tag_group_ids: _containers.RepeatedScalarFieldContainer[int]
     num_decode_steps: int
-    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
+    offload_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    offload_host_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    load_host_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    load_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., offload_block_ids: _Optional[_Iterable[int]] = ..., offload_host_block_ids: _Optional[_Iterable[int]] = ..., load_host_block_ids: _Optional[_Iterable[int]] = ..., load_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us", "draining", "drain_seconds_left")

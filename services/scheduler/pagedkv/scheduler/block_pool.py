@@ -14,6 +14,11 @@ prefix-cache index stays there while it sits in the free queue, so a later
 request can take it back with ``touch``; its hash is dropped only when the
 block is popped for reuse (lazy eviction).
 
+Host tier: with a ``HostTier`` in ``host``, a cached block evicted for
+reuse is first offloaded to it (host_tier.py), unless it entered the index
+in the step not yet sent (``step`` counts the steps sent: the manager
+advances it as it drains a step's copies).
+
 Cache events: with ``record_events``, every change to the index is logged in
 order as a ``CacheEvent`` (a block stored under a hash, or removed from the
 index) until ``take_events`` drains the log. The scheduler turns the log into
@@ -28,6 +33,7 @@ from typing import NamedTuple
 
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
+from pagedkv.scheduler.host_tier import HostTier
 from pagedkv.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
@@ -71,6 +77,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         self.events: list[CacheEvent] | None = [] if record_events else None
+        self.host: HostTier | None = None
+        self.step = 0
 
     # -- allocation -----------------------------------------------------------------
 
@@ -176,6 +184,7 @@ class BlockPool:
             ):
                 block.block_hash = block_hash
                 block.group_id = group_id
+                block.cached_step = self.step
                 if self.events is not None:
                     self.events.append(
                         CacheEvent(CacheEventKind.STORED, block.block_id, block_hash, group_id)
@@ -186,6 +195,8 @@ class BlockPool:
         assert block_hash is not None
         del self.cached_blocks[block.group_id][block_hash]
         block.block_hash = None
+        if self.host is not None and block.cached_step != self.step:
+            self.host.offload(block.block_id, block_hash)
         if self.events is not None:
             self.events.append(
                 CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, block.group_id)
@@ -226,6 +237,7 @@ class BlockPool:
             index[block_hash] = block
             block.block_hash = block_hash
             block.group_id = group_id
+            block.cached_step = self.step - 1  # computed before any step of this pool
             queue.remove(block)
             queue.append(block)
             num_adopted += 1

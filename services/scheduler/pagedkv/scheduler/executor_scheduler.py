@@ -82,7 +82,11 @@ class ExecutorScheduler:
         self.info = info
         self.owner = owner
         self.kv = KVCacheManager(
-            specs_from_info(info), info.num_blocks, model_id=info.model_id, record_events=True
+            specs_from_info(info),
+            info.num_blocks,
+            model_id=info.model_id,
+            record_events=True,
+            num_host_blocks=info.num_host_blocks,
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         self.draining = False  # being given up: nothing new is admitted here
@@ -384,6 +388,7 @@ class ExecutorScheduler:
         if events and self.on_cache_events is not None:
             self.on_cache_events(events)
         plan = StepPlan.start(self.step_id, self.kv.take_copy_ops(), events, self.freed_rows)
+        plan.offloads, plan.loads = self.kv.take_host_copies()
         plan.num_decode_steps = num_steps
         self.step_id += len(plan.copy_phases)
         self.freed_rows = []

@@ -21,12 +21,15 @@ class KVCacheBlock:
 
     ``prev_free`` / ``next_free`` link the block into the free queue (they are
     None when it is not there). ``block_hash`` and ``group_id`` are set while
-    the block is in the prefix-cache index of that KV-cache group.
+    the block is in the prefix-cache index of that KV-cache group;
+    ``cached_step`` is the pool's step count when it entered the index (see
+    host_tier.py: a block is offloaded only from a step already sent).
     """
 
     __slots__ = (
         "block_hash",
         "block_id",
+        "cached_step",
         "group_id",
         "is_null",
         "next_free",
@@ -39,6 +42,7 @@ class KVCacheBlock:
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.group_id = 0
+        self.cached_step = 0
         self.is_null = False
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None

@@ -22,6 +22,7 @@ from pagedkv.common.block_hash import root_hash
 from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
+from pagedkv.scheduler.host_tier import HostCopy, HostTier
 from pagedkv.scheduler.kv_cache_types import (
     NO_TABLE_CHANGE,
     Allocation,
@@ -73,7 +74,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         model_id: str = "",
         record_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """``num_host_blocks``: the executor's host tier (host_tier.py), used
+        with prefix caching on and one full-attention group; else unused."""
         if not kv_cache_specs:
             raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
         block_sizes = {spec.block_size for spec in kv_cache_specs}
@@ -99,6 +103,9 @@ class KVCacheManager:
         self._single_full: SingleTypeKVCacheManager | None = (
             only if len(self.managers) == 1 and type(only) is SingleTypeKVCacheManager else None
         )
+        self.host: HostTier | None = None
+        if num_host_blocks and enable_caching and self._single_full is not None:
+            self.host = self.pool.host = self._lookup.host = HostTier(num_host_blocks)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -138,8 +145,13 @@ class KVCacheManager:
         return self._lookup.stats
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; refused (False) while any block is held."""
-        return self.pool.reset_prefix_cache()
+        """Forgets every cached block, the host tier's too; refused (False)
+        while any block is held."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
 
     # -- allocation --------------------------------------------------------------------
 
@@ -233,6 +245,10 @@ class KVCacheManager:
                 pool.touch(hits)
                 manager.save_new_computed_blocks(seq_id, hits)
             manager.remove_skipped_blocks(seq_id, num_computed)
+        host_hits = computed.host
+        if host_hits:  # one full-attention group: see host_tier.py
+            assert self.host is not None
+            self.host.pin(host_hits)
         copy_ops: list[tuple[BlockId, BlockId]] = []
         updates: list[TableUpdate] = []
         write_index = num_computed // self.block_size
@@ -245,6 +261,11 @@ class KVCacheManager:
                 manager.cache_blocks(seq_id, request.block_hashes, num_tokens)
             blocks = manager.req_to_blocks[seq_id]
             updates.append(TableUpdate(start, tuple(map(_block_id, blocks[start:]))))
+        if host_hits:
+            assert self.host is not None
+            first = len(computed.blocks[0])
+            loaded = managers[0].req_to_blocks[seq_id][first : first + len(host_hits)]
+            self.host.load(host_hits, [block.block_id for block in loaded])
         if computed.num_tokens:
             request.num_computed_tokens = num_computed
         self._copy_ops.extend(BlockCopy(src, dst) for src, dst in copy_ops)
@@ -299,6 +320,14 @@ class KVCacheManager:
         """Drains the copy-on-write copies queued since the last call, in order."""
         ops, self._copy_ops = self._copy_ops, []
         return ops
+
+    def take_host_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:
+        """Drains the host tier's offloads and loads queued since the last
+        call (none without a tier) and counts a step sent (host_tier.py)."""
+        self.pool.step += 1
+        if self.host is None:
+            return [], []
+        return self.host.take_copies()
 
     # -- ending and sharing ------------------------------------------------------------
 
@@ -385,4 +414,6 @@ class KVCacheManager:
                     f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
                     f"{holders.get(block.block_id, 0)} holders"
                 )
+        if self.host is not None:
+            errors.extend(self.host.check_integrity())
         return report._replace(errors=tuple(errors))

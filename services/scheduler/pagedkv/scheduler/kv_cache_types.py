@@ -5,14 +5,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pagedkv.common.ids import BlockId
+from pagedkv.scheduler.host_tier import HostHit
 from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 
 
 class ComputedBlocks(NamedTuple):
-    """A prefix-cache hit: per group, the cached blocks; and the tokens they hold."""
+    """A prefix-cache hit: per group, the cached blocks; and the tokens they
+    hold. ``host``: the blocks after those found in the host tier (one
+    full-attention group only), counted in ``num_tokens`` too; each gets a
+    fresh GPU block and a load when allocated."""
 
     blocks: tuple[tuple[KVCacheBlock, ...], ...]
     num_tokens: int
+    host: tuple[HostHit, ...] = ()
 
 
 class TableUpdate(NamedTuple):
@@ -51,11 +56,13 @@ class BlockCopy(NamedTuple):
 
 
 class PrefixCacheStats(NamedTuple):
-    """Prefix-cache lookups since start: requests looked up, tokens asked, tokens hit."""
+    """Prefix-cache lookups since start: requests looked up, tokens asked,
+    tokens hit (in either tier), and of those, tokens hit in the host tier."""
 
     requests: int
     queries: int
     hits: int
+    host_hits: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -3,7 +3,9 @@
 ``PrefixLookup`` finds the longest cached prefix of a request that every
 group can use: each group's own longest hit (``find_longest_cache_hit``:
 full attention needs every block from the start, a sliding window only the
-blocks in its window), shrunk until the groups agree. It takes no reference
+blocks in its window), shrunk until the groups agree; with a host tier (one
+full-attention group) the run goes on in the host index where the GPU's
+ends. It takes no reference
 and changes no table (``KVCacheManager.allocate_slots`` takes the hits); it
 owns the lookup counters of the prefix-cache stats, which only ``find``
 advances.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedkv.scheduler.host_tier import HostTier
 from pagedkv.scheduler.kv_cache_types import ComputedBlocks, PrefixCacheStats
 from pagedkv.scheduler.request import Request
 from pagedkv.scheduler.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -24,11 +27,13 @@ class PrefixLookup:
     __slots__ = (
         "_managers",
         "_num_hits",
+        "_num_host_hits",
         "_num_queries",
         "_num_requests",
         "block_size",
         "empty_hit",
         "enable_caching",
+        "host",
     )
 
     def __init__(
@@ -45,6 +50,8 @@ class PrefixLookup:
         self._num_requests = 0
         self._num_queries = 0
         self._num_hits = 0
+        self._num_host_hits = 0
+        self.host: HostTier | None = None  # set by the manager (one full-attention group)
 
     def find(self, request: Request, *, count: bool = True) -> ComputedBlocks:
         """The longest cached prefix of ``request`` that every group can use.
@@ -62,7 +69,16 @@ class PrefixLookup:
         if len(managers) == 1:
             hits = managers[0].find_longest_cache_hit(hashes, max_length)
             num_tokens = len(hits) * self.block_size
-            result = ComputedBlocks((tuple(hits),), num_tokens)
+            host = self.host
+            if host is None:
+                result = ComputedBlocks((tuple(hits),), num_tokens)
+            else:
+                on_host = host.find(hashes, len(hits), max_length // self.block_size)
+                num_host = len(on_host) * self.block_size
+                num_tokens += num_host
+                result = ComputedBlocks((tuple(hits),), num_tokens, tuple(on_host))
+                if count:
+                    self._num_host_hits += num_host
         else:
             # Shrink the candidate length until every group accepts it.
             length = max_length
@@ -84,4 +100,6 @@ class PrefixLookup:
     @property
     def stats(self) -> PrefixCacheStats:
         """Lookups counted since start: requests, tokens asked, tokens hit."""
-        return PrefixCacheStats(self._num_requests, self._num_queries, self._num_hits)
+        return PrefixCacheStats(
+            self._num_requests, self._num_queries, self._num_hits, self._num_host_hits
+        )

@@ -7,7 +7,8 @@ token, most of them with a few attribute reads. Both have the same effects
 as the general allocation across groups (``KVCacheManager._allocate_slots``)
 and change only what it would: the group's tables and cached-block counts,
 the pool's ref counts, free queue and prefix-cache index, and
-``request.num_computed_tokens`` on a hit. A decode that needs more (a
+``request.num_computed_tokens`` on a hit, and the host tier's queued loads
+(a hit there takes a fresh block, host_tier.py). A decode that needs more (a
 shared block about to be written, or no free block) goes to the general
 path through ``allocate_one_more``.
 """
@@ -43,9 +44,10 @@ def admit_single(
         if request.num_computed_tokens:
             raise ValueError(f"{request.seq_id}: prefix hits are for a request with no blocks")
         hits = computed.blocks[0]
+        host_hits = computed.host
         num_computed = computed.num_tokens
     else:
-        hits = ()
+        hits = host_hits = ()
         num_computed = request.num_computed_tokens
     num_tokens = num_computed + num_new_tokens
     if num_new_tokens < 0 or num_tokens > request.num_tokens:
@@ -58,7 +60,15 @@ def admit_single(
     if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
         return None
     pool.touch(hits)
+    host = pool.host
+    if host_hits:
+        assert host is not None
+        host.pin(host_hits)  # before the new blocks' evictions offload
     blocks = [*hits, *pool.get_new_blocks(num_new_blocks)]
+    if host_hits:
+        assert host is not None
+        loaded = blocks[len(hits) : len(hits) + len(host_hits)]
+        host.load(host_hits, [block.block_id for block in loaded])
     seq_id = request.seq_id
     manager.req_to_blocks[seq_id] = blocks
     manager.num_cached_blocks[seq_id] = len(hits)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagedkv.common.ids import BlockId
 from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent, tag_changes
+from pagedkv.scheduler.host_tier import HostCopy
 from pagedkv.scheduler.kv_cache_types import BlockCopy
 from pagedkv.scheduler.sequence import ExecutorRow, Sequence
 from pagedkv.v1 import common_pb2, executor_pb2
@@ -38,7 +39,9 @@ class StepPlan:
 
     ``copy_phases``: copy-on-write copies in phases (see ``copy_phases``), the
     last one in the step itself, the earlier ones each in a copy-only message
-    sent first; ``first_step_id`` numbers those messages in order. Per entry
+    sent first; ``first_step_id`` numbers those messages in order.
+    ``offloads`` and ``loads``: the host tier's copies (host_tier.py), in the
+    first message, which runs them before anything else. Per entry
     (``new_requests`` then ``rows``): the columns of ``StepRequest``; per entry
     and group: ``block_table_starts`` and ``new_block_counts``.
     """
@@ -50,6 +53,8 @@ class StepPlan:
     tag_block_hashes: list[bytes]
     tag_group_ids: list[int]
     freed_rows: list[int]
+    offloads: list[HostCopy] = field(default_factory=list)  # the host tier's copies
+    loads: list[HostCopy] = field(default_factory=list)
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
@@ -144,9 +149,15 @@ def encode_step(
         before.append(_copy_message(owner, step_id, phase))
         step_id += 1
     message = _copy_message(owner, step_id, copies)
+    first = before[0] if before else message
     if plan.untag_block_ids:
         # Untags go in the first message that may write into a block.
-        (before[0] if before else message).untag_block_ids.extend(plan.untag_block_ids)
+        first.untag_block_ids.extend(plan.untag_block_ids)
+    if plan.offloads or plan.loads:  # before anything writes into a block, too
+        first.offload_block_ids.extend([c.block_id for c in plan.offloads])
+        first.offload_host_block_ids.extend([c.host_id for c in plan.offloads])
+        first.load_host_block_ids.extend([c.host_id for c in plan.loads])
+        first.load_block_ids.extend([c.block_id for c in plan.loads])
     message.tag_block_ids.extend(plan.tag_block_ids)
     message.tag_block_hashes.extend(plan.tag_block_hashes)
     message.tag_group_ids.extend(plan.tag_group_ids)

@@ -1,0 +1,207 @@
+"""The host tier's metadata for one executor: which cached block hashes sit in
+which host block, in LRU order, and the copies a step asks for.
+
+The executor keeps ``num_host_blocks`` blocks of host memory beside its GPU
+pool (``pagedkv executor --host-kv-gib``); the scheduler decides what they
+hold, as it does for the GPU pool. The tier is inclusive and fills on
+eviction: when the ``BlockPool`` evicts a cached block from the GPU (it is
+popped for reuse), the block is copied to a host block first (an *offload*),
+unless its hash is already there. A prefix lookup that runs out of GPU hits
+goes on in the host index; each host hit becomes a fresh GPU block entered
+into the GPU index under its hash and a *load* from the host block, both in
+the same step message, ahead of the forward (kv_cache_manager.py and
+single_group.py make them).
+
+A step's offloads run on the executor before its loads, and both before
+anything else of the step: a GPU block evicted and refilled in one step is
+copied out before it is overwritten, and a hash offloaded and hit again in
+one step is loaded back whole. A host block that a load of the step not yet
+sent reads is *pinned*: no offload of that step may take it. A block whose
+hash entered the GPU index in the step not yet sent is not offloaded (its
+tokens are computed by that step's forward, which runs after the offloads;
+a request preempted in the step it was scheduled never computes them).
+
+Host blocks have no null block: ids run from 0 to ``num_blocks - 1``. Only
+one full-attention KV-cache group is served (``KVCacheManager`` turns the
+tier off otherwise).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pagedkv.common.ids import BlockHash, BlockId
+
+
+class HostHit(NamedTuple):
+    """A block of a prefix found in the host tier: its hash and host block."""
+
+    block_hash: BlockHash
+    host_id: int
+
+
+class HostCopy(NamedTuple):
+    """One block moved between the tiers: GPU block ``block_id``, host block ``host_id``."""
+
+    block_id: BlockId
+    host_id: int
+
+
+class HostTierStats(NamedTuple):
+    """The tier's size and the blocks its index holds; counters since start:
+    blocks offloaded and loaded, host blocks evicted."""
+
+    num_blocks: int
+    num_cached: int
+    num_offloaded: int
+    num_loaded: int
+    num_evicted: int
+
+
+class HostTier:
+    """``num_blocks`` host blocks: the hash index in LRU order and the step's copies."""
+
+    __slots__ = (
+        "_free",
+        "_index",
+        "_loads",
+        "_num_evicted",
+        "_num_loaded",
+        "_num_offloaded",
+        "_offloads",
+        "_pinned",
+        "num_blocks",
+    )
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("a host tier needs at least one block")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives host block 0 first
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self._pinned: set[int] = set()
+        self._offloads: list[HostCopy] = []
+        self._loads: list[HostCopy] = []
+        self._num_offloaded = 0
+        self._num_loaded = 0
+        self._num_evicted = 0
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def find(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> list[HostHit]:
+        """The run of ``block_hashes[start:end]`` from ``start`` on that the
+        host index holds (empty at the first miss)."""
+        index = self._index
+        hits: list[HostHit] = []
+        for block_hash in block_hashes[start:end]:
+            host_id = index.get(block_hash)
+            if host_id is None:
+                break
+            hits.append(HostHit(block_hash, host_id))
+        return hits
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._index
+
+    def cached(self) -> list[tuple[BlockHash, int]]:
+        """The index's (hash, host block) pairs, least recently used first."""
+        return list(self._index.items())
+
+    # -- the step's copies ---------------------------------------------------------------
+
+    def pin(self, hits: Sequence[HostHit]) -> None:
+        """Keeps the hits' host blocks from being overwritten by an offload of
+        the step not yet sent (call before allocating their GPU blocks, which
+        may evict and offload)."""
+        for hit in hits:
+            self._pinned.add(hit.host_id)
+
+    def load(self, hits: Sequence[HostHit], block_ids: Sequence[BlockId]) -> None:
+        """Queues the copy of each (pinned) host hit into the GPU block of
+        ``block_ids`` at its place; their hashes become the most recently
+        used."""
+        index, loads = self._index, self._loads
+        for hit, block_id in zip(hits, block_ids, strict=True):
+            index.move_to_end(hit.block_hash)
+            loads.append(HostCopy(block_id, hit.host_id))
+        self._num_loaded += len(hits)
+
+    def offload(self, block_id: BlockId, block_hash: BlockHash) -> None:
+        """A cached GPU block is evicted: its KV goes to a host block unless
+        the hash is there already (then it only becomes the most recently
+        used). Without a host block to take (every one pinned) it is dropped."""
+        index = self._index
+        if block_hash in index:
+            index.move_to_end(block_hash)
+            return
+        host_id = self._take()
+        if host_id is None:
+            return
+        index[block_hash] = host_id
+        self._offloads.append(HostCopy(block_id, host_id))
+        self._num_offloaded += 1
+
+    def _take(self) -> int | None:
+        """A host block to write: a free one, else the least recently used
+        one that no load of the step reads (its hash leaves the index)."""
+        if self._free:
+            return self._free.pop()
+        pinned = self._pinned
+        for block_hash, host_id in self._index.items():
+            if host_id not in pinned:
+                del self._index[block_hash]
+                self._num_evicted += 1
+                return host_id
+        return None
+
+    def take_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:
+        """Drains the step's offloads and loads (in the order they were made)
+        and unpins: they go out in the message now being made."""
+        offloads, loads = self._offloads, self._loads
+        self._offloads, self._loads = [], []
+        self._pinned.clear()
+        return offloads, loads
+
+    def clear(self) -> None:
+        """Forgets every host block's contents (the executor was reset or
+        taken over: what its host memory holds is not known)."""
+        self._index.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._pinned.clear()
+        self._offloads, self._loads = [], []
+
+    # -- views and checks ----------------------------------------------------------------
+
+    @property
+    def stats(self) -> HostTierStats:
+        return HostTierStats(
+            num_blocks=self.num_blocks,
+            num_cached=len(self._index),
+            num_offloaded=self._num_offloaded,
+            num_loaded=self._num_loaded,
+            num_evicted=self._num_evicted,
+        )
+
+    def check_integrity(self) -> list[str]:
+        """Broken invariants: every host block is free or indexed, once; the
+        queued copies name blocks in range; pins are host blocks a queued
+        load reads."""
+        errors: list[str] = []
+        places: dict[int, str] = {}
+        for host_id in self._free:
+            if places.setdefault(host_id, "free") != "free":
+                errors.append(f"host block {host_id}: free twice")
+        for block_hash, host_id in self._index.items():
+            where = f"hash {block_hash.hex()[:8]}"
+            if places.setdefault(host_id, where) != where:
+                errors.append(f"host block {host_id}: {places[host_id]} and {where}")
+        if len(places) != self.num_blocks or any(not 0 <= h < self.num_blocks for h in places):
+            errors.append(
+                f"host blocks: {len(places)} free or indexed of {self.num_blocks} "
+                "(one leaked, doubled or out of range)"
+            )
+        if not self._pinned <= {copy.host_id for copy in self._loads}:
+            errors.append("a pinned host block that no queued load reads")
+        return errors

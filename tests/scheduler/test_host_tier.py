@@ -1,0 +1,153 @@
+"""The host tier's metadata in the block core: offload on eviction, host hits
+loaded into fresh blocks in the same step, LRU eviction with pins, the
+integrity audit and the step messages that carry the copies."""
+
+from __future__ import annotations
+
+from pagedkv.common.ids import BlockHash, BlockId
+from pagedkv.scheduler.host_tier import HostCopy, HostHit, HostTier
+from pagedkv.scheduler.kv_cache_manager import KVCacheManager
+from pagedkv.scheduler.step_message import StepPlan, encode_step
+from pagedkv.v1 import common_pb2
+from tests.scheduler.factories import BLOCK_SIZE, admit, full_spec, window_spec
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(name.encode())
+
+
+def copy(block_id: int, host_id: int) -> HostCopy:
+    return HostCopy(BlockId(block_id), host_id)
+
+
+def tiered(num_blocks: int, num_host_blocks: int) -> KVCacheManager:
+    return KVCacheManager(
+        [full_spec()], num_blocks, model_id="test-model", num_host_blocks=num_host_blocks
+    )
+
+
+def run(kv: KVCacheManager, seq_id: str, tokens: range) -> tuple[int, tuple[list[HostCopy], ...]]:
+    """Admits, 'computes' and frees a request in one step, then sends the
+    step: its hit length and the step's (offloads, loads)."""
+    request = kv.make_request(seq_id, tokens)
+    hit = admit(kv, request)
+    copies = kv.take_host_copies()
+    kv.free(request)
+    assert kv.check_integrity().ok, kv.check_integrity().errors
+    return hit, copies
+
+
+def test_an_evicted_prefix_is_offloaded_then_loaded_back_into_fresh_blocks() -> None:
+    kv = tiered(num_blocks=5, num_host_blocks=8)  # 4 usable GPU blocks
+    prompt = range(100, 113)  # 3 full blocks + 1 token
+    assert run(kv, "a", prompt) == (0, ([], []))
+    # Another request needs every GPU block: a's three cached blocks are evicted.
+    hit, (offloads, loads) = run(kv, "b", range(200, 216))
+    assert hit == 0 and not loads
+    assert sorted(c.block_id for c in offloads) == [1, 2, 3]
+    assert sorted(c.host_id for c in offloads) == [0, 1, 2]
+    # a again: its three blocks are host hits, each loaded into a fresh block.
+    request = kv.make_request("a2", prompt)
+    computed = kv.get_computed_blocks(request)
+    assert computed.num_tokens == 3 * BLOCK_SIZE
+    # (The tail block was evicted, and offloaded, first: it is the host's
+    # least recently used, so a prefix's head outlives its tail there too.)
+    assert computed.blocks == ((),) and [h.host_id for h in computed.host] == [2, 1, 0]
+    assert kv.allocate_slots(request, request.num_tokens - computed.num_tokens, computed)
+    assert request.num_computed_tokens == 12
+    table = kv.get_block_ids(request.seq_id)[0]
+    offloads, loads = kv.take_host_copies()
+    assert loads == [HostCopy(table[i], 2 - i) for i in range(3)]
+    # b's blocks were evicted for them: offloaded first (the executor runs
+    # offloads before loads), into host blocks no load reads.
+    assert {c.host_id for c in offloads}.isdisjoint({0, 1, 2})
+    assert kv.check_integrity().ok
+    stats = kv.prefix_cache_stats
+    assert stats.hits == 12 and stats.host_hits == 12
+    # The loaded blocks are GPU hits from now on.
+    kv.free(request)
+    assert run(kv, "a3", prompt)[0] == 12
+    assert kv.host is not None and kv.host.stats.num_loaded == 3
+
+
+def test_a_hash_already_on_the_host_is_not_offloaded_again() -> None:
+    kv = tiered(num_blocks=5, num_host_blocks=8)
+    prompt = range(100, 113)
+    run(kv, "a", prompt)
+    run(kv, "b", range(200, 216))  # evicts a's blocks to the host
+    run(kv, "a2", prompt)  # loads them back
+    _, (offloads, _) = run(kv, "c", range(300, 316))  # evicts them again
+    assert offloads == []  # their hashes are on the host already
+    assert kv.host is not None
+    assert kv.host.stats.num_offloaded == 3 + 4  # a's three, then b's four
+    assert kv.host.stats.num_cached == 7
+
+
+def test_the_least_recently_used_host_block_is_reused_first_but_never_a_pinned_one() -> None:
+    tier = HostTier(2)
+    tier.offload(BlockId(1), h("h1"))
+    tier.offload(BlockId(2), h("h2"))
+    tier.take_copies()
+    hits = tier.find([h("h1")], 0, 1)
+    assert hits == [HostHit(h("h1"), 0)]
+    tier.pin(hits)
+    tier.offload(BlockId(3), h("h3"))  # h1 is pinned: h2's block is taken
+    tier.load(hits, [BlockId(4)])
+    assert h("h1") in tier and h("h2") not in tier and h("h3") in tier
+    offloads, loads = tier.take_copies()
+    assert offloads == [copy(3, 1)] and loads == [copy(4, 0)]
+    assert tier.check_integrity() == []
+    tier.pin(tier.find([h("h1")], 0, 1))
+    tier.pin(tier.find([h("h3")], 0, 1))
+    tier.offload(BlockId(5), h("h5"))  # every host block pinned: dropped
+    assert h("h5") not in tier
+    assert tier.stats.num_evicted == 1
+
+
+def test_a_block_cached_in_the_step_not_yet_sent_is_not_offloaded() -> None:
+    kv = tiered(num_blocks=5, num_host_blocks=8)
+    request = kv.make_request("a", range(100, 113))
+    admit(kv, request)
+    kv.free(request)  # preempted in the step that scheduled it: never computed
+    other = kv.make_request("b", range(200, 216))
+    admit(kv, other)
+    offloads, _ = kv.take_host_copies()
+    assert offloads == []
+    assert kv.host is not None and kv.host.stats.num_cached == 0
+
+
+def test_the_audit_finds_a_leaked_host_block() -> None:
+    tier = HostTier(3)
+    tier.offload(BlockId(1), h("h1"))
+    tier._free.pop()  # a block neither free nor indexed
+    assert any("leaked" in error for error in tier.check_integrity())
+
+
+def test_without_one_full_attention_group_or_caching_there_is_no_tier() -> None:
+    hybrid = KVCacheManager([full_spec(), window_spec(8)], 9, num_host_blocks=4)
+    assert hybrid.host is None
+    uncached = KVCacheManager([full_spec()], 9, enable_caching=False, num_host_blocks=4)
+    assert uncached.host is None
+    assert uncached.take_host_copies() == ([], [])
+
+
+def test_reset_prefix_cache_forgets_the_host_tier_too() -> None:
+    kv = tiered(num_blocks=5, num_host_blocks=8)
+    run(kv, "a", range(100, 113))
+    run(kv, "b", range(200, 216))
+    assert kv.host is not None and kv.host.stats.num_cached
+    assert kv.reset_prefix_cache()
+    assert kv.host.stats.num_cached == 0 and kv.check_integrity().ok
+
+
+def test_the_copies_go_in_the_first_message() -> None:
+    owner = common_pb2.Owner()
+    plan = StepPlan.start(7, [], [], [])
+    plan.offloads = [copy(3, 0), copy(4, 1)]
+    plan.loads = [copy(5, 1)]
+    before, message = encode_step(owner, plan)
+    assert before == ()
+    assert list(message.offload_block_ids) == [3, 4]
+    assert list(message.offload_host_block_ids) == [0, 1]
+    assert list(message.load_host_block_ids) == [1]
+    assert list(message.load_block_ids) == [5]
