@@ -145,6 +145,10 @@ def test_model_is_also_positional_and_reaches_the_executors(tmp_path: Path) -> N
     (command,) = executor_commands(args, "/models/m")
     assert _option(command, "--gpu-memory-utilization") == "0.5"
     assert "--max-model-len" not in command  # the executors' own default
+    assert "--host-kv-gib" not in command  # no host tier unless asked
+    args = build_parser().parse_args(["serve", "--host-kv-gib", "0.25"])
+    (command,) = executor_commands(args, "/models/m")
+    assert _option(command, "--host-kv-gib") == "0.25"
 
 
 ROUTERS_UNDER_MUTUAL_TLS = [
@@ -164,6 +168,7 @@ ROUTERS_UNDER_MUTUAL_TLS = [
         ),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
         (["--max-model-len", "0"], "--max-model-len 0: at least 1"),
+        (["--host-kv-gib", "-1"], "--host-kv-gib -1.0: at least 0"),
         (["--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together: give both or neither"),
         (
             ["--redis-password-file", "/p"],

@@ -161,7 +161,7 @@ class IntegrityCheck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries", "draining", "num_adopted_cached_blocks")
+    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries", "draining", "num_adopted_cached_blocks", "num_host_blocks", "num_cached_host_blocks", "prefix_cache_host_hits", "num_offloaded_blocks", "num_loaded_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,11 @@ class ExecutorStats(_message.Message):
     NUM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_ADOPTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     num_blocks: int
@@ -192,7 +197,12 @@ class ExecutorStats(_message.Message):
     num_recoveries: int
     draining: bool
     num_adopted_cached_blocks: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ..., draining: _Optional[bool] = ..., num_adopted_cached_blocks: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_cached_host_blocks: int
+    prefix_cache_host_hits: int
+    num_offloaded_blocks: int
+    num_loaded_blocks: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ..., draining: _Optional[bool] = ..., num_adopted_cached_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_cached_host_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterExecutor(_message.Message):
     __slots__ = ("address", "incarnation_id", "owner_id", "epoch")

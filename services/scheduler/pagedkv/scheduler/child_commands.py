@@ -29,6 +29,7 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
         for flag, value in (
             ("--gpu-memory-utilization", getattr(args, "gpu_memory_utilization", None)),
             ("--max-model-len", getattr(args, "max_model_len", None)),
+            ("--host-kv-gib", getattr(args, "host_kv_gib", None)),
         ):
             if value is not None:
                 command += [flag, str(value)]

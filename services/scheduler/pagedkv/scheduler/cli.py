@@ -218,6 +218,11 @@ def register_serve(subparsers: Any, name: str) -> None:
         help="the executors' longest sequence, prompt and output (default: the model's positions)",
     )
     parser.add_argument(
+        "--host-kv-gib",
+        type=float,
+        help="each executor's host-memory KV tier, in GiB (default: none); see docs/memory.md",
+    )
+    parser.add_argument(
         "--kernel-backend",
         choices=("triton", "torch"),
         help="attention kernels (default: torch on cpu, triton on cuda)",

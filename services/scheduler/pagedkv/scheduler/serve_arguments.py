@@ -29,6 +29,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return "give --num-blocks or --gpu-memory-utilization, not both"
         if not 0 < args.gpu_memory_utilization <= 1:
             return f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]"
+    if args.host_kv_gib is not None and args.host_kv_gib < 0:
+        return f"--host-kv-gib {args.host_kv_gib}: at least 0"
     if args.max_model_len is not None and args.max_model_len < 1:
         return f"--max-model-len {args.max_model_len}: at least 1"
     if args.redis and args.redis_password_file:

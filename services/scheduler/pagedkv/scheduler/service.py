@@ -278,6 +278,13 @@ class SchedulerService:
             executor.kv_cache_usage = kv.usage
             executor.prefix_cache_queries = prefix.queries
             executor.prefix_cache_hits = prefix.hits
+            if kv.host is not None:
+                host = kv.host.stats
+                executor.num_host_blocks = host.num_blocks
+                executor.num_cached_host_blocks = host.num_cached
+                executor.prefix_cache_host_hits = prefix.host_hits
+                executor.num_offloaded_blocks = host.num_offloaded
+                executor.num_loaded_blocks = host.num_loaded
             executor.incarnation_id = scheduler.info.incarnation_id
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks
