@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.scheduler.host_tier import HostTierStats
 from pagedkv.scheduler.metrics import SchedulerMetrics
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -222,3 +223,22 @@ def test_cluster_metrics_are_read_from_the_member_at_each_scrape(
     assert got[("pagedkv_cluster_redis_errors_total", frozenset())] == 2.0
     assert got[("pagedkv_prefix_mirror_flushes_total", frozenset())] == 3.0
     assert got[("pagedkv_prefix_mirror_redis_ops_total", frozenset())] == 12.0
+
+
+def test_the_host_tier_counts_its_totals_growth_and_sets_its_gauges(
+    metrics: SchedulerMetrics,
+) -> None:
+    stats = HostTierStats(
+        num_blocks=64, num_cached=10, num_offloaded=12, num_loaded=3, num_evicted=2
+    )
+    metrics.host_tier.set("e0", stats, host_hits=48)
+    metrics.host_tier.set("e0", stats._replace(num_cached=11, num_offloaded=13), host_hits=64)
+    assert value(metrics, "pagedkv_host_kv_blocks", executor="e0") == 64
+    assert value(metrics, "pagedkv_host_kv_cached_blocks", executor="e0") == 11
+    assert value(metrics, "pagedkv_prefix_cache_host_hits_total", executor="e0") == 64
+    assert value(metrics, "pagedkv_host_kv_offloaded_blocks_total", executor="e0") == 13
+    assert value(metrics, "pagedkv_host_kv_loaded_blocks_total", executor="e0") == 3
+    # A new tier (the executor taken over again) starts from zero: counted in full.
+    metrics.host_tier.set("e0", stats._replace(num_offloaded=1, num_loaded=1), host_hits=16)
+    assert value(metrics, "pagedkv_host_kv_offloaded_blocks_total", executor="e0") == 14
+    assert value(metrics, "pagedkv_prefix_cache_host_hits_total", executor="e0") == 80

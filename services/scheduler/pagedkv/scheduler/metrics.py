@@ -26,7 +26,8 @@ Metric names (``_total`` on counters as exposed):
   ``pagedkv_cluster_leases_held``, and counters
   ``pagedkv_cluster_rounds_total``, ``pagedkv_cluster_redis_errors_total``,
   ``pagedkv_prefix_mirror_flushes_total``, ``pagedkv_prefix_mirror_redis_ops_total``,
-  ``pagedkv_prefix_mirror_errors_total``, ``pagedkv_prefix_mirror_resyncs_total``.
+  ``pagedkv_prefix_mirror_errors_total``, ``pagedkv_prefix_mirror_resyncs_total``;
+* with a host tier, its own (host_metrics.py).
 
 Counters and histograms also expose prometheus_client's ``_created``
 samples (unless the process disabled them; the inter-token latency, a
@@ -55,6 +56,7 @@ from prometheus_client.registry import Collector
 from pagedkv.common.loop_lag import LAG_BUCKETS
 from pagedkv.common.ports import listening
 from pagedkv.scheduler.histogram import BulkHistogram
+from pagedkv.scheduler.host_metrics import HostTierMetrics
 from pagedkv.v1 import scheduler_pb2
 
 STEP_BUCKETS = (
@@ -245,6 +247,7 @@ class SchedulerMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.host_tier = HostTierMetrics(r)
         # Observed per generation per step, k at once from a decode window.
         self._inter_token_latency = BulkHistogram(
             "pagedkv_inter_token_latency_seconds",
