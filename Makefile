@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test test-quick lint image-install-check proto run bench-blocks bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
+.PHONY: setup test test-quick lint image-install-check proto run bench-blocks bench-host-tier bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,11 @@ bench-blocks: setup
 
 # Refreshes the committed routing benchmarks (local CPU clusters, a fresh one
 # per policy; some 15 minutes on 2 cores).
+# The host tier's prefix hits on a trace 4x the GPU pool, through the real
+# scheduler (a simulated executor; seconds).
+bench-host-tier: setup
+	$(BIN)/pagedkv bench host-tier --output tests/benchmarks/results/host-tier-cpu.json
+
 bench-routing: setup redis
 	$(BIN)/pagedkv bench routing --output tests/benchmarks/results/routing-cpu.json
 	$(BIN)/pagedkv bench routing --num-blocks 384 --num-requests 512 \

@@ -71,7 +71,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 SCHEDULER_SIDE_COMMANDS = ["bench", "demo", "gateway", "generate", "router", "scheduler", "stats"]
-SCHEDULER_SIDE_BENCHMARKS = ["blocks", "cluster-sim"]
+SCHEDULER_SIDE_BENCHMARKS = ["blocks", "cluster-sim", "host-tier"]
 
 
 def _listed(help_text: str) -> list[str]:

@@ -117,3 +117,35 @@ def _run_cluster_bench(args: argparse.Namespace) -> int:
     from pagedkv.bench.scheduler.cluster import main
 
     return main(args)
+
+
+def register_host_tier_bench(subparsers: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="prefix hits with and without a host tier, on a trace larger than the GPU pool",
+        description=(
+            "Runs a trace of long shared prefixes, whose distinct prefixes need several times "
+            "the GPU pool, through the service's ExecutorScheduler (a simulated executor "
+            "answers) with the GPU pool alone and with a host tier; reports hit rates and "
+            "prefill tokens computed."
+        ),
+    )
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--num-prefixes", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--num-blocks", type=int, default=1025, help="GPU blocks, the null one too")
+    parser.add_argument("--host-blocks", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output", help="write the results as JSON and markdown (default: none, printed only)"
+    )
+    parser.set_defaults(handler=_run_host_tier_bench)
+
+
+def _run_host_tier_bench(args: argparse.Namespace) -> int:
+    from pagedkv.bench.scheduler.host_tier import main
+
+    return main(args)
