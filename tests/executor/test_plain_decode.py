@@ -25,7 +25,7 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_plan import plan_general, plan_message
-from pagedkv.executor.step_types import Limits, StepPlan
+from pagedkv.executor.step_types import NO_TRANSFERS, Limits, StepPlan
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.v1 import common_pb2, executor_pb2
 
@@ -139,6 +139,11 @@ def _bend(message: executor_pb2.StepRequest, rows: Rows) -> list[Callable[[], No
         lambda: message.freed_rows.append(row),
         lambda: message.token_ids.append(5),
         lambda: message.num_computed_tokens.append(1),
+        # The host tier's columns (refused here: these limits have no host tier).
+        lambda: message.offload_block_ids.append(1),
+        lambda: message.offload_host_block_ids.append(0),
+        lambda: message.load_host_block_ids.append(0),
+        lambda: message.load_block_ids.append(1),
     ]
 
 
@@ -163,3 +168,30 @@ def test_a_bent_message_is_never_taken_where_the_general_path_differs(messages) 
             if plain is not None:
                 _same(plain, general)
     assert bent > 100
+
+
+def test_a_plain_decode_with_host_copies_goes_the_general_way(messages) -> None:
+    """With a host tier, a plain decode that also offloads and loads is a
+    valid message, and only the general path plans its copies."""
+    limits, seen = messages
+    limits = dataclasses.replace(limits, num_host_blocks=4)
+    taken = 0
+    for original, rows in seen:
+        if plain_decode_plan(original, rows, limits) is None:
+            continue
+        message = executor_pb2.StepRequest()
+        message.CopyFrom(original)
+        message.offload_block_ids.extend([3, 1])
+        message.offload_host_block_ids.extend([2, 0])
+        message.load_host_block_ids.append(2)
+        message.load_block_ids.append(5)
+        assert plain_decode_plan(message, rows, limits) is None
+        plan = plan_message(message, rows, limits)
+        assert plan.offloads.tolist() == [[3, 2], [1, 0]]
+        assert plan.loads.tolist() == [[2, 5]]
+        _same(
+            dataclasses.replace(plan, offloads=NO_TRANSFERS, loads=NO_TRANSFERS),
+            plan_message(original, rows, limits),
+        )
+        taken += 1
+    assert taken > 50

@@ -53,6 +53,13 @@ def register(subparsers: Any, name: str) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for the host KV tier, whole blocks (pinned on CUDA), which "
+        "steps offload blocks to and load them back from (default: 0, no host tier)",
+    )
+    parser.add_argument(
         "--kernel-backend", default="triton", choices=("triton", "torch"), help="attention kernels"
     )
     parser.add_argument(

@@ -17,12 +17,15 @@ enqueues its device work, ``complete`` waits for it and makes the response,
 so a stream can launch step N + 1 while the device runs step N
 (step_pipeline.py). Launch and completion keep the steps' order.
 
+A step's host tier copies (host_kv.py: offloads, then loads) are enqueued
+before anything else of it; the pool keeps its blocks across resets.
+
 Block tags (see block_tags.py): a step's untags, and the destinations of its
-copies, lose their tags before the step changes anything else; its tags are
-set when it completes, or earlier when a later call touches tags (in launch
-order either way). ``list_cached_blocks`` waits for the device and snapshots
-them under the lock, so every listed tag's KV has been written and no step
-interleaves.
+loads and copies, lose their tags before the step changes anything else; its
+tags are set when it completes, or earlier when a later call touches tags (in
+launch order either way). ``list_cached_blocks`` waits for the device and
+snapshots them under the lock, so every listed tag's KV has been written and
+no step interleaves.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
+from pagedkv.executor.host_kv import move_blocks
 from pagedkv.executor.launched import (
     DeviceOrigin,
     HostSamples,
@@ -220,6 +224,7 @@ class Executor:
             device=str(runner.device),
             num_tagged_blocks=num_tagged_blocks,
             draining=self.drain_deadline is not None,
+            num_host_blocks=runner.limits.num_host_blocks,
         )
 
     def list_cached_blocks(
@@ -301,16 +306,18 @@ class Executor:
             runner = self.runner
             plan = plan_message(request, runner.rows, runner.limits)
             planned = time.perf_counter()
+            start = device_clock(runner.device)
+            move_blocks(runner.host_kv, plan.offloads, plan.loads)  # before all else
             self._settle_tags()  # earlier steps' tags come before this step's untags
             tags = self.tags
             if len(tags):
                 if plan.untag_block_ids:
                     tags.untag(plan.untag_block_ids)
-                if len(plan.copies):
-                    tags.untag([BlockId(b) for b in plan.copies[:, 1].tolist()])
+                for written in (plan.loads, plan.copies):  # their destinations lose their tags
+                    if len(written):
+                        tags.untag([BlockId(b) for b in written[:, 1].tolist()])
             self.runner.rows.apply(plan)
             applied = time.perf_counter()
-            start = device_clock(runner.device)
             result = runner.run(plan)
             ran = time.perf_counter()
             samples = None

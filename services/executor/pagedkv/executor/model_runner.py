@@ -12,6 +12,7 @@ head runs only at the last token of each entry that needs a sample
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ import torch
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
+from pagedkv.executor.host_kv import BlockStore, HostKVPool, num_host_blocks
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
@@ -50,6 +52,7 @@ class RunnerConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
     fused_ops: bool = True  # the fused decoder stack, for the model types it supports
+    host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +61,8 @@ class RunnerConfig:
             raise ValueError(f"num_blocks: {self.num_blocks} < 2 (block 0 is the null block)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if not 0 <= self.host_kv_gib < math.inf:
+            raise ValueError(f"host_kv_gib: {self.host_kv_gib} is not a size >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: {self.load_format!r} is not auto or dummy")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -118,6 +123,8 @@ class ModelRunner:
         self._params_cache: _ParamsCache | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
+        num_host = num_host_blocks(config.host_kv_gib, self.bytes_per_block)
+        self.host_kv: BlockStore | None = HostKVPool(self.kv, num_host) if num_host else None
         self.limits = Limits(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -127,6 +134,7 @@ class ModelRunner:
             max_logprobs=config.max_logprobs,
             group_windowed=tuple(g.spec.sliding_window is not None for g in self.groups),
             eos_token_ids=self.spec.eos_token_ids,
+            num_host_blocks=num_host,
         )
 
     # -- sizing ---------------------------------------------------------------

@@ -2,15 +2,16 @@
 
 Most step messages of a running batch are plain decodes: every entry a row
 the executor holds, one token continued from its pending sample, a sample
-asked for, no table changes, no tokens from the host, nothing freed, copied
-or tagged, one step. ``plain_decode_plan`` recognises such a message and
-makes its ``StepPlan`` without the general path's per-part checks (some 250
-numpy and Python calls per message, a fixed cost that a single step pays
-every step). It accepts a message only when every condition it checks
-holds; those conditions imply every check of ``plan_message``, and the plan
-it makes is the one ``plan_message`` makes (tests/executor/test_plain_decode.py
-compares them). Anything else, a bad message included, returns None: the
-general path then plans it or names the field at fault.
+asked for, no table changes, no tokens from the host, nothing freed, copied,
+tagged, offloaded or loaded (host tier), one step. ``plain_decode_plan``
+recognises such a message and makes its ``StepPlan`` without the general
+path's per-part checks (some 250 numpy and Python calls per message, a fixed
+cost that a single step pays every step). It accepts a message only when
+every condition it checks holds; those conditions imply every check of
+``plan_message``, and the plan it makes is the one ``plan_message`` makes
+(tests/executor/test_plain_decode.py compares them). Anything else, a bad
+message included, returns None: the general path then plans it or names the
+field at fault.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import numpy as np
 
 from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.executor.rows import Rows
-from pagedkv.executor.step_types import NO_COPIES, NO_IDS, NO_TAGS, Limits, StepPlan
+from pagedkv.executor.step_transfers import has_transfers
+from pagedkv.executor.step_types import (
+    NO_COPIES,
+    NO_IDS,
+    NO_TAGS,
+    NO_TRANSFERS,
+    Limits,
+    StepPlan,
+)
 from pagedkv.v1 import executor_pb2
 
 
@@ -40,6 +49,7 @@ def plain_decode_plan(
         or step.tag_block_ids
         or step.tag_block_hashes
         or step.tag_group_ids
+        or has_transfers(step)
         or step.num_decode_steps > ONE_STEP
         or num_entries > limits.max_num_batched_tokens
     ):
@@ -86,6 +96,8 @@ def plain_decode_plan(
     group_of = np.tile(np.arange(num_groups), num_entries)
     row_of = np.repeat(entry_rows, num_groups)
     return StepPlan(
+        offloads=NO_TRANSFERS,
+        loads=NO_TRANSFERS,
         untag_block_ids=(),
         freed_rows=[],
         new_rows=[],

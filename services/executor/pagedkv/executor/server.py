@@ -46,6 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagedkv.common.logging import get_logger
     from pagedkv.common.ports import ListenError, check_free
     from pagedkv.executor.engine import Executor
+    from pagedkv.executor.host_kv import HostTierTooSmall
     from pagedkv.executor.metrics import ExecutorMetrics
     from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
     from pagedkv.executor.servicer import build_server
@@ -69,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             cuda_graphs=not args.enforce_eager,
             fused_ops=args.fused_ops == "on",
+            host_kv_gib=args.host_kv_gib,
         )
         # Refused before the model loads; the server's own bind still decides.
         check_free("--port", args.host, args.port)
@@ -82,12 +84,18 @@ def serve(args: argparse.Namespace) -> int:
     quiet = args.log_format == "json" or not args.progress
     if quiet:
         hf_logging.disable_progress_bar()
-    with tqdm(total=2, desc="executor: loading the model", file=sys.stderr, disable=quiet) as bar:
-        runner = ModelRunner(config)
-        bar.set_description("executor: warming up")
-        bar.update()
-        runner.warm_up()  # logs what it ran and its time, before ready
-        bar.update()
+    try:
+        with tqdm(
+            total=2, desc="executor: loading the model", file=sys.stderr, disable=quiet
+        ) as bar:
+            runner = ModelRunner(config)
+            bar.set_description("executor: warming up")
+            bar.update()
+            runner.warm_up()  # logs what it ran and its time, before ready
+            bar.update()
+    except HostTierTooSmall as exc:  # known once the model's blocks are
+        print(f"pagedkv executor: {exc}", file=sys.stderr)
+        return 2
     executor = Executor(runner, args.model)
     # The step stream's threads (reader, waiter, launcher, gRPC's) hand the
     # interpreter to each other every step: a thread woken by a request or a
@@ -109,13 +117,17 @@ def serve(args: argparse.Namespace) -> int:
             server.stop(grace=0).wait()
             return 2
     kv_mib = runner.kv.num_bytes / 2**20
+    num_host = runner.limits.num_host_blocks
+    host = f", {num_host} host blocks" if num_host else ""
     print(
         f"executor ready on {args.host}:{port} ({runner.limits.num_blocks} blocks of "
-        f"{config.block_size} tokens, {kv_mib:.1f} MiB KV; {args.model} on {runner.device}, "
+        f"{config.block_size} tokens, {kv_mib:.1f} MiB KV{host}; {args.model} on {runner.device}, "
         f"{config.kernel_backend} kernels{', fused ops' if runner.fused else ''}{extra})",
         flush=True,
     )
-    log.info("executor serving", port=port, num_blocks=runner.limits.num_blocks)
+    log.info(
+        "executor serving", port=port, num_blocks=runner.limits.num_blocks, num_host_blocks=num_host
+    )
     signals: list[int] = []
     stop = threading.Event()
 

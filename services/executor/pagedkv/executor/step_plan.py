@@ -9,10 +9,11 @@ of the wire share (the longest decode window) are in
 ``pagedkv.common.step_contract``.
 
 The checks are split by what they read, and run in the order of the
-message's effects: this module holds the plan, its limits, ``plan_message``
-(which calls each part in turn), the block tables, copies and tags;
-step_entries.py the rows a message names (freed rows, new requests, the
-other entries); step_tokens.py the entries' tokens and decode windows.
+message's effects: step_transfers.py the host tier's offloads and loads;
+this module the plan, its limits, ``plan_message`` (which calls each part in
+turn), the block tables, copies and tags; step_entries.py the rows a message
+names (freed rows, new requests, the other entries); step_tokens.py the
+entries' tokens and decode windows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_entries import Entries, first, plan_entries
 from pagedkv.executor.step_tokens import Columns, Tokens, plan_tokens, token_columns
+from pagedkv.executor.step_transfers import NO_HOST_COPIES, Transfers, plan_transfers
 from pagedkv.executor.step_types import NO_COPIES, NO_IDS, NO_TAGS, Limits, StepPlan
 from pagedkv.v1 import executor_pb2
 
@@ -57,6 +59,7 @@ def plan_general(
 ) -> StepPlan:
     """``plan_message`` by the general path: every part checked in turn."""
     step = message if isinstance(message, executor_pb2.StepRequest) else None
+    transfers = plan_transfers(step, limits) if step is not None else NO_HOST_COPIES
     untags: Sequence[BlockId] = ()
     if step is not None and step.untag_block_ids:
         untags = _plan_untags(step, limits)
@@ -73,7 +76,7 @@ def plan_general(
     tags = NO_TAGS
     if step is not None and (step.tag_block_ids or step.tag_block_hashes or step.tag_group_ids):
         tags = _plan_tags(step, limits)
-    return _step_plan(untags, entries, tables, copies, columns, tokens, tags)
+    return _step_plan(transfers, untags, entries, tables, copies, columns, tokens, tags)
 
 
 def plan_copies(
@@ -255,6 +258,7 @@ def _check_coverage(tables: _Tables, ends: np.ndarray, num_groups: int, block_si
 
 
 def _step_plan(
+    transfers: Transfers,
     untags: Sequence[BlockId],
     entries: Entries,
     tables: _Tables,
@@ -276,6 +280,8 @@ def _step_plan(
     )
     run = columns.scheduled > 0
     return StepPlan(
+        offloads=transfers.offloads,
+        loads=transfers.loads,
         untag_block_ids=untags,
         freed_rows=entries.freed.tolist(),
         new_rows=new_rows,

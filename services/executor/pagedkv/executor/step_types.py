@@ -19,6 +19,7 @@ from pagedkv.v1 import common_pb2
 # The empty columns of a plan (shared, never written to).
 NO_IDS = np.zeros(0, dtype=np.int64)
 NO_COPIES = np.zeros((0, 2), dtype=np.int64)
+NO_TRANSFERS = np.zeros((0, 2), dtype=np.int64)  # host tier offloads or loads
 NO_TAGS = TagColumns((), (), ())
 
 
@@ -34,6 +35,7 @@ class Limits:
     max_logprobs: int
     group_windowed: tuple[bool, ...]  # per group: sliding window (the null block is allowed)
     eos_token_ids: tuple[int, ...] = ()  # the model's (sampling.min_tokens masks them)
+    num_host_blocks: int = 0  # the host tier's blocks (host_kv.py); 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,10 @@ class NewRow:
 class StepPlan:
     """A validated message, in the order its effects apply (see executor.proto)."""
 
+    # The host tier's copies first: int64 [n, 2] (block, host block), then
+    # int64 [m, 2] (host block, block).
+    offloads: np.ndarray
+    loads: np.ndarray
     untag_block_ids: Sequence[BlockId]  # their tags go first
     freed_rows: list[int]
     new_rows: list[NewRow]

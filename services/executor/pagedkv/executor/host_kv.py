@@ -1,0 +1,182 @@
+"""The host tier: KV blocks in host memory, below the device's pool.
+
+A step's ``offload_block_ids`` / ``offload_host_block_ids`` copy device
+blocks to host blocks, and its ``load_host_block_ids`` / ``load_block_ids``
+copy host blocks back into device blocks, before anything else of the step
+(executor.proto). A block here is what copy-on-write copies for a block id:
+K and V of every layer of every KV cache group (kv_memory.py).
+
+``BlockStore`` is what the executor needs of such a tier, so that a disk
+tier or a transfer engine can stand in for ``HostKVPool`` later. Which host
+block holds what is the scheduler's to know: a store keeps no bookkeeping,
+and a host block never offloaded holds undefined bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pagedkv.executor.kv_memory import KVMemory
+from pagedkv.executor.rows import to_device
+
+
+class BlockStore(Protocol):
+    """A second KV tier: ``num_blocks`` blocks, ids ``0 .. num_blocks - 1``
+    (no null block), each the bytes of one device block id."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def offload(self, block_ids: np.ndarray, host_ids: np.ndarray) -> None:
+        """Copies device block ``block_ids[i]`` into store block
+        ``host_ids[i]`` (int64 arrays of one length; ``host_ids`` distinct).
+        Reads the device blocks after every earlier device write and before
+        any later one; mutates only the store blocks."""
+        ...
+
+    def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
+        """Copies store block ``host_ids[i]`` into device block
+        ``block_ids[i]`` (``block_ids`` distinct), after every earlier
+        offload and before any later device work; mutates only those
+        device blocks."""
+        ...
+
+
+class HostTierTooSmall(ValueError):
+    """``host_kv_gib`` holds no block: a startup error."""
+
+
+def num_host_blocks(gib: float, bytes_per_block: int) -> int:
+    """Host blocks in ``gib`` GiB; HostTierTooSmall when ``gib`` > 0 holds none."""
+    num_blocks = math.floor(gib * 2**30 / bytes_per_block)
+    if gib > 0 and num_blocks < 1:
+        raise HostTierTooSmall(
+            f"host_kv_gib: {gib} GiB holds no KV block of {bytes_per_block} bytes"
+        )
+    return num_blocks
+
+
+def move_blocks(store: BlockStore | None, offloads: np.ndarray, loads: np.ndarray) -> None:
+    """A step's host copies: every offload (``[n, 2]``: block, host block),
+    then every load (``[m, 2]``: host block, block), so a load reads what
+    the step's offloads left. No store: both must be empty (validated)."""
+    if not len(offloads) and not len(loads):
+        return
+    assert store is not None, "host columns are refused without a host tier"
+    if len(offloads):
+        store.offload(offloads[:, 0], offloads[:, 1])
+    if len(loads):
+        store.load(loads[:, 0], loads[:, 1])
+
+
+def _runs(host_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of consecutive host ids: (first index, first host id, length)."""
+    breaks = np.flatnonzero(np.diff(host_ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(host_ids)]])
+    return [(int(s), int(host_ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+class HostKVPool:
+    """``num_blocks`` host blocks over ``kv``'s layers, block-major.
+
+    ``blocks`` is ``[num_blocks, elements_per_block]`` of the KV dtype; a
+    row is one block id's bytes, layer after layer, K then V, each
+    ``[block_size, num_kv_heads, head_size]`` of its group, so a block moves
+    in one contiguous copy (and a run of consecutive host ids in one).
+
+    On CUDA the rows are pinned and every copy runs on the pool's own
+    stream: it first waits for the compute stream's work so far, gathers
+    the device blocks into a staging buffer (one ``index_select`` per layer
+    and K/V), copies rows between staging and host without blocking the
+    host, scatters loaded rows into the layers (one ``index_copy_`` each);
+    then the compute stream waits for it. The host never waits. On the CPU
+    the same code runs synchronously on plain memory. A call's staging
+    holds its n blocks (``n * bytes_per_block`` device bytes) while it runs.
+    """
+
+    def __init__(self, kv: KVMemory, num_blocks: int) -> None:
+        caches = [c for pair in zip(kv.key_caches, kv.value_caches, strict=True) for c in pair]
+        dtypes = {cache.dtype for cache in caches}
+        assert len(dtypes) == 1 and all(c.is_contiguous() for c in caches)
+        self.device = caches[0].device
+        self.dtype = caches[0].dtype
+        # Each layer's K, then V, as [num_device_blocks, elements of one
+        # block], and its columns in a host row.
+        self._parts: list[tuple[torch.Tensor, slice]] = []
+        start = 0
+        for cache in caches:
+            layer = cache.view(cache.shape[0], -1)
+            self._parts.append((layer, slice(start, start + layer.shape[1])))
+            start += layer.shape[1]
+        self.elements_per_block = start
+        cuda = self.device.type == "cuda"
+        self.blocks = torch.empty(
+            (num_blocks, self.elements_per_block), dtype=self.dtype, pin_memory=cuda
+        )
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    def offload(self, block_ids: np.ndarray, host_ids: np.ndarray) -> None:
+        """See ``BlockStore.offload``."""
+        if not len(block_ids):
+            return
+        with self._on_copy_stream():
+            staging = self._gather(to_device(block_ids, self.device))
+            for i, host_id, n in _runs(host_ids):
+                self.blocks[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+
+    def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
+        """See ``BlockStore.load``."""
+        if not len(block_ids):
+            return
+        with self._on_copy_stream():
+            index = to_device(block_ids, self.device)
+            staging = torch.empty(
+                (len(host_ids), self.elements_per_block), dtype=self.dtype, device=self.device
+            )
+            for i, host_id, n in _runs(host_ids):
+                staging[i : i + n].copy_(self.blocks[host_id : host_id + n], non_blocking=True)
+            self._scatter(index, staging)
+
+    def _gather(self, index: torch.Tensor) -> torch.Tensor:
+        """``[n, elements_per_block]``: device blocks ``index``, as host rows."""
+        staging = torch.empty(
+            (len(index), self.elements_per_block), dtype=self.dtype, device=self.device
+        )
+        for layer, columns in self._parts:
+            torch.index_select(layer, 0, index, out=staging[:, columns])
+        return staging
+
+    def _scatter(self, index: torch.Tensor, staging: torch.Tensor) -> None:
+        """Writes row i of ``staging`` into device block ``index[i]``."""
+        for layer, columns in self._parts:
+            layer.index_copy_(0, index, staging[:, columns])
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        """Runs the body on the copy stream, after the compute stream's work
+        so far; the compute stream's later work waits for the body's. What
+        the body allocates belongs to the copy stream (freed and reused in
+        its order)."""
+        if self._stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            yield
+        compute.wait_stream(self._stream)

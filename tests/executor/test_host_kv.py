@@ -1,0 +1,384 @@
+"""The host KV tier (host_kv.py): a step's offloads copy device blocks to
+host blocks and its loads copy them back, before anything else of the step.
+
+In process on the CPU (a tiny llama, the torch kernels): blocks that hold a
+prompt's KV come back byte for byte, every layer's K and V, into other
+blocks, across a reset; a load reads what the same step's offloads wrote; a
+request continued on loaded blocks (in the step that loads them, a single
+step or a decode window) samples the tokens it samples without the round
+trip; load destinations lose their tags; every bad column is refused naming
+its field and moves nothing; GetInfo and ``--host-kv-gib`` size the pool.
+The same round trip on CUDA is marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.common.errors import InvalidArgument
+from pagedkv.executor.engine import Executor
+from pagedkv.executor.host_kv import HostKVPool
+from pagedkv.executor.launched import LaunchedStep
+from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.tiny_model import make_tiny_model
+from pagedkv.v1 import common_pb2, executor_pb2
+from tests.executor.driver import ExecutorProcess
+from tests.executor.test_executor_api import BLOCK_SIZE, Seq, decode, prefill, take_samples
+from tests.executor.test_launch_order import take_window, window
+
+OWNER = common_pb2.Owner(owner_id="test", epoch=1)
+NUM_BLOCKS = 64
+HOST_KV_GIB = 0.0001  # 13 host blocks of the tiny llama's 8,192 bytes
+NUM_HOST_BLOCKS = 13
+PROMPT = [5, 9, 2, 7, 11, 3, 8, 1, 4, 4, 6, 10, 12, 2, 9, 5, 7, 3, 1, 8]  # 20 tokens: 2 blocks
+
+Pairs = tuple[tuple[int, int], ...]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = tmp_path_factory.mktemp("host_kv") / "llama"
+    make_tiny_model(path, "llama", seed=3)
+    return path
+
+
+def make_executor(
+    model_dir: Path, host_kv_gib: float, device: str = "cpu", backend: str = "torch"
+) -> Executor:
+    config = RunnerConfig(
+        model=str(model_dir),
+        device=device,
+        kernel_backend=backend,
+        num_blocks=NUM_BLOCKS,
+        max_num_rows=4,
+        host_kv_gib=host_kv_gib,
+    )
+    runner = ModelRunner(config)
+    runner.warm_up()
+    return Executor(runner, "tiny")
+
+
+@pytest.fixture(scope="module")
+def executor(model_dir: Path) -> Iterator[Executor]:
+    yield make_executor(model_dir, HOST_KV_GIB)
+
+
+@pytest.fixture(scope="module")
+def without_tier(model_dir: Path) -> Iterator[Executor]:
+    yield make_executor(model_dir, 0.0)
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def fresh(executor: Executor) -> None:
+    executor.reset(executor_pb2.ResetRequest(owner=OWNER, drop_cached_blocks=True))
+
+
+def moving(offloads: Pairs = (), loads: Pairs = (), **fields: Any) -> executor_pb2.StepRequest:
+    """A step with no entries that offloads (block, host block) pairs, then
+    loads (host block, block) pairs."""
+    return executor_pb2.StepRequest(
+        owner=OWNER,
+        offload_block_ids=[b for b, _ in offloads],
+        offload_host_block_ids=[h for _, h in offloads],
+        load_host_block_ids=[h for h, _ in loads],
+        load_block_ids=[b for _, b in loads],
+        **fields,
+    )
+
+
+def with_moves(
+    request: executor_pb2.StepRequest, offloads: Pairs = (), loads: Pairs = ()
+) -> executor_pb2.StepRequest:
+    """``request`` that also offloads and loads (before its forward)."""
+    request.MergeFrom(moving(offloads, loads))
+    return request
+
+
+def kv_of(executor: Executor, block_ids: list[int]) -> list[torch.Tensor]:
+    """Each layer's K, then V, of ``block_ids``, copied to the CPU."""
+    kv = executor.runner.kv
+    index = torch.tensor(block_ids, device=executor.runner.device)
+    return [cache[index].cpu() for cache in (*kv.key_caches, *kv.value_caches)]
+
+
+def clobber(executor: Executor, block_ids: list[int]) -> None:
+    """Overwrites ``block_ids`` in every layer (what another request's KV would do)."""
+    kv = executor.runner.kv
+    for cache in (*kv.key_caches, *kv.value_caches):
+        cache[block_ids] = -1.0
+
+
+def prefilled(executor: Executor, blocks: list[int], row: int = 0) -> Seq:
+    """A request whose prompt's KV fills ``blocks``."""
+    seq = Seq(row=row, blocks=blocks, num_computed=0)
+    take_samples([seq], executor.step(prefill(OWNER, seq, f"r{row}", PROMPT)))
+    return seq
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+class Steps:
+    """Runs one sequence's steps in turn, or (``ahead``) each launched
+    before the previous one completes, as a step stream does."""
+
+    def __init__(self, executor: Executor, seq: Seq, ahead: bool) -> None:
+        self.executor, self.seq, self.ahead = executor, seq, ahead
+        self.pending: list[tuple[LaunchedStep, int]] = []
+
+    def run(self, request: executor_pb2.StepRequest, num_samples: int = 1) -> None:
+        """Launches ``request``, which samples ``num_samples`` tokens."""
+        self.pending.append((self.executor.launch(request), num_samples))
+        while len(self.pending) > (1 if self.ahead else 0):
+            self.complete_one()
+
+    def complete_one(self) -> None:
+        launched, num_samples = self.pending.pop(0)
+        response = self.executor.complete(launched)
+        if num_samples:
+            take_window([self.seq], response, num_samples)
+
+
+# -- the round trip -----------------------------------------------------------
+
+
+def round_trip_is_byte_exact(executor: Executor) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    original = kv_of(executor, [1, 2])
+    assert all(t.abs().sum() > 0 for t in original)
+    # Host ids out of order and in a run; a source may repeat.
+    executor.step(moving(offloads=((2, 7), (1, 3), (1, 4), (2, 5))))
+    clobber(executor, [1, 2])
+    fresh(executor)  # a reset keeps the host blocks
+    before = kv_of(executor, list(range(NUM_BLOCKS)))
+    executor.step(moving(loads=((3, 9), (7, 10), (4, 11), (5, 12), (3, 13))))
+    after = kv_of(executor, list(range(NUM_BLOCKS)))
+    assert_same(kv_of(executor, [9, 10]), original)
+    assert_same(kv_of(executor, [11, 12]), original)
+    assert_same(kv_of(executor, [13]), [t[:1] for t in original])
+    others = [b for b in range(NUM_BLOCKS) if b not in (9, 10, 11, 12, 13)]
+    assert_same([t[others] for t in after], [t[others] for t in before])
+
+
+def test_offloaded_blocks_load_back_byte_for_byte_into_other_blocks(executor: Executor) -> None:
+    round_trip_is_byte_exact(executor)
+
+
+def test_a_load_reads_what_the_same_steps_offload_wrote(executor: Executor) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    executor.step(moving(offloads=((1, 0),)))
+    block_2 = kv_of(executor, [2])
+    executor.step(moving(offloads=((2, 0),), loads=((0, 8),)))
+    assert_same(kv_of(executor, [8]), block_2)
+
+
+def continued_tokens(
+    executor: Executor,
+    num_steps: int,
+    round_trip: bool,
+    ahead: bool = False,
+    loaded: bool = True,
+) -> list[int]:
+    """A request prefilled in blocks 1 and 2 and decoded twice; then, with
+    the round trip, its blocks offloaded, overwritten, and loaded (unless not
+    ``loaded``) into 3 and 4 by the step that continues it on them
+    (``num_steps`` decodes); then two more decodes. Its tokens."""
+    fresh(executor)
+    seq = prefilled(executor, [1, 2])
+    steps = Steps(executor, seq, ahead)
+    for _ in range(2):
+        steps.run(decode(OWNER, [seq]))
+    loads: Pairs = ()
+    if round_trip:
+        steps.run(moving(offloads=((1, 6), (2, 2))), num_samples=0)
+        clobber(executor, [1, 2, 3, 4])  # on the device after the offload, launched or not
+        seq.blocks = [3, 4]
+        loads = ((6, 3), (2, 4)) if loaded else ()
+    if num_steps == 1:
+        steps.run(with_moves(decode(OWNER, [seq]), loads=loads))
+    else:
+        steps.run(with_moves(window(OWNER, [seq], num_steps), loads=loads), num_steps)
+    for _ in range(2):
+        steps.run(decode(OWNER, [seq]))
+    while steps.pending:
+        steps.complete_one()
+    assert seq.num_computed < 2 * BLOCK_SIZE
+    return seq.output
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_a_request_continued_on_loaded_blocks_samples_what_it_samples_without_the_round_trip(
+    executor: Executor, num_steps: int
+) -> None:
+    want = continued_tokens(executor, num_steps, round_trip=False)
+    assert len(want) == 1 + 2 + num_steps + 2
+    assert continued_tokens(executor, num_steps, round_trip=True) == want
+    assert continued_tokens(executor, num_steps, round_trip=True, ahead=True) == want
+    assert continued_tokens(executor, num_steps, round_trip=True, loaded=False) != want
+
+
+def test_load_destinations_lose_their_tags_unless_the_step_tags_them(executor: Executor) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    executor.step(moving(offloads=((1, 0),)))
+    executor.step(moving(tag_block_ids=[5, 6], tag_block_hashes=[b"a", b"b"], tag_group_ids=[0, 0]))
+    executor.step(moving(loads=((0, 5),)))
+    assert executor.get_info().num_tagged_blocks == 1
+    executor.step(
+        moving(loads=((0, 6),), tag_block_ids=[6], tag_block_hashes=[b"c"], tag_group_ids=[0])
+    )
+    (chunk,) = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert (list(chunk.block_ids), list(chunk.block_hashes)) == ([6], [b"c"])
+
+
+# -- validation ---------------------------------------------------------------
+
+
+# Each with a valid pair in the other columns where it has any: nothing moves.
+BAD: list[tuple[str, dict[str, Any]]] = [
+    (
+        "offload_host_block_ids: 1 ids for 2 offload_block_ids",
+        {"offload_block_ids": [1, 2], "offload_host_block_ids": [0]},
+    ),
+    (
+        "load_block_ids: 0 ids for 1 load_host_block_ids",
+        {"offload_block_ids": [1], "offload_host_block_ids": [0], "load_host_block_ids": [0]},
+    ),
+    (
+        "offload_block_ids[1]: block 0 is the null block or >= num_blocks 64",
+        {"offload_block_ids": [1, 0], "offload_host_block_ids": [0, 1]},
+    ),
+    (
+        "load_block_ids[0]: block 64 is the null block or >= num_blocks 64",
+        {"load_host_block_ids": [0], "load_block_ids": [64]},
+    ),
+    (
+        "offload_host_block_ids[0]: host block 13 >= num_host_blocks 13",
+        {"offload_block_ids": [1], "offload_host_block_ids": [13]},
+    ),
+    (
+        "load_host_block_ids[1]: host block 13 >= num_host_blocks 13",
+        {"load_host_block_ids": [0, 13], "load_block_ids": [3, 4]},
+    ),
+    (
+        "offload_host_block_ids[1]: 4 repeats offload_host_block_ids[0]",
+        {"offload_block_ids": [1, 2], "offload_host_block_ids": [4, 4]},
+    ),
+    (
+        "load_block_ids[1]: 3 repeats load_block_ids[0]",
+        {
+            "offload_block_ids": [1],
+            "offload_host_block_ids": [0],
+            "load_host_block_ids": [0, 1],
+            "load_block_ids": [3, 3],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("message", "columns"), BAD)
+def test_a_bad_host_column_is_refused_naming_its_field_and_moves_nothing(
+    executor: Executor, message: str, columns: dict[str, Any]
+) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    request = executor_pb2.StepRequest(owner=OWNER, **columns)
+    pool = executor.runner.host_kv
+    assert isinstance(pool, HostKVPool)
+    # As bytes: host blocks never offloaded hold whatever the allocation had
+    # (NaN patterns included, which compare unequal to themselves as floats).
+    host_before = pool.blocks.view(torch.uint8).clone()
+    kv_before = kv_of(executor, list(range(NUM_BLOCKS)))
+    with pytest.raises(InvalidArgument) as error:
+        executor.step(request)
+    assert str(error.value) == message
+    assert torch.equal(pool.blocks.view(torch.uint8), host_before)
+    assert_same(kv_of(executor, list(range(NUM_BLOCKS))), kv_before)
+    assert executor.runner.rows.live.tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("column", ["offload_host_block_ids", "load_host_block_ids"])
+def test_an_executor_without_a_host_tier_refuses_any_host_block(
+    without_tier: Executor, column: str
+) -> None:
+    fresh(without_tier)
+    request = moving(offloads=((1, 0),)) if column.startswith("off") else moving(loads=((0, 1),))
+    with pytest.raises(InvalidArgument, match=f"^{column}: the executor has no host tier"):
+        without_tier.step(request)
+    assert without_tier.get_info().num_host_blocks == 0
+    assert without_tier.runner.host_kv is None
+
+
+# -- sizing -------------------------------------------------------------------
+
+
+def test_get_info_reports_the_host_blocks_that_fit_in_the_gib(executor: Executor) -> None:
+    runner = executor.runner
+    assert runner.bytes_per_block == 8192
+    assert math.floor(HOST_KV_GIB * 2**30 / runner.bytes_per_block) == NUM_HOST_BLOCKS
+    assert executor.get_info().num_host_blocks == NUM_HOST_BLOCKS
+    pool = runner.host_kv
+    assert isinstance(pool, HostKVPool)
+    assert pool.blocks.shape == (NUM_HOST_BLOCKS, runner.bytes_per_block // 4)  # float32
+    assert pool.num_bytes == NUM_HOST_BLOCKS * runner.bytes_per_block
+
+
+def test_the_cli_option_sizes_the_host_tier(model_dir: Path) -> None:
+    args = ("--host-kv-gib", str(HOST_KV_GIB))
+    process = ExecutorProcess(model_dir, num_blocks=NUM_BLOCKS, extra_args=args)
+    with process:
+        info = process.stub.GetInfo(executor_pb2.GetInfoRequest())
+        assert info.num_host_blocks == NUM_HOST_BLOCKS
+        assert f"{NUM_HOST_BLOCKS} host blocks" in process.ready_line
+
+
+@pytest.mark.parametrize(
+    ("gib", "error"),
+    [
+        ("1e-9", "host_kv_gib: 1e-09 GiB holds no KV block of 8192 bytes"),
+        ("-1", "host_kv_gib: -1.0 is not a size >= 0"),
+    ],
+)
+def test_a_host_tier_of_no_block_is_a_startup_error(model_dir: Path, gib: str, error: str) -> None:
+    command = [sys.executable, "-m", "pagedkv.executor", "--model", str(model_dir)]
+    command += ["--num-blocks", str(NUM_BLOCKS), "--kernel-backend", "torch", "--host-kv-gib", gib]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert f"pagedkv executor: {error}" in done.stderr.splitlines()
+
+
+# -- on CUDA ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_round_trip_is_byte_exact_and_a_load_feeds_its_steps_forward(
+    model_dir: Path,
+) -> None:
+    """Pinned host blocks, the pool's copy stream (decode steps replayed
+    from CUDA graphs): the bytes come back, and the forward of the step that
+    loads reads the loaded KV, also launched behind earlier steps."""
+    cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
+    pool = cuda.runner.host_kv
+    assert isinstance(pool, HostKVPool) and pool.blocks.is_pinned()
+    round_trip_is_byte_exact(cuda)
+    for num_steps in (1, 3):
+        want = continued_tokens(cuda, num_steps, round_trip=False)
+        assert continued_tokens(cuda, num_steps, round_trip=True) == want
+        assert continued_tokens(cuda, num_steps, round_trip=True, ahead=True) == want
+        assert continued_tokens(cuda, num_steps, round_trip=True, loaded=False) != want

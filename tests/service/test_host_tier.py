@@ -1,0 +1,82 @@
+"""The host tier end to end: ``pagedkv serve --host-kv-gib`` on the CPU,
+real executor and scheduler processes, against Hugging Face ``generate``.
+
+A prefix evicted from the executor's small GPU pool is offloaded to its host
+blocks and loaded back for the next request that shares it; streams that
+preempt one another come back through the host tier; a model whose layout
+the scheduler's tier does not serve runs as before on an executor that has
+host memory."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.executor.test_generation import PROMPTS, hf_greedy, model_dirs
+from tests.service.stack import serve
+from tests.service.test_stack import assert_nothing_held, collect, greedy_request
+
+__all__ = ["model_dirs"]
+
+NUM_BLOCKS = 12  # 11 usable blocks of 16 tokens: a few requests' worth
+HOST = ("--host-kv-gib", "0.01")
+
+
+def churn_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 250) for _ in range(length)] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dirs: dict[str, Path]):
+    with serve(model_dirs["llama"], num_blocks=NUM_BLOCKS, extra=HOST) as process:
+        yield process
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier(stack, model_dirs) -> None:
+    prompt = PROMPTS[2]  # 61 tokens: three full blocks
+    expected = hf_greedy(model_dirs["llama"], prompt, 8)
+    tokens, _ = collect(stack.stub, greedy_request(prompt, 8))
+    assert tokens[0] == expected
+    for other in churn_prompts(4, 64, seed=1):  # each needs 5 of the 11 blocks
+        collect(stack.stub, greedy_request(other, 8))
+    before = assert_nothing_held(stack.stub).executors[0]
+    assert before.num_host_blocks > 0 and before.num_offloaded_blocks >= 3
+    tokens, chunks = collect(stack.stub, greedy_request(prompt, 8))
+    assert tokens[0] == expected
+    assert chunks[-1].usage.cached_prompt_tokens >= 48
+    after = assert_nothing_held(stack.stub).executors[0]
+    assert after.prefix_cache_host_hits - before.prefix_cache_host_hits >= 48
+    assert after.num_loaded_blocks - before.num_loaded_blocks >= 3
+
+
+def test_streams_that_preempt_one_another_finish_as_hugging_face_does(stack, model_dirs) -> None:
+    prompts = churn_prompts(6, 40, seed=2)
+    expected = [hf_greedy(model_dirs["llama"], prompt, 24) for prompt in prompts]
+    results: list[list[int] | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        tokens, _ = collect(stack.stub, greedy_request(prompts[i], 24))
+        results[i] = tokens[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == expected
+    assert_nothing_held(stack.stub)
+
+
+def test_a_layout_the_tier_does_not_serve_ignores_the_host_memory(model_dirs) -> None:
+    """Mistral's tiny model has a sliding window: the scheduler keeps no host
+    tier for it (and sends no copies) though the executor has host blocks."""
+    prompt = PROMPTS[0]
+    with serve(model_dirs["mistral"], num_blocks=NUM_BLOCKS, extra=HOST) as process:
+        tokens, _ = collect(process.stub, greedy_request(prompt, 8))
+        assert tokens[0] == hf_greedy(model_dirs["mistral"], prompt, 8)
+        stats = assert_nothing_held(process.stub).executors[0]
+        assert stats.num_host_blocks == 0 and stats.num_offloaded_blocks == 0
