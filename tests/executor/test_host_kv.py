@@ -382,3 +382,36 @@ def test_on_cuda_the_round_trip_is_byte_exact_and_a_load_feeds_its_steps_forward
         assert continued_tokens(cuda, num_steps, round_trip=True) == want
         assert continued_tokens(cuda, num_steps, round_trip=True, ahead=True) == want
         assert continued_tokens(cuda, num_steps, round_trip=True, loaded=False) != want
+
+
+def offloaded_blocks_survive_a_step_that_reuses_them(executor: Executor) -> None:
+    """An offload, then at once (launched, not awaited) a step whose new
+    request takes the offloaded blocks and writes its prompt there: that
+    step waits for the offload, which reads the former KV."""
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    original = kv_of(executor, [1, 2])
+    offload = executor.launch(moving(offloads=((1, 0), (2, 1))))
+    other = Seq(row=1, blocks=[1, 2], num_computed=0)
+    reuse = executor.launch(prefill(OWNER, other, "r1", PROMPT[::-1]))
+    executor.complete(offload)
+    executor.complete(reuse)
+    assert not all(torch.equal(a, b) for a, b in zip(kv_of(executor, [1, 2]), original))
+    executor.step(moving(loads=((0, 5), (1, 6))))
+    assert_same(kv_of(executor, [5, 6]), original)
+
+
+def test_offloaded_blocks_survive_a_step_that_reuses_them(executor: Executor) -> None:
+    offloaded_blocks_survive_a_step_that_reuses_them(executor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_step_that_reuses_an_offloaded_block_waits_for_the_offload(
+    model_dir: Path,
+) -> None:
+    """The offload runs beside later steps (the compute stream does not wait
+    for it) but not beside one that writes into its blocks."""
+    cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
+    for _ in range(5):
+        offloaded_blocks_survive_a_step_that_reuses_them(cuda)

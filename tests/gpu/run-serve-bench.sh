@@ -15,6 +15,8 @@
 #   bash tests/gpu/run-serve-bench.sh timeline   # ~1.1B: the GPU timeline of 64 x (512 -> 256)
 #                                            # alone (no rates, no HF; a minute)
 #   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.bench.kernels.bench_gemm
+#   bash tests/gpu/run-serve-bench.sh host-tier  # python -m pagedkv.bench.executor.host_tier:
+#                                            # first tokens from each tier, 8B shape
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
 #                                            # request per decode step (no executor;
 #                                            # single steps and windows of 8)
@@ -116,6 +118,13 @@ case "${1:-1b}" in
   gemm)
     "$PYTHON" -m pagedkv.bench.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
     ;;
+  host-tier)
+    # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's
+    # first token recomputed, from a GPU hit and from a host hit; decode
+    # steps carrying offloads (under a minute). RUN numbers the file.
+    "$PYTHON" -m pagedkv.bench.executor.host_tier --preset llama-8b \
+      --output "$RESULTS/host-tier-executor-8b-${RUN:-1}-$NAME.json"
+    ;;
   executor)
     "$PYTHON" -m pagedkv.bench.executor.bench --output "$RESULTS/executor-fused-$NAME.json"
     "$PYTHON" -m pagedkv.bench.executor.bench --batch 256 --output "$RESULTS/executor-256-$NAME.json"
@@ -160,7 +169,7 @@ case "${1:-1b}" in
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
-      "fixed or gateway, not $1" >&2
+      "fixed, gateway or host-tier, not $1" >&2
     exit 2
     ;;
 esac

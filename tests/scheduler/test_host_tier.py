@@ -151,3 +151,19 @@ def test_the_copies_go_in_the_first_message() -> None:
     assert list(message.offload_host_block_ids) == [0, 1]
     assert list(message.load_host_block_ids) == [1]
     assert list(message.load_block_ids) == [5]
+
+
+def test_blocks_are_written_through_in_the_step_after_the_one_that_filled_them() -> None:
+    kv = tiered(num_blocks=9, num_host_blocks=8)
+    request = kv.make_request("a", range(100, 113))  # three full blocks
+    admit(kv, request)
+    assert kv.take_host_copies() == ([], [])  # their step is being sent: not computed yet
+    offloads, loads = kv.take_host_copies()  # the next step: they are
+    assert sorted(c.block_id for c in offloads) == kv.get_block_ids(request.seq_id)[0][:3]
+    assert not loads
+    kv.free(request)
+    # Evicted later (b takes every block), they need no copy: the host has
+    # their hashes. (b's own blocks go in the step after b's.)
+    assert run(kv, "b", range(200, 232)) == (0, ([], []))
+    assert kv.host is not None and kv.host.stats.num_offloaded == 3
+    assert kv.check_integrity().ok

@@ -18,7 +18,10 @@ so a stream can launch step N + 1 while the device runs step N
 (step_pipeline.py). Launch and completion keep the steps' order.
 
 A step's host tier copies (host_kv.py: offloads, then loads) are enqueued
-before anything else of it; the pool keeps its blocks across resets.
+before anything else of it; its device work waits for the loads, and for an
+offload only when it writes into that block (a table update, a copy's
+destination; an Allocate's and a CopyBlocks' blocks likewise). The pool
+keeps its blocks across resets.
 
 Block tags (see block_tags.py): a step's untags, and the destinations of its
 loads and copies, lose their tags before the step changes anything else; its
@@ -254,6 +257,8 @@ class Executor:
             self.check_owner(request.owner)
             plan = plan_message(request, self.runner.rows, self.runner.limits)
             self.runner.rows.apply(plan)
+            if self.runner.host_kv is not None:  # later steps write into its blocks
+                self.runner.host_kv.before_writes(plan.table_block_ids)
         return executor_pb2.AllocateResponse()
 
     def free(self, request: executor_pb2.FreeRequest) -> executor_pb2.FreeResponse:
@@ -280,6 +285,8 @@ class Executor:
             self._settle_tags()
             if len(self.tags):
                 self.tags.untag([BlockId(b) for b in copies[:, 1].tolist()])
+            if self.runner.host_kv is not None and len(copies):
+                self.runner.host_kv.before_writes(copies[:, 1])
             self.runner.copy_blocks(copies)
         return executor_pb2.CopyBlocksResponse()
 
@@ -307,7 +314,9 @@ class Executor:
             plan = plan_message(request, runner.rows, runner.limits)
             planned = time.perf_counter()
             start = device_clock(runner.device)
-            move_blocks(runner.host_kv, plan.offloads, plan.loads)  # before all else
+            if runner.host_kv is not None:  # before all else
+                written = np.concatenate([plan.table_block_ids, plan.copies[:, 1]])
+                move_blocks(runner.host_kv, plan.offloads, plan.loads, written)
             self._settle_tags()  # earlier steps' tags come before this step's untags
             tags = self.tags
             if len(tags):

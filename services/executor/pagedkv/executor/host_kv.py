@@ -36,8 +36,14 @@ class BlockStore(Protocol):
     def offload(self, block_ids: np.ndarray, host_ids: np.ndarray) -> None:
         """Copies device block ``block_ids[i]`` into store block
         ``host_ids[i]`` (int64 arrays of one length; ``host_ids`` distinct).
-        Reads the device blocks after every earlier device write and before
-        any later one; mutates only the store blocks."""
+        Reads the device blocks after every earlier device write; later
+        device work does not wait for it, except a write into one of those
+        blocks (see ``before_writes``). Mutates only the store blocks."""
+        ...
+
+    def before_writes(self, block_ids: np.ndarray) -> None:
+        """Call before enqueuing device work that writes into ``block_ids``:
+        that work then waits for any offload still reading them."""
         ...
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
@@ -62,17 +68,23 @@ def num_host_blocks(gib: float, bytes_per_block: int) -> int:
     return num_blocks
 
 
-def move_blocks(store: BlockStore | None, offloads: np.ndarray, loads: np.ndarray) -> None:
+def move_blocks(
+    store: BlockStore | None, offloads: np.ndarray, loads: np.ndarray, written: np.ndarray
+) -> None:
     """A step's host copies: every offload (``[n, 2]``: block, host block),
     then every load (``[m, 2]``: host block, block), so a load reads what
-    the step's offloads left. No store: both must be empty (validated)."""
-    if not len(offloads) and not len(loads):
+    the step's offloads left; ``written``: the other blocks the step writes
+    into (its table updates' blocks, its copies' destinations), whose
+    pending offloads its device work waits for. No store: the host columns
+    are empty (validated)."""
+    if store is None:
         return
-    assert store is not None, "host columns are refused without a host tier"
     if len(offloads):
         store.offload(offloads[:, 0], offloads[:, 1])
     if len(loads):
         store.load(loads[:, 0], loads[:, 1])
+    if len(written):
+        store.before_writes(written)
 
 
 def _runs(host_ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -95,10 +107,15 @@ class HostKVPool:
     stream: it first waits for the compute stream's work so far, gathers
     the device blocks into a staging buffer (one ``index_select`` per layer
     and K/V), copies rows between staging and host without blocking the
-    host, scatters loaded rows into the layers (one ``index_copy_`` each);
-    then the compute stream waits for it. The host never waits. On the CPU
-    the same code runs synchronously on plain memory. A call's staging
-    holds its n blocks (``n * bytes_per_block`` device bytes) while it runs.
+    host, scatters loaded rows into the layers (one ``index_copy_`` each).
+    After a load the compute stream waits for the copy stream (its next
+    forward reads the loaded blocks); after an offload it does not: the
+    offload overlaps the steps that follow, and only a step that writes
+    into a block still being offloaded waits for it (``before_writes``;
+    ``_offloading`` marks those blocks until the compute stream has waited).
+    The host never waits. On the CPU the same code runs synchronously on
+    plain memory. A call's staging holds its n blocks (``n *
+    bytes_per_block`` device bytes) while it runs.
     """
 
     def __init__(self, kv: KVMemory, num_blocks: int) -> None:
@@ -121,6 +138,9 @@ class HostKVPool:
             (num_blocks, self.elements_per_block), dtype=self.dtype, pin_memory=cuda
         )
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # Device blocks an offload on the copy stream may still be reading.
+        self._offloading = np.zeros(kv.num_blocks, dtype=bool)
+        self._any_offloading = False
 
     @property
     def num_blocks(self) -> int:
@@ -134,10 +154,18 @@ class HostKVPool:
         """See ``BlockStore.offload``."""
         if not len(block_ids):
             return
-        with self._on_copy_stream():
+        with self._on_copy_stream(join=False):
             staging = self._gather(to_device(block_ids, self.device))
             for i, host_id, n in _runs(host_ids):
                 self.blocks[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+        if self._stream is not None:
+            self._offloading[block_ids] = True
+            self._any_offloading = True
+
+    def before_writes(self, block_ids: np.ndarray) -> None:
+        """See ``BlockStore.before_writes``."""
+        if self._any_offloading and self._offloading[block_ids].any():
+            self._join()
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """See ``BlockStore.load``."""
@@ -166,12 +194,19 @@ class HostKVPool:
         for layer, columns in self._parts:
             layer.index_copy_(0, index, staging[:, columns])
 
+    def _join(self) -> None:
+        """The compute stream's later work waits for every copy so far."""
+        assert self._stream is not None
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._offloading[:] = False
+        self._any_offloading = False
+
     @contextlib.contextmanager
-    def _on_copy_stream(self) -> Iterator[None]:
+    def _on_copy_stream(self, join: bool = True) -> Iterator[None]:
         """Runs the body on the copy stream, after the compute stream's work
-        so far; the compute stream's later work waits for the body's. What
-        the body allocates belongs to the copy stream (freed and reused in
-        its order)."""
+        so far; with ``join`` the compute stream's later work waits for the
+        body's (and every earlier copy's). What the body allocates belongs to
+        the copy stream (freed and reused in its order)."""
         if self._stream is None:
             yield
             return
@@ -179,4 +214,5 @@ class HostKVPool:
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             yield
-        compute.wait_stream(self._stream)
+        if join:
+            self._join()

@@ -14,9 +14,11 @@ prefix-cache index stays there while it sits in the free queue, so a later
 request can take it back with ``touch``; its hash is dropped only when the
 block is popped for reuse (lazy eviction).
 
-Host tier: with a ``HostTier`` in ``host``, a cached block evicted for
-reuse is first offloaded to it (host_tier.py), unless it entered the index
-in the step not yet sent (``step`` counts the steps sent: the manager
+Host tier: with a ``HostTier`` in ``host``, the blocks entered into the
+index are listed in ``fresh`` (the manager writes them through to the host
+once their step has been sent), and a cached block evicted for reuse whose
+hash the host lacks is offloaded then (host_tier.py), unless it entered the
+index in the step not yet sent (``step`` counts the steps sent: the manager
 advances it as it drains a step's copies).
 
 Cache events: with ``record_events``, every change to the index is logged in
@@ -79,6 +81,9 @@ class BlockPool:
         self.events: list[CacheEvent] | None = [] if record_events else None
         self.host: HostTier | None = None
         self.step = 0
+        # With a host tier: the blocks entered into the index since the last
+        # step was sent (the manager writes them through to the host).
+        self.fresh: list[KVCacheBlock] = []
 
     # -- allocation -----------------------------------------------------------------
 
@@ -185,6 +190,8 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.group_id = group_id
                 block.cached_step = self.step
+                if self.host is not None:
+                    self.fresh.append(block)
                 if self.events is not None:
                     self.events.append(
                         CacheEvent(CacheEventKind.STORED, block.block_id, block_hash, group_id)

@@ -23,6 +23,7 @@ from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
 from pagedkv.scheduler.host_tier import HostCopy, HostTier
+from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 from pagedkv.scheduler.kv_cache_types import (
     NO_TABLE_CHANGE,
     Allocation,
@@ -104,6 +105,7 @@ class KVCacheManager:
             only if len(self.managers) == 1 and type(only) is SingleTypeKVCacheManager else None
         )
         self.host: HostTier | None = None
+        self._written_through: list[KVCacheBlock] = []  # entered for the step last sent
         if num_host_blocks and enable_caching and self._single_full is not None:
             self.host = self.pool.host = self._lookup.host = HostTier(num_host_blocks)
 
@@ -322,12 +324,22 @@ class KVCacheManager:
         return ops
 
     def take_host_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:
-        """Drains the host tier's offloads and loads queued since the last
-        call (none without a tier) and counts a step sent (host_tier.py)."""
-        self.pool.step += 1
-        if self.host is None:
+        """The host tier's offloads and loads for the step being sent (none
+        without a tier); counts a step sent (host_tier.py). The blocks the
+        step before it entered into the index, computed by then, are written
+        through to the host first, unless their hash is there already or they
+        have been reused since."""
+        pool = self.pool
+        pool.step += 1
+        host = self.host
+        if host is None:
             return [], []
-        return self.host.take_copies()
+        previous = pool.step - 2  # the step count while the step before was made
+        for block in self._written_through:
+            if block.block_hash is not None and block.cached_step == previous:
+                host.offload(block.block_id, block.block_hash)
+        self._written_through, pool.fresh = pool.fresh, []
+        return host.take_copies()
 
     # -- ending and sharing ------------------------------------------------------------
 
