@@ -14,7 +14,6 @@ single_group.py.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
@@ -22,6 +21,7 @@ from pagedkv.common.block_hash import root_hash
 from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
+from pagedkv.scheduler.holders_audit import audit_holders
 from pagedkv.scheduler.host_tier import HostCopy, HostTier
 from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 from pagedkv.scheduler.kv_cache_types import (
@@ -400,32 +400,10 @@ class KVCacheManager:
         return self.pool.usage
 
     def check_integrity(self) -> IntegrityReport:
-        """The pool's audit plus holder counts: each ref_cnt equals its tables."""
+        """The pool's audit, the holders' (holders_audit.py: each ref_cnt
+        equals its tables) and the host tier's."""
         report = self.pool.check_integrity()
-        errors = list(report.errors)
-        # A block holds one logical block's KV: one (group, index) in every table.
-        places: dict[int, tuple[int, int]] = {}
-        holders: Counter[int] = Counter()
-        for manager in self.managers:
-            for seq_id, blocks in manager.req_to_blocks.items():
-                for index, block in enumerate(blocks):
-                    if not block.is_null:
-                        holders[block.block_id] += 1
-                        place = (manager.group_id, index)
-                        if places.setdefault(block.block_id, place) != place:
-                            errors.append(
-                                f"block {block.block_id}: held at (group, index) "
-                                f"{places[block.block_id]} and {place}"
-                            )
-                num_cached = manager.num_cached_blocks.get(seq_id)
-                if num_cached is None or num_cached > len(blocks):
-                    errors.append(f"{seq_id}: cached-block count {num_cached} of {len(blocks)}")
-        for block in self.pool.blocks[1:]:
-            if block.ref_cnt != holders.get(block.block_id, 0):
-                errors.append(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
-                    f"{holders.get(block.block_id, 0)} holders"
-                )
+        errors = [*report.errors, *audit_holders(self.managers, self.pool)]
         if self.host is not None:
             errors.extend(self.host.check_integrity())
         return report._replace(errors=tuple(errors))
