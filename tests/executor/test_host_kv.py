@@ -396,7 +396,9 @@ def offloaded_blocks_survive_a_step_that_reuses_them(executor: Executor) -> None
     reuse = executor.launch(prefill(OWNER, other, "r1", PROMPT[::-1]))
     executor.complete(offload)
     executor.complete(reuse)
-    assert not all(torch.equal(a, b) for a, b in zip(kv_of(executor, [1, 2]), original))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(kv_of(executor, [1, 2]), original, strict=True)
+    )
     executor.step(moving(loads=((0, 5), (1, 6))))
     assert_same(kv_of(executor, [5, 6]), original)
 

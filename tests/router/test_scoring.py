@@ -112,3 +112,20 @@ def test_policies_by_name_and_bad_values_name_the_field() -> None:
     with pytest.raises(ValueError, match="load slack"):
         RoutingWeights(load_slack=-1.0)
     assert make_policy("kv").rank([], {}, 3) == []
+
+
+def test_kv_counts_a_host_tier_hit_between_a_gpu_hit_and_a_miss() -> None:
+    policy = KVAwarePolicy()  # a host block is worth 0.89 of a GPU one
+    ranked = policy.rank(
+        [candidate("miss"), candidate("host"), candidate("gpu")],
+        {"gpu": 8, "host": 2},
+        8,
+        {"host": 6},
+    )
+    assert [c.candidate.incarnation_id for c in ranked] == ["gpu", "host", "miss"]
+    assert ranked[1].cached_blocks == 2  # GPU blocks, as the hint reports them
+    assert ranked[1].score == pytest.approx((2 + 0.89 * 6) / 8)
+    no_host = KVAwarePolicy(RoutingWeights(host=0.0))
+    assert no_host.rank([candidate("host")], {"host": 2}, 8, {"host": 6})[0].score == 0.25
+    with pytest.raises(ValueError, match="weight host"):
+        RoutingWeights(host=1.5)

@@ -167,3 +167,22 @@ def test_blocks_are_written_through_in_the_step_after_the_one_that_filled_them()
     assert run(kv, "b", range(200, 232)) == (0, ([], []))
     assert kv.host is not None and kv.host.stats.num_offloaded == 3
     assert kv.check_integrity().ok
+
+
+def test_every_change_to_the_host_index_is_an_event() -> None:
+    tier = HostTier(2)
+    tier.offload(BlockId(1), h("h1"))
+    tier.offload(BlockId(2), h("h2"))
+    tier.offload(BlockId(3), h("h3"))  # takes h1's host block 0
+    tier.take_copies()
+    tier.clear()
+    events = [(e.kind.name, e.block_id, e.block_hash) for e in tier.take_events()]
+    assert events == [
+        ("STORED", 0, h("h1")),
+        ("STORED", 1, h("h2")),
+        ("REMOVED", 0, h("h1")),
+        ("STORED", 0, h("h3")),
+        ("REMOVED", 1, h("h2")),
+        ("REMOVED", 0, h("h3")),
+    ]
+    assert tier.take_events() == []

@@ -58,6 +58,15 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "pagedkv"
 
 
+HOST_TIER_SUFFIX = "/host"
+
+
+def host_tier_incarnation(incarnation_id: str) -> str:
+    """The name an executor incarnation's host tier is mirrored under: its
+    own mirror hash and event stream, block ids being host block ids."""
+    return incarnation_id + HOST_TIER_SUFFIX
+
+
 def mirror_field(block_hash: bytes, group_id: int) -> str:
     """The mirror hash field of ``block_hash`` in KV cache group ``group_id``."""
     assert group_id >= 0

@@ -45,6 +45,12 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv: sequences above the mean any executor may run (the bound for small loads)",
     )
     group.add_argument("--weight-kv", type=float, default=0.5, help="kv: weight of KV usage")
+    group.add_argument(
+        "--weight-host",
+        type=float,
+        default=0.89,
+        help="kv: a block in an executor's host tier, as a share of a cached block on its GPU",
+    )
 
 
 def register_router(subparsers: Any, name: str) -> None:

@@ -27,7 +27,12 @@ log = get_logger(__name__)
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """ValueError (RedisUrlError, SecurityError) naming the option when one is wrong."""
     weights = RoutingWeights(
-        args.weight_prefix, args.weight_load, args.weight_kv, args.load_bound, args.load_slack
+        args.weight_prefix,
+        args.weight_load,
+        args.weight_kv,
+        args.load_bound,
+        args.load_slack,
+        args.weight_host,
     )
     if not args.refresh_interval > 0:
         raise ValueError(f"--refresh-interval: {args.refresh_interval} must be > 0")

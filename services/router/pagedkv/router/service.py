@@ -24,7 +24,7 @@ from typing import NamedTuple
 import redis.exceptions
 
 from pagedkv.cluster.connection import connect, redacted
-from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys
+from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys, host_tier_incarnation
 from pagedkv.common.bearer_tokens import TokenFile
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
@@ -137,7 +137,11 @@ class RouterService:
     async def _refresh(self) -> None:
         try:
             self.snapshot = await read_cluster(self.redis, self.keys)
-            await self.follower.sync(r.incarnation_id for r in self.snapshot.records.values())
+            await self.follower.sync(
+                name
+                for r in self.snapshot.records.values()
+                for name in (r.incarnation_id, host_tier_incarnation(r.incarnation_id))
+            )
         except REDIS_ERRORS as exc:
             if self.metrics is not None:
                 self.metrics.count_redis_error()
@@ -239,6 +243,7 @@ class RouterService:
         snapshot, avoided = self.snapshot, self._avoided()
         candidates = candidates_of(snapshot, avoided, self.placements.correction)
         cached: dict[str, int] = {}
+        on_host: dict[str, int] = {}
         hashes_of: dict[str, list[BlockHash]] = {}  # incarnation -> the prompt's hashes
         num_prompt_blocks = 0
         now = now_ms()
@@ -252,10 +257,15 @@ class RouterService:
             for (model_id, block_size), incarnations in groups.items():
                 hashes = prompt_block_hashes(tokens, model_id, block_size, request.cache_salt)
                 num_prompt_blocks = max(num_prompt_blocks, len(hashes))
-                depth = merged(self.index.match(hashes), self.pending.match(hashes, now))
+                held = self.index.match(hashes)
+                depth = merged(held, self.pending.match(hashes, now))
                 cached.update((i, depth[i]) for i in incarnations if i in depth)
                 hashes_of.update((i, hashes) for i in incarnations)
-        choices = self.policy.rank(candidates, cached, num_prompt_blocks)
+                for i in incarnations:  # the host tier's blocks past the GPU's run
+                    beyond = held.get(host_tier_incarnation(i), 0) - cached.get(i, 0)
+                    if beyond > 0:
+                        on_host[i] = beyond
+        choices = self.policy.rank(candidates, cached, num_prompt_blocks, on_host)
         if choices and choices[0].candidate.incarnation_id in hashes_of:
             chosen = choices[0].candidate.incarnation_id
             self.pending.add(chosen, hashes_of[chosen], now)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedkv.cluster.keys import host_tier_incarnation
 from pagedkv.cluster.kv_events import KVEvent, Removed, Stored
 from pagedkv.cluster.load import ExecutorLoad
 from pagedkv.cluster.mirror import PrefixMirror
@@ -25,13 +26,15 @@ class MirroredCaches:
 
     def adopted(self, scheduler: ExecutorScheduler) -> None:
         """An executor just taken over: its prefix cache is mirrored from here
-        (resynced from the index first), and an earlier incarnation's keys go."""
+        (resynced from the index first), its host tier's index too (under
+        ``host_tier_incarnation``), and an earlier incarnation's keys go."""
         address, incarnation = scheduler.address, scheduler.info.incarnation_id
         previous = self.mirrored.get(address)
         if previous is not None and previous != incarnation:
             self.mirror.drop(previous)
+            self.mirror.drop(host_tier_incarnation(previous))
         self.mirrored[address] = incarnation
-        pool = scheduler.kv.pool
+        pool, host = scheduler.kv.pool, scheduler.kv.host
 
         def snapshot(_: str) -> list[Stored]:
             return [
@@ -44,13 +47,26 @@ class MirroredCaches:
             self.mirror.record(incarnation, map(kv_event, events))
 
         self.mirror.track(incarnation, snapshot)
-        scheduler.listen_cache_events(record)
+        if host is None:
+            scheduler.listen_cache_events(record)
+            return
+        on_host = host_tier_incarnation(incarnation)
+
+        def host_snapshot(_: str) -> list[Stored]:
+            return [Stored(host_id, block_hash, 0) for block_hash, host_id in host.cached()]
+
+        def record_host(events: list[CacheEvent]) -> None:
+            self.mirror.record(on_host, map(kv_event, events))
+
+        self.mirror.track(on_host, host_snapshot)
+        scheduler.listen_cache_events(record, record_host)
 
     def lost(self, address: str) -> None:
         """The executor is no longer ours: its mirroring from here stops."""
         incarnation = self.mirrored.pop(address, None)
         if incarnation is not None:
             self.mirror.untrack(incarnation)
+            self.mirror.untrack(host_tier_incarnation(incarnation))
 
 
 def kv_event(event: CacheEvent) -> KVEvent:

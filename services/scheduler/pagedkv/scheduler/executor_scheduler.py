@@ -95,6 +95,7 @@ class ExecutorScheduler:
         # Receives every batch of cache events as it goes out to the executor
         # (the Redis prefix mirror); must not block.
         self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
+        self.on_host_cache_events: Callable[[list[CacheEvent]], None] | None = None
         self.num_groups = len(info.kv_cache_groups)
         self._entries = EntryWriter(self.kv, self.num_groups)
         self.max_model_len = info.max_model_len
@@ -221,10 +222,16 @@ class ExecutorScheduler:
         goes on."""
         self.stopped.set()
 
-    def listen_cache_events(self, listener: Callable[[list[CacheEvent]], None]) -> None:
+    def listen_cache_events(
+        self,
+        listener: Callable[[list[CacheEvent]], None],
+        host_listener: Callable[[list[CacheEvent]], None] | None = None,
+    ) -> None:
         """``listener`` receives every batch of cache events as it goes out
-        to the executor (the Redis prefix mirror); it must not block."""
+        to the executor (the Redis prefix mirror), ``host_listener`` those of
+        the host tier's index; neither may block."""
         self.on_cache_events = listener
+        self.on_host_cache_events = host_listener
 
     # -- scheduling -----------------------------------------------------------
 
@@ -389,6 +396,10 @@ class ExecutorScheduler:
             self.on_cache_events(events)
         plan = StepPlan.start(self.step_id, self.kv.take_copy_ops(), events, self.freed_rows)
         plan.offloads, plan.loads = self.kv.take_host_copies()
+        if self.kv.host is not None:
+            host_events = self.kv.host.take_events()
+            if host_events and self.on_host_cache_events is not None:
+                self.on_host_cache_events(host_events)
         plan.num_decode_steps = num_steps
         self.step_id += len(plan.copy_phases)
         self.freed_rows = []

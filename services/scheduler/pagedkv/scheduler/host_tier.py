@@ -23,7 +23,9 @@ a request preempted in the step it was scheduled never computes them).
 
 Host blocks have no null block: ids run from 0 to ``num_blocks - 1``. Only
 one full-attention KV-cache group is served (``KVCacheManager`` turns the
-tier off otherwise).
+tier off otherwise). Every change to the host index is logged as a
+``CacheEvent`` (its block id a host block id, group 0) until
+``take_events``: the Redis mirror publishes them for the routers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pagedkv.common.ids import BlockHash, BlockId
+from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 
 
 class HostHit(NamedTuple):
@@ -72,6 +75,7 @@ class HostTier:
         "_num_offloaded",
         "_offloads",
         "_pinned",
+        "events",
         "num_blocks",
     )
 
@@ -87,6 +91,7 @@ class HostTier:
         self._num_offloaded = 0
         self._num_loaded = 0
         self._num_evicted = 0
+        self.events: list[CacheEvent] = []
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -142,6 +147,7 @@ class HostTier:
         index[block_hash] = host_id
         self._offloads.append(HostCopy(block_id, host_id))
         self._num_offloaded += 1
+        self.events.append(CacheEvent(CacheEventKind.STORED, BlockId(host_id), block_hash, 0))
 
     def _take(self) -> int | None:
         """A host block to write: a free one, else the least recently used
@@ -153,6 +159,9 @@ class HostTier:
             if host_id not in pinned:
                 del self._index[block_hash]
                 self._num_evicted += 1
+                self.events.append(
+                    CacheEvent(CacheEventKind.REMOVED, BlockId(host_id), block_hash, 0)
+                )
                 return host_id
         return None
 
@@ -167,10 +176,19 @@ class HostTier:
     def clear(self) -> None:
         """Forgets every host block's contents (the executor was reset or
         taken over: what its host memory holds is not known)."""
+        self.events.extend(
+            CacheEvent(CacheEventKind.REMOVED, BlockId(host_id), block_hash, 0)
+            for block_hash, host_id in self._index.items()
+        )
         self._index.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._pinned.clear()
         self._offloads, self._loads = [], []
+
+    def take_events(self) -> list[CacheEvent]:
+        """Drains the changes to the host index logged since the last call, in order."""
+        events, self.events = self.events, []
+        return events
 
     # -- views and checks ----------------------------------------------------------------
 
