@@ -17,6 +17,8 @@
 #   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.bench.kernels.bench_gemm
 #   bash tests/gpu/run-serve-bench.sh host-tier  # python -m pagedkv.bench.executor.host_tier:
 #                                            # first tokens from each tier, 8B shape
+#   bash tests/gpu/run-serve-bench.sh host-tier-serve  # ~1.1B: long shared prompts, 4x
+#                                            # the GPU pool, without and with a host tier
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
 #                                            # request per decode step (no executor;
 #                                            # single steps and windows of 8)
@@ -118,6 +120,25 @@ case "${1:-1b}" in
   gemm)
     "$PYTHON" -m pagedkv.bench.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
     ;;
+  host-tier-serve)
+    # PRESET (default llama-1.1b): 512 requests, each one of 64 system
+    # prompts of 1,024 tokens (4x the 1,024 blocks of the GPU pool) and a
+    # short question, all at once, with the GPU pool alone and then with a
+    # host tier of HOST_GIB (default 4; 16 for llama-8b's 2 MiB blocks) GiB
+    # (a few minutes). Files: serve-host-tier-{off,on}[-8b]-NAME.
+    preset=${PRESET:-llama-1.1b}
+    suffix=''
+    [[ $preset == llama-8b ]] && suffix=-8b
+    for tier in off on; do
+      host=()
+      [[ $tier == on ]] && host=(--host-kv-gib "${HOST_GIB:-4}")
+      bench --preset "$preset" --rates inf --num-requests 512 --warmup-requests 16 \
+        --fixed-batch '' --no-hf --system-prompt-fraction 1 --num-system-prompts 64 \
+        --system-prompt-len 1024 --mean-prompt-len 64 --mean-output-len 64 \
+        --num-blocks 1025 --max-num-seqs 32 "${tuned[@]}" "${host[@]}" \
+        --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
+    done
+    ;;
   host-tier)
     # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's
     # first token recomputed, from a GPU hit and from a host hit; decode
@@ -169,7 +190,7 @@ case "${1:-1b}" in
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
-      "fixed, gateway or host-tier, not $1" >&2
+      "fixed, gateway, host-tier or host-tier-serve, not $1" >&2
     exit 2
     ;;
 esac

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -87,12 +88,48 @@ def move_blocks(
         store.before_writes(written)
 
 
+def _by_host_id(a: np.ndarray, b: np.ndarray, first: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs ``(a[i], b[i])`` ordered by their host block id (``a``'s
+    with ``first``, else ``b``'s), so that host blocks given in any order (a
+    request's tail block is evicted, and offloaded, first) still move in one
+    copy per run of consecutive ids."""
+    host_ids = a if first else b
+    if len(host_ids) < 2 or bool((np.diff(host_ids) > 0).all()):
+        return a, b
+    order = np.argsort(host_ids, kind="stable")
+    return a[order], b[order]
+
+
 def _runs(host_ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive host ids: (first index, first host id, length)."""
     breaks = np.flatnonzero(np.diff(host_ids) != 1) + 1
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(host_ids)]])
     return [(int(s), int(host_ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+class _InFlight(NamedTuple):
+    """One offload or load call on its stream: done when ``event`` is."""
+
+    event: torch.cuda.Event
+    block_ids: np.ndarray
+    host_ids: np.ndarray
+
+
+def _latest(calls: deque[_InFlight], ids: np.ndarray, host: bool) -> torch.cuda.Event | None:
+    """The event of the last call in ``calls`` that touches ``ids`` (host
+    block ids with ``host``, else device block ids); on one stream, it being
+    done means every earlier call is."""
+    for call in reversed(calls):
+        if np.isin(call.host_ids if host else call.block_ids, ids).any():
+            event: torch.cuda.Event = call.event
+            return event
+    return None
+
+
+def _prune(calls: deque[_InFlight]) -> None:
+    while calls and calls[0].event.query():
+        calls.popleft()
 
 
 class HostKVPool:
@@ -103,19 +140,22 @@ class HostKVPool:
     ``[block_size, num_kv_heads, head_size]`` of its group, so a block moves
     in one contiguous copy (and a run of consecutive host ids in one).
 
-    On CUDA the rows are pinned and every copy runs on the pool's own
-    stream: it first waits for the compute stream's work so far, gathers
-    the device blocks into a staging buffer (one ``index_select`` per layer
-    and K/V), copies rows between staging and host without blocking the
-    host, scatters loaded rows into the layers (one ``index_copy_`` each).
-    After a load the compute stream waits for the copy stream (its next
-    forward reads the loaded blocks); after an offload it does not: the
-    offload overlaps the steps that follow, and only a step that writes
-    into a block still being offloaded waits for it (``before_writes``;
-    ``_offloading`` marks those blocks until the compute stream has waited).
-    The host never waits. On the CPU the same code runs synchronously on
-    plain memory. A call's staging holds its n blocks (``n *
-    bytes_per_block`` device bytes) while it runs.
+    On CUDA the rows are pinned, and offloads and loads run on two streams
+    of the pool's own. Each call first waits for the compute stream's work
+    so far, gathers the device blocks into a staging buffer (one
+    ``index_select`` per layer and K/V), copies rows between staging and
+    host without blocking the host, and for a load scatters the rows into
+    the layers (one ``index_copy_`` each). The compute stream waits for a
+    load (its next forward reads the loaded blocks) but not for an offload:
+    an offload overlaps the steps that follow, and only work that writes
+    into a block it still reads waits for it (``before_writes``). A load
+    waits for the offloads still writing its host blocks or reading its
+    device blocks; an offload's host blocks are never read by a load still
+    running (the compute stream, which the offload waits for, waited for
+    every load). Each call records an event; finished ones are dropped as
+    later calls look. The host never waits. On the CPU the same code runs
+    synchronously on plain memory. A call's staging holds its n blocks
+    (``n * bytes_per_block`` device bytes) while it runs.
     """
 
     def __init__(self, kv: KVMemory, num_blocks: int) -> None:
@@ -137,10 +177,9 @@ class HostKVPool:
         self.blocks = torch.empty(
             (num_blocks, self.elements_per_block), dtype=self.dtype, pin_memory=cuda
         )
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
-        # Device blocks an offload on the copy stream may still be reading.
-        self._offloading = np.zeros(kv.num_blocks, dtype=bool)
-        self._any_offloading = False
+        self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._offloads: deque[_InFlight] = deque()  # offload calls not known done
 
     @property
     def num_blocks(self) -> int:
@@ -154,24 +193,34 @@ class HostKVPool:
         """See ``BlockStore.offload``."""
         if not len(block_ids):
             return
-        with self._on_copy_stream(join=False):
+        block_ids, host_ids = _by_host_id(block_ids, host_ids)
+        with self._on(self._offload_stream, block_ids, host_ids, self._offloads):
             staging = self._gather(to_device(block_ids, self.device))
             for i, host_id, n in _runs(host_ids):
                 self.blocks[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
-        if self._stream is not None:
-            self._offloading[block_ids] = True
-            self._any_offloading = True
 
     def before_writes(self, block_ids: np.ndarray) -> None:
         """See ``BlockStore.before_writes``."""
-        if self._any_offloading and self._offloading[block_ids].any():
-            self._join()
+        if not self._offloads:
+            return
+        _prune(self._offloads)
+        event = _latest(self._offloads, block_ids, host=False)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """See ``BlockStore.load``."""
         if not len(block_ids):
             return
-        with self._on_copy_stream():
+        host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
+        stream = self._load_stream
+        if stream is not None and self._offloads:
+            _prune(self._offloads)
+            for ids, host in ((host_ids, True), (block_ids, False)):
+                event = _latest(self._offloads, ids, host)
+                if event is not None:
+                    stream.wait_event(event)
+        with self._on(stream, block_ids, host_ids, None):
             index = to_device(block_ids, self.device)
             staging = torch.empty(
                 (len(host_ids), self.elements_per_block), dtype=self.dtype, device=self.device
@@ -194,25 +243,28 @@ class HostKVPool:
         for layer, columns in self._parts:
             layer.index_copy_(0, index, staging[:, columns])
 
-    def _join(self) -> None:
-        """The compute stream's later work waits for every copy so far."""
-        assert self._stream is not None
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        self._offloading[:] = False
-        self._any_offloading = False
-
     @contextlib.contextmanager
-    def _on_copy_stream(self, join: bool = True) -> Iterator[None]:
-        """Runs the body on the copy stream, after the compute stream's work
-        so far; with ``join`` the compute stream's later work waits for the
-        body's (and every earlier copy's). What the body allocates belongs to
-        the copy stream (freed and reused in its order)."""
-        if self._stream is None:
+    def _on(
+        self,
+        stream: torch.cuda.Stream | None,
+        block_ids: np.ndarray,
+        host_ids: np.ndarray,
+        calls: deque[_InFlight] | None,
+    ) -> Iterator[None]:
+        """Runs the body on ``stream``, after the compute stream's work so
+        far. ``calls`` (the offloads): the call is recorded there; None (a
+        load): the compute stream's later work waits for it. What the body
+        allocates belongs to ``stream`` (freed and reused in its order)."""
+        if stream is None:
             yield
             return
         compute = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
             yield
-        if join:
-            self._join()
+        event = torch.cuda.Event()
+        event.record(stream)
+        if calls is None:
+            compute.wait_event(event)
+        else:
+            calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))

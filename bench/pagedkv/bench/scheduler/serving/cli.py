@@ -70,6 +70,11 @@ def register(subparsers: Any, name: str) -> None:
         help="the executor's attention kernels (default: the executor's)",
     )
     model.add_argument("--num-blocks", type=int, help="KV blocks (default: as serve sizes them)")
+    model.add_argument(
+        "--host-kv-gib",
+        type=float,
+        help="the executor's host-memory KV tier in GiB (default: none; docs/memory.md)",
+    )
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
     model.add_argument(

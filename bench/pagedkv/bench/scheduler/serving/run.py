@@ -186,6 +186,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "load_format",
         "kernel_backend",
         "num_blocks",
+        "host_kv_gib",
         "max_num_seqs",
         "max_num_batched_tokens",
         "decode_window",

@@ -122,6 +122,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
         options += ["--kernel-backend", args.kernel_backend]
     if args.num_blocks is not None:
         options += ["--num-blocks", str(args.num_blocks)]
+    if getattr(args, "host_kv_gib", None) is not None:
+        options += ["--host-kv-gib", str(args.host_kv_gib)]
     if args.enforce_eager:
         options.append("--enforce-eager")
     return options
