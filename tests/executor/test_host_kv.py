@@ -417,3 +417,26 @@ def test_on_cuda_a_step_that_reuses_an_offloaded_block_waits_for_the_offload(
     cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
     for _ in range(5):
         offloaded_blocks_survive_a_step_that_reuses_them(cuda)
+
+
+def test_an_offloaded_block_takes_its_sources_tag_for_a_takeover_to_list(
+    executor: Executor,
+) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    executor.step(moving(tag_block_ids=[1], tag_block_hashes=[b"p1"], tag_group_ids=[0]))
+    executor.step(moving(offloads=((1, 4), (2, 5))))  # block 2 has no tag: host 5 gets none
+    listing = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert [(list(c.block_ids), list(c.host_block_ids)) for c in listing] == [([1], []), ([], [4])]
+    assert list(listing[1].host_block_hashes) == [b"p1"]
+    assert list(listing[1].host_group_ids) == [0]
+    executor.step(moving(offloads=((2, 4),)))  # overwritten from an untagged block
+    listing = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert all(not c.host_block_ids for c in listing)
+    executor.step(moving(offloads=((1, 4),)))
+    executor.reset(executor_pb2.ResetRequest(owner=OWNER))  # kept
+    listing = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert [list(c.host_block_ids) for c in listing] == [[], [4]]
+    fresh(executor)  # drop_cached_blocks: the host tags go too
+    listing = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert listing == []

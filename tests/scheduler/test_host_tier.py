@@ -186,3 +186,24 @@ def test_every_change_to_the_host_index_is_an_event() -> None:
         ("REMOVED", 0, h("h3")),
     ]
     assert tier.take_events() == []
+
+
+def test_a_takeover_adopts_the_listed_host_blocks() -> None:
+    from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
+
+    stored = CacheEventKind.STORED
+    tier = HostTier(4)
+    listed = [
+        CacheEvent(stored, BlockId(2), h("h2"), 0),
+        CacheEvent(stored, BlockId(0), h("h0"), 0),
+        CacheEvent(stored, BlockId(7), h("h7"), 0),  # out of range
+        CacheEvent(stored, BlockId(1), h("h1"), 1),  # another group
+        CacheEvent(stored, BlockId(0), h("hx"), 0),  # host block 0 again
+    ]
+    assert tier.adopt(listed) == 2
+    assert tier.cached() == [(h("h2"), 2), (h("h0"), 0)]
+    assert tier.check_integrity() == []
+    assert [e.block_id for e in tier.take_events()] == [2, 0]
+    tier.offload(BlockId(5), h("h5"))  # a free host block (3 first: pop() gives 1, 3 ...)
+    offloads, _ = tier.take_copies()
+    assert offloads[0].host_id in (1, 3)

@@ -5,7 +5,8 @@ A prefix evicted from the executor's small GPU pool is offloaded to its host
 blocks and loaded back for the next request that shares it; streams that
 preempt one another come back through the host tier; a model whose layout
 the scheduler's tier does not serve runs as before on an executor that has
-host memory."""
+host memory; a scheduler that takes the executor over finds the prefixes
+its host tier holds."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import PROMPTS, hf_greedy, model_dirs
-from tests.service.stack import serve
+from tests.service.stack import Process, serve
 from tests.service.test_stack import assert_nothing_held, collect, greedy_request
 
 __all__ = ["model_dirs"]
@@ -80,3 +82,21 @@ def test_a_layout_the_tier_does_not_serve_ignores_the_host_memory(model_dirs) ->
         assert tokens[0] == hf_greedy(model_dirs["mistral"], prompt, 8)
         stats = assert_nothing_held(process.stub).executors[0]
         assert stats.num_host_blocks == 0 and stats.num_offloaded_blocks == 0
+
+
+def test_a_scheduler_taking_the_executor_over_finds_its_host_tier(model_dirs) -> None:
+    model = model_dirs["llama"]
+    prompt = PROMPTS[2]
+    with ExecutorProcess(model, num_blocks=NUM_BLOCKS, extra_args=HOST) as executor:
+        args = ["scheduler", "--executor", executor.target, "--port", "0", "--model", str(model)]
+        with Process(args) as first:
+            collect(first.stub, greedy_request(prompt, 8))
+            for other in churn_prompts(4, 64, seed=3):  # the prompt's blocks go to the host
+                collect(first.stub, greedy_request(other, 8))
+            assert assert_nothing_held(first.stub).executors[0].num_cached_host_blocks >= 3
+        with Process(args) as second:  # takes the executor over, its cache kept
+            tokens, chunks = collect(second.stub, greedy_request(prompt, 8))
+            assert tokens[0] == hf_greedy(model, prompt, 8)
+            assert chunks[-1].usage.cached_prompt_tokens >= 48
+            stats = assert_nothing_held(second.stub).executors[0]
+            assert stats.prefix_cache_host_hits >= 48 and stats.num_loaded_blocks >= 3

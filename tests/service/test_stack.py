@@ -347,8 +347,10 @@ def wait_until_idle(stub) -> None:
 
 
 def test_a_passed_deadline_frees_everything(stack) -> None:
+    # The request runs to the pool's bound (about 690 tokens), which takes
+    # several times the deadline on these CPU executors.
     with pytest.raises(grpc.RpcError) as info:
-        list(stack.stub.Generate(greedy_request(PROMPTS[2], 900), timeout=1.0))
+        list(stack.stub.Generate(greedy_request(PROMPTS[2], 900), timeout=0.2))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until_idle(stack.stub)
     assert_nothing_held(stack.stub)

@@ -216,11 +216,17 @@ class ListCachedBlocksRequest(_message.Message):
     def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ...) -> None: ...
 
 class ListCachedBlocksResponse(_message.Message):
-    __slots__ = ("block_ids", "block_hashes", "group_ids")
+    __slots__ = ("block_ids", "block_hashes", "group_ids", "host_block_ids", "host_block_hashes", "host_group_ids")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     group_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    host_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    host_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_ids: _Optional[_Iterable[int]] = ..., host_block_ids: _Optional[_Iterable[int]] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., host_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -68,6 +68,10 @@ class BlockTags:
             tags.pop(block_id, None)
             tags[block_id] = (block_hash, group_id)
 
+    def get(self, block_id: BlockId) -> tuple[BlockHash, int] | None:
+        """The block's tag (hash, group), if it has one."""
+        return self._tags.get(block_id)
+
     def untag(self, block_ids: Iterable[BlockId]) -> None:
         """Drops the blocks' tags; blocks without one are ignored."""
         tags = self._tags

@@ -115,6 +115,7 @@ class Executor:
         self.session = 0  # bumped by every reset: open streams of older sessions end
         self.lock = threading.Lock()
         self.tags = BlockTags()  # written only here, under the lock
+        self.host_tags = BlockTags()  # the host tier's blocks (host block ids), likewise
         self.drain_deadline: float | None = None  # time.monotonic() when it stops
         self.last_step_at = time.monotonic()
         self._num_launched = 0
@@ -187,6 +188,8 @@ class Executor:
             self._settle_tags()  # steps of the old session launched before the reset
             freed = self.runner.rows.free_all()
             dropped_tags = self.tags.clear() if request.drop_cached_blocks else 0
+            if request.drop_cached_blocks:
+                self.host_tags.clear()
             num_tags = len(self.tags)
         log.info(
             "executor reset",
@@ -241,6 +244,7 @@ class Executor:
             self._wait_for_device()  # a listed tag's KV has been written
             self._settle_tags()
             chunks = self.tags.chunks(LIST_CHUNK_SIZE)
+            host_chunks = self.host_tags.chunks(LIST_CHUNK_SIZE)
         return [
             executor_pb2.ListCachedBlocksResponse(
                 block_ids=chunk.block_ids,
@@ -248,6 +252,13 @@ class Executor:
                 group_ids=chunk.group_ids,
             )
             for chunk in chunks
+        ] + [
+            executor_pb2.ListCachedBlocksResponse(
+                host_block_ids=chunk.block_ids,
+                host_block_hashes=chunk.block_hashes,
+                host_group_ids=chunk.group_ids,
+            )
+            for chunk in host_chunks
         ]
 
     # -- mutations ------------------------------------------------------------
@@ -314,10 +325,11 @@ class Executor:
             plan = plan_message(request, runner.rows, runner.limits)
             planned = time.perf_counter()
             start = device_clock(runner.device)
+            self._settle_tags()  # earlier steps' tags come before this step's untags
             if runner.host_kv is not None:  # before all else
+                self._tag_offloads(plan.offloads)
                 written = np.concatenate([plan.table_block_ids, plan.copies[:, 1]])
                 move_blocks(runner.host_kv, plan.offloads, plan.loads, written)
-            self._settle_tags()  # earlier steps' tags come before this step's untags
             tags = self.tags
             if len(tags):
                 if plan.untag_block_ids:
@@ -386,6 +398,17 @@ class Executor:
                 time.process_time(),
             )
         return response
+
+    def _tag_offloads(self, offloads: np.ndarray) -> None:
+        """Each offloaded host block takes its source block's tag (its KV is
+        that block's now), or loses its own when the source has none."""
+        host_tags = self.host_tags
+        for block_id, host_id in offloads.tolist():
+            tag = self.tags.get(BlockId(block_id))
+            if tag is None:
+                host_tags.untag([BlockId(host_id)])
+            else:
+                host_tags.tag([BlockId(host_id)], [tag[0]], [tag[1]])
 
     def _settle_tags(self, up_to: int | None = None) -> None:
         """Sets the pending tags of launched steps, in launch order (all, or

@@ -148,26 +148,33 @@ class ExecutorClient:
         self._stream = self._stub.StepStream()
         return self.info
 
-    async def list_cached_blocks(self) -> list[CacheEvent]:
-        """The executor's tagged blocks, oldest first (right after
-        ``connect``: only the current owner may list them)."""
+    async def list_cached_blocks(self) -> tuple[list[CacheEvent], list[CacheEvent]]:
+        """The executor's tagged blocks, oldest first, and its host tier's
+        (block ids there are host block ids); right after ``connect``: only
+        the current owner may list them."""
         request = executor_pb2.ListCachedBlocksRequest(owner=self.owner)
         cached: list[CacheEvent] = []
+        on_host: list[CacheEvent] = []
         stored = CacheEventKind.STORED
         try:
             async for chunk in self._stub.ListCachedBlocks(request, timeout=self.timeout):
-                cached.extend(
-                    CacheEvent(stored, BlockId(b), BlockHash(h), g)
-                    for b, h, g in zip(
-                        chunk.block_ids, chunk.block_hashes, chunk.group_ids, strict=True
+                for into, columns in (
+                    (cached, (chunk.block_ids, chunk.block_hashes, chunk.group_ids)),
+                    (
+                        on_host,
+                        (chunk.host_block_ids, chunk.host_block_hashes, chunk.host_group_ids),
+                    ),
+                ):
+                    into.extend(
+                        CacheEvent(stored, BlockId(b), BlockHash(h), g)
+                        for b, h, g in zip(*columns, strict=True)
                     )
-                )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an executor without tags
                 log.warning("executor lists no cached blocks", executor=self.address)
-                return []
+                return [], []
             raise _down(exc, self.address, self.timeout) from exc
-        return cached
+        return cached, on_host
 
     def owned_by_us(self, info: executor_pb2.GetInfoResponse) -> bool:
         """Whether ``info`` shows this client's owner and epoch."""

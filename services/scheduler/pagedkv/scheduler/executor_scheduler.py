@@ -71,12 +71,14 @@ class ExecutorScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         cached: Iterable[CacheEvent] = (),
+        host_cached: Iterable[CacheEvent] = (),
         decode_window: int = ONE_STEP,
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
         prefix-cache index (blocks that cannot be adopted are untagged in
-        the first step)."""
+        the first step). ``host_cached``: its host tier's, likewise, for the
+        host index."""
         self.address = address
         self.decode_window = decode_window  # most decode steps in one message (windows.py)
         self.info = info
@@ -89,6 +91,8 @@ class ExecutorScheduler:
             num_host_blocks=info.num_host_blocks,
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
+        if self.kv.host is not None:
+            self.kv.host.adopt(host_cached)
         self.draining = False  # being given up: nothing new is admitted here
         self.released = False  # given up: the step loop ends once no step is in flight
         self.stopped = asyncio.Event()  # set when the step loop has ended

@@ -173,6 +173,7 @@ class Executors:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             cached=taken.cached,
+            host_cached=taken.host_cached,
             decode_window=self.config.decode_window,
         )
         self.schedulers[address] = scheduler

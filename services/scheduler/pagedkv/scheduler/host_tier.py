@@ -31,7 +31,7 @@ tier off otherwise). Every change to the host index is logged as a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from pagedkv.common.ids import BlockHash, BlockId
@@ -172,6 +172,26 @@ class HostTier:
         self._offloads, self._loads = [], []
         self._pinned.clear()
         return offloads, loads
+
+    def adopt(self, cached: Iterable[CacheEvent]) -> int:
+        """Enters the host blocks an executor taken over lists as tagged
+        (oldest first; their KV is what the tag says) into an empty tier, in
+        that order; entries out of range, of another group, or repeating a
+        host block or a hash are skipped. Returns how many it adopted."""
+        if self._index:
+            raise ValueError("adopt: the host tier must hold nothing")
+        taken: set[int] = set()
+        for entry in cached:
+            host_id, block_hash = entry.block_id, entry.block_hash
+            if entry.group_id or not 0 <= host_id < self.num_blocks:
+                continue
+            if host_id in taken or block_hash in self._index:
+                continue
+            taken.add(host_id)
+            self._index[block_hash] = host_id
+            self.events.append(CacheEvent(CacheEventKind.STORED, host_id, block_hash, 0))
+        self._free = [h for h in self._free if h not in taken]
+        return len(taken)
 
     def clear(self) -> None:
         """Forgets every host block's contents (the executor was reset or

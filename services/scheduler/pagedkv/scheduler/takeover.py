@@ -14,10 +14,12 @@ from pagedkv.v1 import executor_pb2
 
 
 class TakenOver(NamedTuple):
-    """An executor just taken over: its GetInfo and its tagged blocks."""
+    """An executor just taken over: its GetInfo and its tagged blocks, on
+    the device and in its host tier."""
 
     info: executor_pb2.GetInfoResponse
     cached: list[CacheEvent]
+    host_cached: tuple[CacheEvent, ...] = ()
 
 
 async def take_over(
@@ -32,8 +34,10 @@ async def take_over(
     prefix cache survives the takeover; ``cold`` drops the tags instead (the
     scheduler's own accounting was in doubt). Raises ExecutorDown."""
     info = await client.connect(info, epoch=epoch, drop_cached_blocks=cold)
-    cached = [] if cold else await client.list_cached_blocks()
-    return TakenOver(info, cached)
+    if cold:
+        return TakenOver(info, [])
+    cached, host_cached = await client.list_cached_blocks()
+    return TakenOver(info, cached, tuple(host_cached))
 
 
 def owned_by(info: executor_pb2.GetInfoResponse) -> str:
