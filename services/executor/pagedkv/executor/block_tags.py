@@ -14,6 +14,9 @@ destinations of its copies) lose their tags before anything of the step
 writes KV, and its tags are set only after its forward and sampling have
 finished; a step refused by validation changes no tag.
 
+The host tier's blocks carry tags too (``tag_offloads``): the engine keeps
+them in a second ``BlockTags`` and lists them after the device's.
+
 Single writer: the ``Executor`` engine, under its lock.
 """
 
@@ -22,7 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from pagedkv.common.ids import BlockHash, BlockId
+from pagedkv.v1 import executor_pb2
 
 LIST_CHUNK_SIZE = 8192
 """Most tags in one ListCachedBlocksResponse."""
@@ -107,6 +113,35 @@ class BlockTags:
             assert 0 < block_id < num_blocks, block_id
             assert 1 <= len(block_hash) <= MAX_BLOCK_HASH_BYTES, (block_id, block_hash)
             assert 0 <= group_id < num_groups, (block_id, group_id)
+
+
+def tag_offloads(tags: BlockTags, host_tags: BlockTags, offloads: np.ndarray) -> None:
+    """Each offloaded host block (``offloads``: ``[n, 2]``, block and host
+    block) takes its source block's tag (its KV is that block's now), or
+    loses its own when the source has none."""
+    for block_id, host_id in offloads.tolist():
+        tag = tags.get(BlockId(block_id))
+        if tag is None:
+            host_tags.untag([BlockId(host_id)])
+        else:
+            host_tags.tag([BlockId(host_id)], [tag[0]], [tag[1]])
+
+
+def listing(
+    chunks: list[TagColumns], host_chunks: list[TagColumns]
+) -> list[executor_pb2.ListCachedBlocksResponse]:
+    """ListCachedBlocks' messages: the device's tags, then the host tier's."""
+    return [
+        executor_pb2.ListCachedBlocksResponse(
+            block_ids=c.block_ids, block_hashes=c.block_hashes, group_ids=c.group_ids
+        )
+        for c in chunks
+    ] + [
+        executor_pb2.ListCachedBlocksResponse(
+            host_block_ids=c.block_ids, host_block_hashes=c.block_hashes, host_group_ids=c.group_ids
+        )
+        for c in host_chunks
+    ]
 
 
 def _split(

@@ -47,7 +47,7 @@ from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
-from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags
+from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing, tag_offloads
 from pagedkv.executor.host_kv import move_blocks
 from pagedkv.executor.launched import (
     DeviceOrigin,
@@ -245,21 +245,7 @@ class Executor:
             self._settle_tags()
             chunks = self.tags.chunks(LIST_CHUNK_SIZE)
             host_chunks = self.host_tags.chunks(LIST_CHUNK_SIZE)
-        return [
-            executor_pb2.ListCachedBlocksResponse(
-                block_ids=chunk.block_ids,
-                block_hashes=chunk.block_hashes,
-                group_ids=chunk.group_ids,
-            )
-            for chunk in chunks
-        ] + [
-            executor_pb2.ListCachedBlocksResponse(
-                host_block_ids=chunk.block_ids,
-                host_block_hashes=chunk.block_hashes,
-                host_group_ids=chunk.group_ids,
-            )
-            for chunk in host_chunks
-        ]
+        return listing(chunks, host_chunks)
 
     # -- mutations ------------------------------------------------------------
 
@@ -327,7 +313,7 @@ class Executor:
             start = device_clock(runner.device)
             self._settle_tags()  # earlier steps' tags come before this step's untags
             if runner.host_kv is not None:  # before all else
-                self._tag_offloads(plan.offloads)
+                tag_offloads(self.tags, self.host_tags, plan.offloads)
                 written = np.concatenate([plan.table_block_ids, plan.copies[:, 1]])
                 move_blocks(runner.host_kv, plan.offloads, plan.loads, written)
             tags = self.tags
@@ -398,17 +384,6 @@ class Executor:
                 time.process_time(),
             )
         return response
-
-    def _tag_offloads(self, offloads: np.ndarray) -> None:
-        """Each offloaded host block takes its source block's tag (its KV is
-        that block's now), or loses its own when the source has none."""
-        host_tags = self.host_tags
-        for block_id, host_id in offloads.tolist():
-            tag = self.tags.get(BlockId(block_id))
-            if tag is None:
-                host_tags.untag([BlockId(host_id)])
-            else:
-                host_tags.tag([BlockId(host_id)], [tag[0]], [tag[1]])
 
     def _settle_tags(self, up_to: int | None = None) -> None:
         """Sets the pending tags of launched steps, in launch order (all, or
