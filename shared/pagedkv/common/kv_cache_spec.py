@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.v1 import executor_pb2
+
 _DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,
@@ -58,3 +60,18 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         """Bytes one block id takes across all layers of this group."""
         return self.page_size_bytes * self.num_layers
+
+
+def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
+    """The executor's KV cache groups as block-core specs, in wire order."""
+    return [
+        KVCacheSpec(
+            block_size=group.block_size,
+            num_layers=len(group.layer_indices),
+            num_kv_heads=group.num_kv_heads,
+            head_size=group.head_size,
+            dtype=group.dtype,
+            sliding_window=group.sliding_window if group.HasField("sliding_window") else None,
+        )
+        for group in info.kv_cache_groups
+    ]

@@ -24,7 +24,7 @@ import bisect
 from collections.abc import Callable, Iterable
 from itertools import repeat
 
-from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.common.kv_cache_spec import specs_from_info
 from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.entry_writer import EntryWriter
@@ -38,21 +38,6 @@ from pagedkv.scheduler.windows import Decision, Window, window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
-
-
-def specs_from_info(info: executor_pb2.GetInfoResponse) -> list[KVCacheSpec]:
-    """The executor's KV cache groups as block-core specs, in wire order."""
-    return [
-        KVCacheSpec(
-            block_size=group.block_size,
-            num_layers=len(group.layer_indices),
-            num_kv_heads=group.num_kv_heads,
-            head_size=group.head_size,
-            dtype=group.dtype,
-            sliding_window=group.sliding_window if group.HasField("sliding_window") else None,
-        )
-        for group in info.kv_cache_groups
-    ]
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
