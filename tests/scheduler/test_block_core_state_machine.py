@@ -15,8 +15,9 @@ own tokens) and that prefix hits are exactly as long as the index allows.
 
 With a host tier (one full-attention group), the machine applies each step's
 offloads and loads to a shadow host memory before the step's copies and
-forward, as the executor does, and checks that every host block the tier
-indexes holds the tokens its hash names.
+forward, as the executor does, checks that every host block the tier
+indexes holds the tokens its hash names, and now and then hands the
+executor to a new block core that adopts both tiers' tagged blocks.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hypothesis.stateful import (
 
 from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
+from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagedkv.scheduler.request import Request, RequestStatus
 from pagedkv.scheduler.single_type_kv_cache_manager import cdiv
@@ -262,6 +264,34 @@ class BlockCoreMachine(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         STEPS[type(self).__name__] += 1
         self._preempt(self.live[data.draw(st.sampled_from(self.running), label="preempted")])
+
+    @precondition(lambda self: self.host_tier)
+    @rule(data=st.data())
+    def take_over(self, data: st.DataObject) -> None:
+        """Another scheduler takes the executor over with its cache: every
+        request ends (handed back), and a new block core adopts what the
+        executor's tags say, the device's blocks and the host tier's
+        (oldest first), over the same KV memory."""
+        STEPS[type(self).__name__] += 1
+        if data.draw(st.integers(0, 7), label="take_over") != 0:
+            return
+        for live in list(self.live.values()):
+            self._finish(live, RequestStatus.FINISHED_ABORTED)
+        old = self.kv
+        assert old.host is not None
+        kind = CacheEventKind.STORED
+        tagged = [
+            CacheEvent(kind, block.block_id, block_hash, 0)
+            for block_hash, block in old.pool.cached_blocks[0].items()
+        ]
+        on_host = [CacheEvent(kind, BlockId(h), bh, 0) for bh, h in old.host.cached()]
+        self.kv = KVCacheManager(
+            self.cfg.specs, self.cfg.num_blocks, model_id="m", num_host_blocks=old.host.num_blocks
+        )
+        assert self.kv.pool.adopt_cached_blocks(tagged) == len(tagged)
+        assert self.kv.host is not None and self.kv.host.adopt(on_host) == len(on_host)
+        self.kv.take_host_copies()  # the takeover's first step: nothing to copy
+        self._seen("taken_over")
 
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:
@@ -623,4 +653,5 @@ def test_block_core_invariants_hold_with_a_host_tier() -> None:
     assert STEPS[name] >= 5_000, STEPS[name]
     exercised = {event for (m, event), n in SEEN.items() if m == name and n}
     wanted = {"prefix_hit", "host_hit", "offloaded", "evicted", "preempted_to_fit", "fork"}
+    wanted.add("taken_over")
     assert wanted <= exercised, f"never exercised: {wanted - exercised}"
