@@ -344,6 +344,9 @@ def test_the_cli_option_sizes_the_host_tier(model_dir: Path) -> None:
     with process:
         info = process.stub.GetInfo(executor_pb2.GetInfoRequest())
         assert info.num_host_blocks == NUM_HOST_BLOCKS
+        # Measured while warming up: a prefill token, a load and its blocks.
+        assert info.prefill_seconds_per_token > 0
+        assert info.host_load_seconds + info.host_load_seconds_per_block > 0
         assert f"{NUM_HOST_BLOCKS} host blocks" in process.ready_line
 
 

@@ -207,3 +207,31 @@ def test_a_takeover_adopts_the_listed_host_blocks() -> None:
     tier.offload(BlockId(5), h("h5"))  # a free host block (3 first: pop() gives 1, 3 ...)
     offloads, _ = tier.take_copies()
     assert offloads[0].host_id in (1, 3)
+
+
+def test_the_measured_costs_choose_load_or_recompute_per_request() -> None:
+    from pagedkv.scheduler.host_tier import LoadCosts
+
+    # A load: 1 ms fixed + 0.1 ms a block; a token's prefill 0.01 ms, so a
+    # block of 4 tokens computes in 0.04 ms: a load never pays, and the
+    # tier is not kept.
+    assert LoadCosts(1e-5, 1e-3, 1e-4).loads_never_pay(BLOCK_SIZE)
+    slow = KVCacheManager(
+        [full_spec()], 5, model_id="m", num_host_blocks=8, host_costs=LoadCosts(1e-5, 1e-3, 1e-4)
+    )
+    assert slow.host is None
+    # 0.01 ms a block and 1 ms fixed against 0.04 ms a block computed: a
+    # hit of 3 blocks is recomputed (1.03 ms > 0.12 ms), one of 40 loaded.
+    costs = LoadCosts(1e-5, 1e-3, 1e-5)
+    assert not costs.load_pays(3, BLOCK_SIZE) and costs.load_pays(40, BLOCK_SIZE)
+    kv = KVCacheManager(
+        [full_spec()], 5, model_id="test-model", num_host_blocks=8, host_costs=costs
+    )
+    prompt = range(100, 113)
+    run(kv, "a", prompt)
+    run(kv, "b", range(200, 216))  # a's three blocks go to the host
+    request = kv.make_request("a2", prompt)
+    computed = kv.get_computed_blocks(request)
+    assert computed.num_tokens == 0 and computed.host == ()  # recomputed
+    assert kv.host is not None and kv.host.stats.num_recomputes_chosen == 1
+    assert LoadCosts().load_pays(1, BLOCK_SIZE)  # unmeasured: always load

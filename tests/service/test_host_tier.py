@@ -53,6 +53,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(stack, model_dirs) -> N
     after = assert_nothing_held(stack.stub).executors[0]
     assert after.prefix_cache_host_hits - before.prefix_cache_host_hits >= 48
     assert after.num_loaded_blocks - before.num_loaded_blocks >= 3
+    # The choice and its inputs: the executor's measured costs say load.
+    assert after.host_loads_chosen >= 1 and after.host_recomputes_chosen == 0
+    assert after.prefill_seconds_per_token > 0 and after.host_load_seconds_per_block > 0
 
 
 def test_streams_that_preempt_one_another_finish_as_hugging_face_does(stack, model_dirs) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedkv.v1 import common_pb2 as pagedkv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedkv/v1/executor.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xc3\x03\n\x0fGetInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x04\x12\x30\n\x0fkv_cache_groups\x18\t \x03(\x0b\x32\x17.pagedkv.v1.KVCacheSpec\x12\x16\n\x0eincarnation_id\x18\n \x01(\t\x12 \n\x05owner\x18\x0b \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x14\n\x0cmax_num_rows\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x19\n\x11num_tagged_blocks\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x17\n\x0fnum_host_blocks\x18\x12 \x01(\r\"\x8c\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\x83\x05\n\x0bStepRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12,\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x16.pagedkv.v1.NewRequest\x12\x0c\n\x04rows\x18\x04 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x63ontinue_from_sampled\x18\x08 \x03(\x08\x12\x14\n\x0cneeds_sample\x18\t \x03(\x08\x12\x1a\n\x12\x62lock_table_starts\x18\n \x03(\r\x12\x18\n\x10new_block_counts\x18\x0b \x03(\r\x12\x15\n\rnew_block_ids\x18\x0c \x03(\r\x12\x12\n\nfreed_rows\x18\r \x03(\r\x12\x1a\n\x12\x63opy_src_block_ids\x18\x0e \x03(\r\x12\x1a\n\x12\x63opy_dst_block_ids\x18\x0f \x03(\r\x12\x17\n\x0funtag_block_ids\x18\x10 \x03(\r\x12\x15\n\rtag_block_ids\x18\x11 \x03(\r\x12\x18\n\x10tag_block_hashes\x18\x12 \x03(\x0c\x12\x15\n\rtag_group_ids\x18\x13 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x14 \x01(\r\x12\x19\n\x11offload_block_ids\x18\x15 \x03(\r\x12\x1e\n\x16offload_host_block_ids\x18\x16 \x03(\r\x12\x1b\n\x13load_host_block_ids\x18\x17 \x03(\r\x12\x16\n\x0eload_block_ids\x18\x18 \x03(\r\"\x8d\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0csampled_rows\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x18\n\x10num_top_logprobs\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x14\n\x0chost_time_us\x18\x08 \x01(\x04\x12\x16\n\x0e\x64\x65vice_time_us\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x1a\n\x12\x64rain_seconds_left\x18\x0b \x01(\x02\"\xbc\x01\n\x0f\x41llocateRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.pagedkv.v1.NewRequest\x12\x0c\n\x04rows\x18\x03 \x03(\r\x12\x1a\n\x12\x62lock_table_starts\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\"\x12\n\x10\x41llocateResponse\"N\n\x0b\x46reeRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\t\"\"\n\x0c\x46reeResponse\x12\x12\n\nfreed_rows\x18\x01 \x03(\r\"c\n\x11\x43opyBlocksRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\"\x14\n\x12\x43opyBlocksResponse\"L\n\x0cResetRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x1a\n\x12\x64rop_cached_blocks\x18\x02 \x01(\x08\"R\n\rResetResponse\x12)\n\x0eprevious_owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\";\n\x17ListCachedBlocksRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\"\xa1\x01\n\x18ListCachedBlocksResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tgroup_ids\x18\x03 \x03(\r\x12\x16\n\x0ehost_block_ids\x18\x04 \x03(\r\x12\x19\n\x11host_block_hashes\x18\x05 \x03(\x0c\x12\x16\n\x0ehost_group_ids\x18\x06 \x03(\r2\xbc\x04\n\x08\x45xecutor\x12\x42\n\x07GetInfo\x12\x1a.pagedkv.v1.GetInfoRequest\x1a\x1b.pagedkv.v1.GetInfoResponse\x12\x45\n\x08\x41llocate\x12\x1b.pagedkv.v1.AllocateRequest\x1a\x1c.pagedkv.v1.AllocateResponse\x12\x39\n\x04\x46ree\x12\x17.pagedkv.v1.FreeRequest\x1a\x18.pagedkv.v1.FreeResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12\x43\n\nStepStream\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse(\x01\x30\x01\x12K\n\nCopyBlocks\x12\x1d.pagedkv.v1.CopyBlocksRequest\x1a\x1e.pagedkv.v1.CopyBlocksResponse\x12<\n\x05Reset\x12\x18.pagedkv.v1.ResetRequest\x1a\x19.pagedkv.v1.ResetResponse\x12_\n\x10ListCachedBlocks\x12#.pagedkv.v1.ListCachedBlocksRequest\x1a$.pagedkv.v1.ListCachedBlocksResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedkv/v1/executor.proto\x12\npagedkv.v1\x1a\x17pagedkv/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xa6\x04\n\x0fGetInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x04\x12\x30\n\x0fkv_cache_groups\x18\t \x03(\x0b\x32\x17.pagedkv.v1.KVCacheSpec\x12\x16\n\x0eincarnation_id\x18\n \x01(\t\x12 \n\x05owner\x18\x0b \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x14\n\x0cmax_num_rows\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x19\n\x11num_tagged_blocks\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x17\n\x0fnum_host_blocks\x18\x12 \x01(\r\x12!\n\x19prefill_seconds_per_token\x18\x13 \x01(\x01\x12\x19\n\x11host_load_seconds\x18\x14 \x01(\x01\x12#\n\x1bhost_load_seconds_per_block\x18\x15 \x01(\x01\"\x8c\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\x83\x05\n\x0bStepRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12,\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x16.pagedkv.v1.NewRequest\x12\x0c\n\x04rows\x18\x04 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x63ontinue_from_sampled\x18\x08 \x03(\x08\x12\x14\n\x0cneeds_sample\x18\t \x03(\x08\x12\x1a\n\x12\x62lock_table_starts\x18\n \x03(\r\x12\x18\n\x10new_block_counts\x18\x0b \x03(\r\x12\x15\n\rnew_block_ids\x18\x0c \x03(\r\x12\x12\n\nfreed_rows\x18\r \x03(\r\x12\x1a\n\x12\x63opy_src_block_ids\x18\x0e \x03(\r\x12\x1a\n\x12\x63opy_dst_block_ids\x18\x0f \x03(\r\x12\x17\n\x0funtag_block_ids\x18\x10 \x03(\r\x12\x15\n\rtag_block_ids\x18\x11 \x03(\r\x12\x18\n\x10tag_block_hashes\x18\x12 \x03(\x0c\x12\x15\n\rtag_group_ids\x18\x13 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x14 \x01(\r\x12\x19\n\x11offload_block_ids\x18\x15 \x03(\r\x12\x1e\n\x16offload_host_block_ids\x18\x16 \x03(\r\x12\x1b\n\x13load_host_block_ids\x18\x17 \x03(\r\x12\x16\n\x0eload_block_ids\x18\x18 \x03(\r\"\x8d\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0csampled_rows\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x18\n\x10num_top_logprobs\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x14\n\x0chost_time_us\x18\x08 \x01(\x04\x12\x16\n\x0e\x64\x65vice_time_us\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x1a\n\x12\x64rain_seconds_left\x18\x0b \x01(\x02\"\xbc\x01\n\x0f\x41llocateRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.pagedkv.v1.NewRequest\x12\x0c\n\x04rows\x18\x03 \x03(\r\x12\x1a\n\x12\x62lock_table_starts\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\"\x12\n\x10\x41llocateResponse\"N\n\x0b\x46reeRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\t\"\"\n\x0c\x46reeResponse\x12\x12\n\nfreed_rows\x18\x01 \x03(\r\"c\n\x11\x43opyBlocksRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\"\x14\n\x12\x43opyBlocksResponse\"L\n\x0cResetRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x1a\n\x12\x64rop_cached_blocks\x18\x02 \x01(\x08\"R\n\rResetResponse\x12)\n\x0eprevious_owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\";\n\x17ListCachedBlocksRequest\x12 \n\x05owner\x18\x01 \x01(\x0b\x32\x11.pagedkv.v1.Owner\"\xa1\x01\n\x18ListCachedBlocksResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tgroup_ids\x18\x03 \x03(\r\x12\x16\n\x0ehost_block_ids\x18\x04 \x03(\r\x12\x19\n\x11host_block_hashes\x18\x05 \x03(\x0c\x12\x16\n\x0ehost_group_ids\x18\x06 \x03(\r2\xbc\x04\n\x08\x45xecutor\x12\x42\n\x07GetInfo\x12\x1a.pagedkv.v1.GetInfoRequest\x1a\x1b.pagedkv.v1.GetInfoResponse\x12\x45\n\x08\x41llocate\x12\x1b.pagedkv.v1.AllocateRequest\x1a\x1c.pagedkv.v1.AllocateResponse\x12\x39\n\x04\x46ree\x12\x17.pagedkv.v1.FreeRequest\x1a\x18.pagedkv.v1.FreeResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12\x43\n\nStepStream\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse(\x01\x30\x01\x12K\n\nCopyBlocks\x12\x1d.pagedkv.v1.CopyBlocksRequest\x1a\x1e.pagedkv.v1.CopyBlocksResponse\x12<\n\x05Reset\x12\x18.pagedkv.v1.ResetRequest\x1a\x19.pagedkv.v1.ResetResponse\x12_\n\x10ListCachedBlocks\x12#.pagedkv.v1.ListCachedBlocksRequest\x1a$.pagedkv.v1.ListCachedBlocksResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=66
   _globals['_GETINFOREQUEST']._serialized_end=82
   _globals['_GETINFORESPONSE']._serialized_start=85
-  _globals['_GETINFORESPONSE']._serialized_end=536
-  _globals['_NEWREQUEST']._serialized_start=539
-  _globals['_NEWREQUEST']._serialized_end=679
-  _globals['_STEPREQUEST']._serialized_start=682
-  _globals['_STEPREQUEST']._serialized_end=1325
-  _globals['_STEPRESPONSE']._serialized_start=1328
-  _globals['_STEPRESPONSE']._serialized_end=1597
-  _globals['_ALLOCATEREQUEST']._serialized_start=1600
-  _globals['_ALLOCATEREQUEST']._serialized_end=1788
-  _globals['_ALLOCATERESPONSE']._serialized_start=1790
-  _globals['_ALLOCATERESPONSE']._serialized_end=1808
-  _globals['_FREEREQUEST']._serialized_start=1810
-  _globals['_FREEREQUEST']._serialized_end=1888
-  _globals['_FREERESPONSE']._serialized_start=1890
-  _globals['_FREERESPONSE']._serialized_end=1924
-  _globals['_COPYBLOCKSREQUEST']._serialized_start=1926
-  _globals['_COPYBLOCKSREQUEST']._serialized_end=2025
-  _globals['_COPYBLOCKSRESPONSE']._serialized_start=2027
-  _globals['_COPYBLOCKSRESPONSE']._serialized_end=2047
-  _globals['_RESETREQUEST']._serialized_start=2049
-  _globals['_RESETREQUEST']._serialized_end=2125
-  _globals['_RESETRESPONSE']._serialized_start=2127
-  _globals['_RESETRESPONSE']._serialized_end=2209
-  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_start=2211
-  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_end=2270
-  _globals['_LISTCACHEDBLOCKSRESPONSE']._serialized_start=2273
-  _globals['_LISTCACHEDBLOCKSRESPONSE']._serialized_end=2434
-  _globals['_EXECUTOR']._serialized_start=2437
-  _globals['_EXECUTOR']._serialized_end=3009
+  _globals['_GETINFORESPONSE']._serialized_end=635
+  _globals['_NEWREQUEST']._serialized_start=638
+  _globals['_NEWREQUEST']._serialized_end=778
+  _globals['_STEPREQUEST']._serialized_start=781
+  _globals['_STEPREQUEST']._serialized_end=1424
+  _globals['_STEPRESPONSE']._serialized_start=1427
+  _globals['_STEPRESPONSE']._serialized_end=1696
+  _globals['_ALLOCATEREQUEST']._serialized_start=1699
+  _globals['_ALLOCATEREQUEST']._serialized_end=1887
+  _globals['_ALLOCATERESPONSE']._serialized_start=1889
+  _globals['_ALLOCATERESPONSE']._serialized_end=1907
+  _globals['_FREEREQUEST']._serialized_start=1909
+  _globals['_FREEREQUEST']._serialized_end=1987
+  _globals['_FREERESPONSE']._serialized_start=1989
+  _globals['_FREERESPONSE']._serialized_end=2023
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=2025
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=2124
+  _globals['_COPYBLOCKSRESPONSE']._serialized_start=2126
+  _globals['_COPYBLOCKSRESPONSE']._serialized_end=2146
+  _globals['_RESETREQUEST']._serialized_start=2148
+  _globals['_RESETREQUEST']._serialized_end=2224
+  _globals['_RESETRESPONSE']._serialized_start=2226
+  _globals['_RESETRESPONSE']._serialized_end=2308
+  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_start=2310
+  _globals['_LISTCACHEDBLOCKSREQUEST']._serialized_end=2369
+  _globals['_LISTCACHEDBLOCKSRESPONSE']._serialized_start=2372
+  _globals['_LISTCACHEDBLOCKSRESPONSE']._serialized_end=2533
+  _globals['_EXECUTOR']._serialized_start=2536
+  _globals['_EXECUTOR']._serialized_end=3108
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks", "draining", "num_host_blocks")
+    __slots__ = ("model_id", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "bytes_per_block", "kv_cache_groups", "incarnation_id", "owner", "max_num_rows", "max_num_batched_tokens", "max_logprobs", "device", "num_tagged_blocks", "draining", "num_host_blocks", "prefill_seconds_per_token", "host_load_seconds", "host_load_seconds_per_block")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class GetInfoResponse(_message.Message):
     NUM_TAGGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     max_model_len: int
@@ -49,7 +52,10 @@ class GetInfoResponse(_message.Message):
     num_tagged_blocks: int
     draining: bool
     num_host_blocks: int
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
+    prefill_seconds_per_token: float
+    host_load_seconds: float
+    host_load_seconds_per_block: float
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheSpec, _Mapping]]] = ..., incarnation_id: _Optional[str] = ..., owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., max_num_rows: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., num_tagged_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., host_load_seconds: _Optional[float] = ..., host_load_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "row", "prompt_token_ids", "sampling", "num_prompt_tokens")

@@ -48,6 +48,7 @@ from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing, tag_offloads
+from pagedkv.executor.host_costs import HostCosts
 from pagedkv.executor.host_kv import move_blocks
 from pagedkv.executor.launched import (
     DeviceOrigin,
@@ -212,6 +213,7 @@ class Executor:
         with self.lock:
             self._settle_tags()
             num_tagged_blocks = len(self.tags)
+        costs = runner.host_costs or HostCosts(0.0, 0.0, 0.0)
         return executor_pb2.GetInfoResponse(
             model_id=self.model_id,
             dtype=str(runner.dtype).removeprefix("torch."),
@@ -231,6 +233,9 @@ class Executor:
             num_tagged_blocks=num_tagged_blocks,
             draining=self.drain_deadline is not None,
             num_host_blocks=runner.limits.num_host_blocks,
+            prefill_seconds_per_token=costs.prefill_seconds_per_token,
+            host_load_seconds=costs.load_seconds,
+            host_load_seconds_per_block=costs.load_seconds_per_block,
         )
 
     def list_cached_blocks(

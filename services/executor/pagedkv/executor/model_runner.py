@@ -22,6 +22,7 @@ import torch
 from pagedkv.executor import attention
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
+from pagedkv.executor.host_costs import HostCosts, measure_host_costs
 from pagedkv.executor.host_kv import BlockStore, HostKVPool, num_host_blocks
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
@@ -125,6 +126,7 @@ class ModelRunner:
         self._attach_kv(num_blocks)
         num_host = num_host_blocks(config.host_kv_gib, self.bytes_per_block)
         self.host_kv: BlockStore | None = HostKVPool(self.kv, num_host) if num_host else None
+        self.host_costs: HostCosts | None = None  # measured by warm_up
         self.limits = Limits(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -191,7 +193,10 @@ class ModelRunner:
         (none: no block is tagged yet) as they were."""
         if full is None:
             full = self.device.type == "cuda"
-        return run_warm_up(self, num_blocks or self.limits.num_blocks, profile, full)
+        report = run_warm_up(self, num_blocks or self.limits.num_blocks, profile, full)
+        if not profile:  # what a host hit costs against recomputing it (host_costs.py)
+            self.host_costs = measure_host_costs(self, num_blocks or self.limits.num_blocks)
+        return report
 
     def capture_graphs(self) -> None:
         """Captures the decode graphs (``uses_cuda_graphs``), once the

@@ -198,7 +198,7 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
         steps = steps[-1:]
     elif not full:
         steps = ()
-    ran = _run_forwards(runner, steps, num_blocks)
+    ran = run_forwards(runner, steps, num_blocks)
     paths: tuple[str, ...] = ()
     if full and not profile:
         paths = _run_sampler_paths(runner)
@@ -229,7 +229,7 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
     return report
 
 
-def _run_forwards(
+def run_forwards(
     runner: WarmUpRunner, steps: tuple[WarmUpStep, ...], num_blocks: int
 ) -> tuple[WarmUpStep, ...]:
     """Runs ``steps`` over scratch rows whose every table column is block 1

@@ -29,6 +29,7 @@ from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.scheduler.cache_events import CacheEvent
 from pagedkv.scheduler.entry_writer import EntryWriter
 from pagedkv.scheduler.groups import stalled_beams
+from pagedkv.scheduler.host_tier import LoadCosts
 from pagedkv.scheduler.kv_cache_manager import NO_TABLE_CHANGE, KVCacheManager
 from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
@@ -74,6 +75,11 @@ class ExecutorScheduler:
             model_id=info.model_id,
             record_events=True,
             num_host_blocks=info.num_host_blocks,
+            host_costs=LoadCosts(
+                info.prefill_seconds_per_token,
+                info.host_load_seconds,
+                info.host_load_seconds_per_block,
+            ),
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         if self.kv.host is not None:

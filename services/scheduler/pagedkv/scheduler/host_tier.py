@@ -52,6 +52,37 @@ class HostCopy(NamedTuple):
     host_id: int
 
 
+class LoadCosts(NamedTuple):
+    """The executor's measured costs (GetInfo), in seconds: a prefill token,
+    a load's fixed cost, a loaded block's. All 0: not measured."""
+
+    prefill_seconds_per_token: float = 0.0
+    load_seconds: float = 0.0
+    load_seconds_per_block: float = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.prefill_seconds_per_token > 0
+
+    def load_pays(self, num_blocks: int, block_size: int) -> bool:
+        """Whether loading ``num_blocks`` host blocks costs less than
+        computing their tokens (unknown costs: it does)."""
+        if not self.known:
+            return True
+        load = self.load_seconds + num_blocks * self.load_seconds_per_block
+        return load < num_blocks * block_size * self.prefill_seconds_per_token
+
+    def loads_never_pay(self, block_size: int) -> bool:
+        """Whether a block's load costs at least its tokens' prefill, however
+        many blocks a hit has (then the tier is not worth keeping)."""
+        return self.known and (
+            self.load_seconds_per_block >= block_size * self.prefill_seconds_per_token
+        )
+
+
+UNMEASURED = LoadCosts()
+
+
 class HostTierStats(NamedTuple):
     """The tier's size and the blocks its index holds; counters since start:
     blocks offloaded and loaded, host blocks evicted."""
@@ -61,6 +92,8 @@ class HostTierStats(NamedTuple):
     num_offloaded: int
     num_loaded: int
     num_evicted: int
+    num_loads_chosen: int
+    num_recomputes_chosen: int
 
 
 class HostTier:
@@ -72,17 +105,23 @@ class HostTier:
         "_loads",
         "_num_evicted",
         "_num_loaded",
+        "_num_loads_chosen",
         "_num_offloaded",
+        "_num_recomputes_chosen",
         "_offloads",
         "_pinned",
+        "costs",
         "events",
         "num_blocks",
     )
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, costs: LoadCosts = UNMEASURED) -> None:
         if num_blocks < 1:
             raise ValueError("a host tier needs at least one block")
         self.num_blocks = num_blocks
+        self.costs = costs
+        self._num_loads_chosen = 0
+        self._num_recomputes_chosen = 0
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives host block 0 first
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._pinned: set[int] = set()
@@ -106,6 +145,21 @@ class HostTier:
                 break
             hits.append(HostHit(block_hash, host_id))
         return hits
+
+    def choose(self, hits: list[HostHit], block_size: int, count: bool) -> list[HostHit]:
+        """The host hits a request takes: all of them when loading them
+        costs less than computing their tokens (``costs``), else none (the
+        request recomputes them). ``count``: an admission's lookup, counted
+        in the stats (a placement probe is not)."""
+        if not hits:
+            return hits
+        load = self.costs.load_pays(len(hits), block_size)
+        if count:
+            if load:
+                self._num_loads_chosen += 1
+            else:
+                self._num_recomputes_chosen += 1
+        return hits if load else []
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
@@ -220,6 +274,8 @@ class HostTier:
             num_offloaded=self._num_offloaded,
             num_loaded=self._num_loaded,
             num_evicted=self._num_evicted,
+            num_loads_chosen=self._num_loads_chosen,
+            num_recomputes_chosen=self._num_recomputes_chosen,
         )
 
     def check_integrity(self) -> list[str]:

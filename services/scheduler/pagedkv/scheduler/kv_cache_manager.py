@@ -22,7 +22,7 @@ from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
 from pagedkv.scheduler.holders_audit import audit_holders
-from pagedkv.scheduler.host_tier import HostCopy, HostTier
+from pagedkv.scheduler.host_tier import UNMEASURED, HostCopy, HostTier, LoadCosts
 from pagedkv.scheduler.kv_cache_block import KVCacheBlock
 from pagedkv.scheduler.kv_cache_types import (
     NO_TABLE_CHANGE,
@@ -76,9 +76,12 @@ class KVCacheManager:
         model_id: str = "",
         record_events: bool = False,
         num_host_blocks: int = 0,
+        host_costs: LoadCosts = UNMEASURED,
     ) -> None:
         """``num_host_blocks``: the executor's host tier (host_tier.py), used
-        with prefix caching on and one full-attention group; else unused."""
+        with prefix caching on and one full-attention group, unless its
+        measured ``host_costs`` say a load never costs less than a
+        recompute; else unused."""
         if not kv_cache_specs:
             raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
         block_sizes = {spec.block_size for spec in kv_cache_specs}
@@ -106,8 +109,14 @@ class KVCacheManager:
         )
         self.host: HostTier | None = None
         self._written_through: list[KVCacheBlock] = []  # entered for the step last sent
-        if num_host_blocks and enable_caching and self._single_full is not None:
-            self.host = self.pool.host = self._lookup.host = HostTier(num_host_blocks)
+        if (
+            num_host_blocks
+            and enable_caching
+            and self._single_full is not None
+            and not host_costs.loads_never_pay(self.block_size)
+        ):
+            tier = HostTier(num_host_blocks, host_costs)
+            self.host = self.pool.host = self._lookup.host = tier
 
     # -- requests ----------------------------------------------------------------------
 

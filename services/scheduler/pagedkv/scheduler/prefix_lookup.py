@@ -73,7 +73,11 @@ class PrefixLookup:
             if host is None:
                 result = ComputedBlocks((tuple(hits),), num_tokens)
             else:
-                on_host = host.find(hashes, len(hits), max_length // self.block_size)
+                on_host = host.choose(
+                    host.find(hashes, len(hits), max_length // self.block_size),
+                    self.block_size,
+                    count,
+                )
                 num_host = len(on_host) * self.block_size
                 num_tokens += num_host
                 result = ComputedBlocks((tuple(hits),), num_tokens, tuple(on_host))

@@ -285,6 +285,12 @@ class SchedulerService:
                 executor.prefix_cache_host_hits = prefix.host_hits
                 executor.num_offloaded_blocks = host.num_offloaded
                 executor.num_loaded_blocks = host.num_loaded
+                executor.host_loads_chosen = host.num_loads_chosen
+                executor.host_recomputes_chosen = host.num_recomputes_chosen
+                costs = kv.host.costs
+                executor.prefill_seconds_per_token = costs.prefill_seconds_per_token
+                executor.host_load_seconds = costs.load_seconds
+                executor.host_load_seconds_per_block = costs.load_seconds_per_block
             executor.incarnation_id = scheduler.info.incarnation_id
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks

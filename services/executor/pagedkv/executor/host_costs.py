@@ -1,0 +1,74 @@
+"""What a host-tier hit costs against recomputing it, measured on this
+executor once it has warmed up (GetInfo reports it; the scheduler's host
+tier chooses load or recompute per request from it, docs/memory.md).
+
+- ``prefill_seconds_per_token``: a one-entry forward of ``PREFILL_TOKENS``
+  tokens (a length the warm-up built), the better of two, per token;
+- ``load_seconds`` and ``load_seconds_per_block``: loads of one block and of
+  ``LOAD_BLOCKS`` blocks from the host tier (the better of two each): a
+  fixed cost per load, and what each block adds.
+
+Every time is taken with the device idle before and after (synchronized on
+CUDA), over scratch blocks and rows that hold nothing yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from pagedkv.executor.host_kv import BlockStore
+from pagedkv.executor.warm_up import WarmUpRunner, WarmUpStep, run_forwards
+
+PREFILL_TOKENS = 512
+LOAD_BLOCKS = 32
+
+
+class HostCosts(NamedTuple):
+    """Seconds: a prefill token, a load's fixed cost, a loaded block's."""
+
+    prefill_seconds_per_token: float
+    load_seconds: float
+    load_seconds_per_block: float
+
+
+class CostRunner(WarmUpRunner, Protocol):
+    """What the measurement needs of the model runner."""
+
+    @property
+    def host_kv(self) -> BlockStore | None: ...
+
+
+def measure_host_costs(runner: CostRunner, num_blocks: int) -> HostCosts | None:
+    """The executor's costs (None without a host tier or a scratch block)."""
+    store = runner.host_kv
+    if store is None or num_blocks < 2:
+        return None
+    device = runner.device
+
+    def timed(work: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(2):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            work()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    length = min(PREFILL_TOKENS, runner.config.max_num_batched_tokens, runner.spec.max_model_len)
+    step = (WarmUpStep(1, 0, length),)
+    prefill = timed(lambda: run_forwards(runner, step, num_blocks)) / length
+    count = max(1, min(LOAD_BLOCKS, store.num_blocks, num_blocks - 1))
+    block_ids = np.arange(1, 1 + count, dtype=np.int64)
+    host_ids = np.arange(count, dtype=np.int64)
+    one = timed(lambda: store.load(host_ids[:1], block_ids[:1]))
+    many = timed(lambda: store.load(host_ids, block_ids))
+    per_block = max(0.0, (many - one) / (count - 1)) if count > 1 else one
+    return HostCosts(prefill, max(0.0, one - per_block), per_block)
