@@ -3,7 +3,8 @@ executor once it has warmed up (GetInfo reports it; the scheduler's host
 tier chooses load or recompute per request from it, docs/memory.md).
 
 - ``prefill_seconds_per_token``: a one-entry forward of ``PREFILL_TOKENS``
-  tokens (a length the warm-up built), the better of two, per token;
+  tokens (or the largest power of two the step limits allow: a length the
+  warm-up built), the better of two, per token;
 - ``load_seconds`` and ``load_seconds_per_block``: loads of one block and of
   ``LOAD_BLOCKS`` blocks from the host tier (the better of two each): a
   fixed cost per load, and what each block adds.
@@ -62,7 +63,9 @@ def measure_host_costs(runner: CostRunner, num_blocks: int) -> HostCosts | None:
             best = min(best, time.perf_counter() - start)
         return best
 
-    length = min(PREFILL_TOKENS, runner.config.max_num_batched_tokens, runner.spec.max_model_len)
+    # A power of two, as the warm-up's forwards are: nothing new is built.
+    longest = min(PREFILL_TOKENS, runner.config.max_num_batched_tokens, runner.spec.max_model_len)
+    length = 1 << (longest.bit_length() - 1)
     step = (WarmUpStep(1, 0, length),)
     prefill = timed(lambda: run_forwards(runner, step, num_blocks)) / length
     count = max(1, min(LOAD_BLOCKS, store.num_blocks, num_blocks - 1))
