@@ -3,14 +3,17 @@ which host block, in LRU order, and the copies a step asks for.
 
 The executor keeps ``num_host_blocks`` blocks of host memory beside its GPU
 pool (``pagedkv executor --host-kv-gib``); the scheduler decides what they
-hold, as it does for the GPU pool. The tier is inclusive and fills on
-eviction: when the ``BlockPool`` evicts a cached block from the GPU (it is
-popped for reuse), the block is copied to a host block first (an *offload*),
-unless its hash is already there. A prefix lookup that runs out of GPU hits
-goes on in the host index; each host hit becomes a fresh GPU block entered
-into the GPU index under its hash and a *load* from the host block, both in
-the same step message, ahead of the forward (kv_cache_manager.py and
-single_group.py make them).
+hold, as it does for the GPU pool. The tier is inclusive and written
+through: a block entered into the GPU index is copied to a host block (an
+*offload*) in the step after the one that computes it, unless its hash is
+there already (``KVCacheManager.take_host_copies``); a cached block evicted
+from the GPU (popped for reuse) whose hash the host lacks is offloaded then.
+A prefix lookup that runs out of GPU hits goes on in the host index; each
+host hit becomes a fresh GPU block entered into the GPU index under its hash
+and a *load* from the host block, both in the same step message, ahead of
+the forward (kv_cache_manager.py and single_group.py make them), when the
+executor's measured costs say loading them beats computing them
+(``LoadCosts``, ``choose``).
 
 A step's offloads run on the executor before its loads, and both before
 anything else of the step: a GPU block evicted and refilled in one step is
@@ -188,9 +191,10 @@ class HostTier:
         self._num_loaded += len(hits)
 
     def offload(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        """A cached GPU block is evicted: its KV goes to a host block unless
-        the hash is there already (then it only becomes the most recently
-        used). Without a host block to take (every one pinned) it is dropped."""
+        """A cached GPU block's KV goes to a host block (written through
+        once computed, or at its eviction), unless the hash is there already
+        (then it only becomes the most recently used). Without a host block
+        to take (every one pinned) it is dropped."""
         index = self._index
         if block_hash in index:
             index.move_to_end(block_hash)
@@ -248,8 +252,7 @@ class HostTier:
         return len(taken)
 
     def clear(self) -> None:
-        """Forgets every host block's contents (the executor was reset or
-        taken over: what its host memory holds is not known)."""
+        """Forgets every host block's contents (``reset_prefix_cache``)."""
         self.events.extend(
             CacheEvent(CacheEventKind.REMOVED, BlockId(host_id), block_hash, 0)
             for block_hash, host_id in self._index.items()
