@@ -103,3 +103,36 @@ def test_a_scheduler_taking_the_executor_over_finds_its_host_tier(model_dirs) ->
             assert chunks[-1].usage.cached_prompt_tokens >= 48
             stats = assert_nothing_held(second.stub).executors[0]
             assert stats.prefix_cache_host_hits >= 48 and stats.num_loaded_blocks >= 3
+
+
+def test_a_beam_search_under_memory_pressure_matches_a_reference_search(stack, model_dirs) -> None:
+    """A beam search sent beside two long streams on the small pool with a
+    host tier: blocks run short (a request is preempted or waits), and the
+    search still ends with the reference search's beams, the streams with
+    Hugging Face's tokens."""
+    from tests.service.test_stack import reference_beam_search
+
+    others = churn_prompts(2, 64, seed=4)
+    request = greedy_request(PROMPTS[2], 12)
+    request.sampling.beam_width = 2
+    results: dict[str, object] = {}
+
+    def run(name: str, req) -> None:
+        results[name] = collect(stack.stub, req)
+
+    threads = [
+        threading.Thread(target=run, args=(f"o{i}", greedy_request(p, 24)))
+        for i, p in enumerate(others)
+    ]
+    threads.append(threading.Thread(target=run, args=("beam", request)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    _, chunks = results["beam"]  # type: ignore[misc]
+    expected = reference_beam_search(model_dirs["llama"], PROMPTS[2], 2, 12)
+    assert [list(beam.token_ids) for beam in chunks[-1].beams] == [out for _, out in expected]
+    for i, prompt in enumerate(others):
+        tokens, _ = results[f"o{i}"]  # type: ignore[misc]
+        assert tokens[0] == hf_greedy(model_dirs["llama"], prompt, 24)
+    assert_nothing_held(stack.stub)
