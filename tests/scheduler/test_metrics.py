@@ -229,7 +229,13 @@ def test_the_host_tier_counts_its_totals_growth_and_sets_its_gauges(
     metrics: SchedulerMetrics,
 ) -> None:
     stats = HostTierStats(
-        num_blocks=64, num_cached=10, num_offloaded=12, num_loaded=3, num_evicted=2
+        num_blocks=64,
+        num_cached=10,
+        num_offloaded=12,
+        num_loaded=3,
+        num_evicted=2,
+        num_loads_chosen=3,
+        num_recomputes_chosen=0,
     )
     metrics.host_tier.set("e0", stats, host_hits=48)
     metrics.host_tier.set("e0", stats._replace(num_cached=11, num_offloaded=13), host_hits=64)

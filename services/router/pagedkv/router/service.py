@@ -24,7 +24,12 @@ from typing import NamedTuple
 import redis.exceptions
 
 from pagedkv.cluster.connection import connect, redacted
-from pagedkv.cluster.keys import DEFAULT_PREFIX, Keys, host_tier_incarnation
+from pagedkv.cluster.keys import (
+    DEFAULT_PREFIX,
+    HOST_TIER_SUFFIX,
+    Keys,
+    host_tier_incarnation,
+)
 from pagedkv.common.bearer_tokens import TokenFile
 from pagedkv.common.errors import InvalidArgument, Unavailable
 from pagedkv.common.ids import BlockHash
@@ -386,4 +391,6 @@ class RouterService:
 
     @property
     def num_followed_executors(self) -> int:
-        return len(self.follower.cursors)
+        """Executor incarnations followed (each also followed as its host
+        tier, which is not counted again)."""
+        return sum(1 for name in self.follower.cursors if not name.endswith(HOST_TIER_SUFFIX))
