@@ -50,8 +50,9 @@ class BlockStore(Protocol):
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copies store block ``host_ids[i]`` into device block
         ``block_ids[i]`` (``block_ids`` distinct), after every earlier
-        offload and before any later device work; mutates only those
-        device blocks."""
+        offload that writes those store blocks or reads those device blocks,
+        and before any later device work; mutates only those device
+        blocks."""
         ...
 
 
