@@ -25,7 +25,7 @@ from pagedkv.common.errors import ServiceError
 from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_plan import plan_general, plan_message
-from pagedkv.executor.step_types import NO_TRANSFERS, Limits, StepPlan
+from pagedkv.executor.step_types import NO_PAIRS, Limits, StepPlan
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.v1 import common_pb2, executor_pb2
 
@@ -190,7 +190,7 @@ def test_a_plain_decode_with_host_copies_goes_the_general_way(messages) -> None:
         assert plan.offloads.tolist() == [[3, 2], [1, 0]]
         assert plan.loads.tolist() == [[2, 5]]
         _same(
-            dataclasses.replace(plan, offloads=NO_TRANSFERS, loads=NO_TRANSFERS),
+            dataclasses.replace(plan, offloads=NO_PAIRS, loads=NO_PAIRS),
             plan_message(original, rows, limits),
         )
         taken += 1

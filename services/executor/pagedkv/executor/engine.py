@@ -319,8 +319,13 @@ class Executor:
             self._settle_tags()  # earlier steps' tags come before this step's untags
             if runner.host_kv is not None:  # before all else
                 tag_offloads(self.tags, self.host_tags, plan.offloads)
-                written = np.concatenate([plan.table_block_ids, plan.copies[:, 1]])
-                move_blocks(runner.host_kv, plan.offloads, plan.loads, written)
+                move_blocks(
+                    runner.host_kv,
+                    plan.offloads,
+                    plan.loads,
+                    plan.table_block_ids,
+                    plan.copies[:, 1],
+                )
             tags = self.tags
             if len(tags):
                 if plan.untag_block_ids:

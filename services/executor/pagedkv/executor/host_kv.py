@@ -71,7 +71,7 @@ def num_host_blocks(gib: float, bytes_per_block: int) -> int:
 
 
 def move_blocks(
-    store: BlockStore | None, offloads: np.ndarray, loads: np.ndarray, written: np.ndarray
+    store: BlockStore | None, offloads: np.ndarray, loads: np.ndarray, *written: np.ndarray
 ) -> None:
     """A step's host copies: every offload (``[n, 2]``: block, host block),
     then every load (``[m, 2]``: host block, block), so a load reads what
@@ -85,8 +85,9 @@ def move_blocks(
         store.offload(offloads[:, 0], offloads[:, 1])
     if len(loads):
         store.load(loads[:, 0], loads[:, 1])
-    if len(written):
-        store.before_writes(written)
+    for blocks in written:
+        if len(blocks):
+            store.before_writes(blocks)
 
 
 def _by_host_id(a: np.ndarray, b: np.ndarray, first: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -22,10 +22,9 @@ from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_transfers import has_transfers
 from pagedkv.executor.step_types import (
-    NO_COPIES,
     NO_IDS,
+    NO_PAIRS,
     NO_TAGS,
-    NO_TRANSFERS,
     Limits,
     StepPlan,
 )
@@ -96,8 +95,8 @@ def plain_decode_plan(
     group_of = np.tile(np.arange(num_groups), num_entries)
     row_of = np.repeat(entry_rows, num_groups)
     return StepPlan(
-        offloads=NO_TRANSFERS,
-        loads=NO_TRANSFERS,
+        offloads=NO_PAIRS,
+        loads=NO_PAIRS,
         untag_block_ids=(),
         freed_rows=[],
         new_rows=[],
@@ -106,7 +105,7 @@ def plain_decode_plan(
         table_columns=NO_IDS,
         table_block_ids=NO_IDS,
         table_lengths=np.stack([group_of, row_of, starts]),
-        copies=NO_COPIES,
+        copies=NO_PAIRS,
         continue_rows=entry_rows,
         continue_positions=history,
         token_rows=NO_IDS,

@@ -30,8 +30,14 @@ from pagedkv.executor.plain_decode import plain_decode_plan
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.step_entries import Entries, first, plan_entries
 from pagedkv.executor.step_tokens import Columns, Tokens, plan_tokens, token_columns
-from pagedkv.executor.step_transfers import NO_HOST_COPIES, Transfers, plan_transfers
-from pagedkv.executor.step_types import NO_COPIES, NO_IDS, NO_TAGS, Limits, StepPlan
+from pagedkv.executor.step_transfers import (
+    NO_HOST_COPIES,
+    Transfers,
+    check_block_ids,
+    pair_columns,
+    plan_transfers,
+)
+from pagedkv.executor.step_types import NO_IDS, NO_TAGS, Limits, StepPlan
 from pagedkv.v1 import executor_pb2
 
 
@@ -87,24 +93,16 @@ def plan_copies(
 ) -> np.ndarray:
     """Checks block copies (a step's columns, or CopyBlocksRequest's, whose
     field ``names`` the errors use); returns int64 ``[n, 2]``: (src, dst)."""
-    if not len(src_ids) and not len(dst_ids):
-        return NO_COPIES
     src_name, dst_name = names
-    src = np.asarray(src_ids, dtype=np.int64)
-    dst = np.asarray(dst_ids, dtype=np.int64)
-    if len(src) != len(dst):
-        raise InvalidArgument(f"{dst_name}: {len(dst)} ids for {len(src)} {src_name}")
-    for name, ids in ((src_name, src), (dst_name, dst)):
-        bad = (ids == NULL_BLOCK_ID) | (ids >= limits.num_blocks)
-        if bad.any():
-            i = first(bad)
-            raise InvalidArgument(
-                f"{name}[{i}]: block {ids[i]} is the null block or >= num_blocks "
-                f"{limits.num_blocks}"
-            )
+    pairs = pair_columns((src_name, src_ids), (dst_name, dst_ids))
+    if not len(pairs):  # most steps: no copy
+        return pairs
+    src, dst = pairs[:, 0], pairs[:, 1]
+    check_block_ids(src_name, src, limits)
+    check_block_ids(dst_name, dst, limits)
     if len(set(dst.tolist())) != len(dst) or set(dst.tolist()) & set(src.tolist()):
         raise InvalidArgument(f"{dst_name}: repeated, or also a source")
-    return np.stack([src, dst], axis=1)
+    return pairs
 
 
 def _check_tag_block_ids(name: str, block_ids: np.ndarray, limits: Limits) -> None:

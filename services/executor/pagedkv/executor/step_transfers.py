@@ -20,7 +20,7 @@ import numpy as np
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.common.ids import NULL_BLOCK_ID
 from pagedkv.executor.step_entries import first
-from pagedkv.executor.step_types import NO_TRANSFERS, Limits
+from pagedkv.executor.step_types import NO_PAIRS, Limits
 from pagedkv.v1 import executor_pb2
 
 
@@ -31,7 +31,7 @@ class Transfers(NamedTuple):
     loads: np.ndarray  # (host block, block)
 
 
-NO_HOST_COPIES = Transfers(NO_TRANSFERS, NO_TRANSFERS)
+NO_HOST_COPIES = Transfers(NO_PAIRS, NO_PAIRS)
 
 
 def has_transfers(step: executor_pb2.StepRequest) -> bool:
@@ -51,36 +51,39 @@ def plan_transfers(step: executor_pb2.StepRequest, limits: Limits) -> Transfers:
     for name in ("offload_host_block_ids", "load_host_block_ids"):
         if getattr(step, name) and not limits.num_host_blocks:
             raise InvalidArgument(f"{name}: the executor has no host tier (num_host_blocks 0)")
-    offloads = _pair(
+    offloads = pair_columns(
         ("offload_block_ids", step.offload_block_ids),
         ("offload_host_block_ids", step.offload_host_block_ids),
     )
-    loads = _pair(
+    loads = pair_columns(
         ("load_host_block_ids", step.load_host_block_ids),
         ("load_block_ids", step.load_block_ids),
     )
-    _check_block_ids("offload_block_ids", offloads[:, 0], limits)
+    check_block_ids("offload_block_ids", offloads[:, 0], limits)
     _check_host_ids("offload_host_block_ids", offloads[:, 1], limits)
     _check_distinct("offload_host_block_ids", offloads[:, 1])
     _check_host_ids("load_host_block_ids", loads[:, 0], limits)
-    _check_block_ids("load_block_ids", loads[:, 1], limits)
+    check_block_ids("load_block_ids", loads[:, 1], limits)
     _check_distinct("load_block_ids", loads[:, 1])
     return Transfers(offloads, loads)
 
 
-def _pair(src: tuple[str, Sequence[int]], dst: tuple[str, Sequence[int]]) -> np.ndarray:
-    """Two columns of one length as int64 ``[n, 2]`` (src, dst)."""
+def pair_columns(src: tuple[str, Sequence[int]], dst: tuple[str, Sequence[int]]) -> np.ndarray:
+    """Two (name, ids) columns of one length as int64 ``[n, 2]`` (src, dst);
+    InvalidArgument naming the second when the lengths differ. Copies
+    (step_plan.py) and the host columns share it."""
     (src_name, src_ids), (dst_name, dst_ids) = src, dst
     if len(src_ids) != len(dst_ids):
         raise InvalidArgument(f"{dst_name}: {len(dst_ids)} ids for {len(src_ids)} {src_name}")
     if not len(src_ids):
-        return NO_TRANSFERS
+        return NO_PAIRS
     return np.stack(
         [np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)], axis=1
     )
 
 
-def _check_block_ids(name: str, block_ids: np.ndarray, limits: Limits) -> None:
+def check_block_ids(name: str, block_ids: np.ndarray, limits: Limits) -> None:
+    """InvalidArgument naming the first id that is the null block or past the pool."""
     bad = (block_ids == NULL_BLOCK_ID) | (block_ids >= limits.num_blocks)
     if bad.any():
         i = first(bad)

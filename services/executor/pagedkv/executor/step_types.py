@@ -18,8 +18,7 @@ from pagedkv.v1 import common_pb2
 
 # The empty columns of a plan (shared, never written to).
 NO_IDS = np.zeros(0, dtype=np.int64)
-NO_COPIES = np.zeros((0, 2), dtype=np.int64)
-NO_TRANSFERS = np.zeros((0, 2), dtype=np.int64)  # host tier offloads or loads
+NO_PAIRS = np.zeros((0, 2), dtype=np.int64)  # copies, offloads, loads
 NO_TAGS = TagColumns((), (), ())
 
 
