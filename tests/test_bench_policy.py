@@ -27,25 +27,36 @@ def _path(module: str) -> Path:
 
 
 def _uses_executor_scheduler(tree: ast.Module) -> bool:
+    return _calls(tree, "pagedkv.scheduler.executor_scheduler", "ExecutorScheduler")
+
+
+def _calls(tree: ast.Module, module: str, name: str) -> bool:
+    """Whether ``tree`` imports ``name`` from ``module`` and calls it."""
     imported = any(
         isinstance(node, ast.ImportFrom)
-        and node.module == "pagedkv.scheduler.executor_scheduler"
-        and any(alias.name == "ExecutorScheduler" for alias in node.names)
+        and node.module == module
+        and any(alias.name == name for alias in node.names)
         for node in ast.walk(tree)
     )
-    built = any(
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "ExecutorScheduler"
+    called = any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
         for node in ast.walk(tree)
     )
-    return imported and built
+    return imported and called
+
+
+SIMULATED = "pagedkv.bench.scheduler.executor_sim"
 
 
 def test_the_block_benchmark_and_the_simulation_run_the_executor_scheduler() -> None:
+    """Each builds an ``ExecutorScheduler``, itself or through the simulated
+    executor's ``simulated_scheduler``, which builds one."""
+    assert _uses_executor_scheduler(ast.parse(_path(SIMULATED).read_text()))
     for module in DRIVERS:
         tree = ast.parse(_path(module).read_text())
-        assert _uses_executor_scheduler(tree), f"{module} does not build an ExecutorScheduler"
+        assert _uses_executor_scheduler(tree) or _calls(tree, SIMULATED, "simulated_scheduler"), (
+            f"{module} does not build an ExecutorScheduler"
+        )
 
 
 def test_no_module_keeps_a_copy_of_the_policy() -> None:

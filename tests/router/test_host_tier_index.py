@@ -4,7 +4,13 @@ the router's follower indexes it beside the GPU cache."""
 
 from __future__ import annotations
 
-from pagedkv.bench.scheduler.executor_sim import answers, apply_answers, executor_info, generation
+from pagedkv.bench.scheduler.executor_sim import (
+    answers,
+    apply_answers,
+    executor_info,
+    generation,
+    simulated_scheduler,
+)
 from pagedkv.cluster.connection import connect
 from pagedkv.cluster.keys import host_tier_incarnation
 from pagedkv.cluster.mirror import PrefixMirror
@@ -12,7 +18,6 @@ from pagedkv.router.follower import KVEventFollower
 from pagedkv.router.index import PrefixIndex, prompt_block_hashes
 from pagedkv.scheduler.cluster_feeds import MirroredCaches
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
-from pagedkv.v1 import common_pb2
 from tests.cluster.conftest import run
 
 BLOCK_SIZE = 16
@@ -22,10 +27,7 @@ def tiered_scheduler() -> ExecutorScheduler:
     info = executor_info(9, 4, block_size=BLOCK_SIZE)  # 8 usable GPU blocks
     info.num_host_blocks = 32
     info.incarnation_id = "inc-a"
-    return ExecutorScheduler(
-        "a:1", info, common_pb2.Owner(owner_id="s", epoch=1), max_num_seqs=4,
-        max_num_batched_tokens=8192,
-    )  # fmt: skip
+    return simulated_scheduler(info)
 
 
 def serve(scheduler: ExecutorScheduler, prompts: list[list[int]]) -> None:

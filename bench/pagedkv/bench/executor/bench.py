@@ -34,17 +34,10 @@ import torch
 
 from pagedkv.bench.executor.bench_grpc import time_grpc, time_stream
 from pagedkv.bench.executor.bench_profile import kernel_times, profile_decode
+from pagedkv.bench.shapes import LLAMA_SHAPES
 from pagedkv.common.step_contract import DEFAULT_DECODE_WINDOW
 
-LLAMA_1B: dict[str, Any] = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=8192,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-)
+LLAMA_1B = LLAMA_SHAPES["llama-1.1b"]
 BATCH, CONTEXT, PREFILL_CHUNK = 64, 768, 8192
 WINDOW = DEFAULT_DECODE_WINDOW  # the decode window measured beside single steps
 

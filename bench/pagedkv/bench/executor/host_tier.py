@@ -37,25 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-LLAMA_8B: dict[str, Any] = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-LLAMA_1B: dict[str, Any] = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=8192,
-    vocab_size=32000,
-    max_position_embeddings=8192,
-)
+from pagedkv.bench.shapes import LLAMA_SHAPES
+
 # A dry run's shape (``--device cpu``).
 TINY: dict[str, Any] = dict(
     hidden_size=64,
@@ -66,7 +49,7 @@ TINY: dict[str, Any] = dict(
     vocab_size=1000,
     max_position_embeddings=1024,
 )
-SHAPES = {"llama-8b": LLAMA_8B, "llama-1.1b": LLAMA_1B, "tiny": TINY}
+SHAPES = {**LLAMA_SHAPES, "tiny": TINY}
 
 
 def _owner() -> Any:
@@ -320,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     from pagedkv.v1 import executor_pb2
 
     with tempfile.TemporaryDirectory() as root:
-        LlamaConfig(**SHAPES[args.preset], dtype="bfloat16").save_pretrained(root)
+        shape = dict(SHAPES[args.preset])
+        longest = max(args.prompt_len, args.context + 3 * args.iters + 16)
+        shape["max_position_embeddings"] = max(shape["max_position_embeddings"], longest)
+        LlamaConfig(**shape, dtype="bfloat16").save_pretrained(root)
         runner = ModelRunner(
             RunnerConfig(
                 model=root,

@@ -29,15 +29,19 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.scheduler.executor_sim import answers, apply_answers, executor_info, generation
+from pagedkv.bench.scheduler.executor_sim import (
+    answers,
+    apply_answers,
+    executor_info,
+    generation,
+    simulated_scheduler,
+)
 from pagedkv.bench.scheduler.trace import TraceConfig, build_trace
 from pagedkv.bench.scheduler.trace_result import StepRecords, TraceResult, trace_result
 from pagedkv.common.block_hash import hash_full_blocks, root_hash
 from pagedkv.common.kv_cache_spec import KVCacheSpec
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler.request import Request
-from pagedkv.v1 import common_pb2
 
 # Targets from the issue, on 2-core machines (set for a former copy of the
 # loop, which encoded no step message and applied no response; see
@@ -65,13 +69,7 @@ def run_trace(args: argparse.Namespace) -> TraceResult:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=2 * config.max_len,  # a prompt and its output, each capped
     )
-    scheduler = ExecutorScheduler(
-        "bench",
-        info,
-        common_pb2.Owner(owner_id="bench", epoch=1),
-        max_num_seqs=args.max_running,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    scheduler = simulated_scheduler(info)
 
     t0 = time.perf_counter()
     generations = [

@@ -6,7 +6,8 @@ router's cluster simulation run the service's own ``ExecutorScheduler``:
 answer. No executor is behind it; this module stands in for one:
 
 - ``executor_info``: the GetInfo answer a scheduler is built from (a
-  llama-like model; no weights anywhere);
+  llama-like model; no weights anywhere), and ``simulated_scheduler`` the
+  scheduler built from it;
 - ``answers``: what an executor answers to a scheduled step (its copy-only
   messages first), a token for every entry that asks for a sample, in each
   step of a decode window;
@@ -21,6 +22,7 @@ do, since no generation here has a stop token.
 
 from __future__ import annotations
 
+from pagedkv.common.step_contract import ONE_STEP
 from pagedkv.common.text import IncrementalDetokenizer, TextTokenizer
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
 from pagedkv.scheduler.sequence import Generation, Sequence
@@ -60,6 +62,21 @@ def executor_info(
         max_num_rows=max_num_rows,
         max_num_batched_tokens=max_num_batched_tokens,
         max_logprobs=20,
+    )
+
+
+def simulated_scheduler(
+    info: executor_pb2.GetInfoResponse, *, decode_window: int = ONE_STEP
+) -> ExecutorScheduler:
+    """The service's scheduler over an executor that ``info`` describes (as
+    ``executor_info`` makes it), within the executor's own limits."""
+    return ExecutorScheduler(
+        "bench",
+        info,
+        common_pb2.Owner(owner_id="bench", epoch=1),
+        max_num_seqs=info.max_num_rows,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        decode_window=decode_window,
     )
 
 

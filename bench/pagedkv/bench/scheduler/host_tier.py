@@ -31,9 +31,13 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.scheduler.executor_sim import answers, apply_answers, executor_info, generation
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
-from pagedkv.v1 import common_pb2
+from pagedkv.bench.scheduler.executor_sim import (
+    answers,
+    apply_answers,
+    executor_info,
+    generation,
+    simulated_scheduler,
+)
 
 VOCAB_SIZE = 32_000
 
@@ -72,15 +76,14 @@ def run(
     args: argparse.Namespace, trace: list[tuple[list[int], int]], host_blocks: int
 ) -> HostTierRun:
     """The trace through ``ExecutorScheduler`` with ``host_blocks`` host blocks."""
-    info = executor_info(args.num_blocks, args.max_running, block_size=args.block_size)
-    info.num_host_blocks = host_blocks
-    scheduler = ExecutorScheduler(
-        "bench",
-        info,
-        common_pb2.Owner(owner_id="bench", epoch=1),
-        max_num_seqs=args.max_running,
+    info = executor_info(
+        args.num_blocks,
+        args.max_running,
+        block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    info.num_host_blocks = host_blocks
+    scheduler = simulated_scheduler(info)
     generations = [
         generation(scheduler, key, prompt, num_output, arrival=float(key))
         for key, (prompt, num_output) in enumerate(trace, 1)

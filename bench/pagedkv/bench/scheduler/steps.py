@@ -33,10 +33,11 @@ from pagedkv.bench.scheduler.executor_sim import (
     answers,
     executor_info,
     generation,
+    simulated_scheduler,
 )
 from pagedkv.common.text import TextTokenizer
-from pagedkv.scheduler.executor_scheduler import ExecutorScheduler, ScheduledStep
-from pagedkv.v1 import common_pb2, executor_pb2
+from pagedkv.scheduler.executor_scheduler import ScheduledStep
+from pagedkv.v1 import executor_pb2
 
 
 def measure(
@@ -53,12 +54,8 @@ def measure(
     rng = random.Random(seed)
     max_tokens = num_steps * decode_window + 16
     blocks_each = -(-(prompt_len + max_tokens + 2) // BLOCK_SIZE) + 1
-    scheduler = ExecutorScheduler(
-        "bench",
+    scheduler = simulated_scheduler(
         executor_info(num_requests * blocks_each + 1, max(num_requests, 16)),
-        common_pb2.Owner(owner_id="bench", epoch=1),
-        max_num_seqs=num_requests,
-        max_num_batched_tokens=8192,
         decode_window=decode_window,
     )
     generations = []
