@@ -118,10 +118,12 @@ def clobber(executor: Executor, block_ids: list[int]) -> None:
         cache[block_ids] = -1.0
 
 
-def prefilled(executor: Executor, blocks: list[int], row: int = 0) -> Seq:
+def prefilled(
+    executor: Executor, blocks: list[int], row: int = 0, prompt: list[int] = PROMPT
+) -> Seq:
     """A request whose prompt's KV fills ``blocks``."""
     seq = Seq(row=row, blocks=blocks, num_computed=0)
-    take_samples([seq], executor.step(prefill(OWNER, seq, f"r{row}", PROMPT)))
+    take_samples([seq], executor.step(prefill(OWNER, seq, f"r{row}", prompt)))
     return seq
 
 
@@ -420,6 +422,41 @@ def test_on_cuda_a_step_that_reuses_an_offloaded_block_waits_for_the_offload(
     cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
     for _ in range(5):
         offloaded_blocks_survive_a_step_that_reuses_them(cuda)
+
+
+def a_load_into_a_block_an_offload_still_reads_waits_for_it(executor: Executor) -> None:
+    """Offloads launched, not awaited, then at once a step that loads other
+    host blocks into the offloaded device blocks: the load's host copy runs
+    beside the offload, but its write into the device blocks waits for the
+    offload, which copies out the former KV."""
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    original = kv_of(executor, [1, 2])
+    prefilled(executor, [3, 4], row=1, prompt=PROMPT[::-1])
+    executor.step(moving(offloads=((3, 5), (4, 6))))
+    other = kv_of(executor, [3, 4])
+    assert not all(torch.equal(a, b) for a, b in zip(other, original, strict=True))
+    offload = executor.launch(moving(offloads=((1, 0), (2, 1))))
+    load = executor.launch(moving(loads=((5, 1), (6, 2))))
+    executor.complete(offload)
+    executor.complete(load)
+    assert_same(kv_of(executor, [1, 2]), other)
+    executor.step(moving(loads=((0, 7), (1, 8))))
+    assert_same(kv_of(executor, [7, 8]), original)
+
+
+def test_a_load_into_a_block_an_offload_still_reads_waits_for_it(executor: Executor) -> None:
+    a_load_into_a_block_an_offload_still_reads_waits_for_it(executor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_load_into_a_block_an_offload_still_reads_waits_for_it(
+    model_dir: Path,
+) -> None:
+    cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
+    for _ in range(5):
+        a_load_into_a_block_an_offload_still_reads_waits_for_it(cuda)
 
 
 def test_an_offloaded_block_takes_its_sources_tag_for_a_takeover_to_list(

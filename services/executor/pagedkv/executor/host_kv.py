@@ -143,21 +143,26 @@ class HostKVPool:
     in one contiguous copy (and a run of consecutive host ids in one).
 
     On CUDA the rows are pinned, and offloads and loads run on two streams
-    of the pool's own. Each call first waits for the compute stream's work
+    of the pool's own. An offload first waits for the compute stream's work
     so far, gathers the device blocks into a staging buffer (one
-    ``index_select`` per layer and K/V), copies rows between staging and
-    host without blocking the host, and for a load scatters the rows into
-    the layers (one ``index_copy_`` each). The compute stream waits for a
-    load (its next forward reads the loaded blocks) but not for an offload:
-    an offload overlaps the steps that follow, and only work that writes
+    ``index_select`` per layer and K/V) and copies rows from staging to host
+    without blocking the host. The compute stream does not wait for an
+    offload: it overlaps the steps that follow, and only work that writes
     into a block it still reads waits for it (``before_writes``). A load
-    waits for the offloads still writing its host blocks or reading its
-    device blocks; an offload's host blocks are never read by a load still
-    running (the compute stream, which the offload waits for, waited for
-    every load). Each call records an event; finished ones are dropped as
-    later calls look. The host never waits. On the CPU the same code runs
-    synchronously on plain memory. A call's staging holds its n blocks
-    (``n * bytes_per_block`` device bytes) while it runs.
+    copies host rows into a staging buffer on the load stream without
+    waiting for the compute stream (staging is fresh memory, so nothing
+    there orders it), after the offloads still writing its host blocks; the
+    compute stream then waits for that copy and for the offloads still
+    reading the device blocks, and scatters the rows into the layers (one
+    ``index_copy_`` each) as its own work. So the host-to-device copy, the
+    slow part, overlaps the forward already enqueued, and the device blocks
+    are written in the compute stream's order. An offload's host blocks are
+    never read by a load still copying (the compute stream, which the
+    offload waits for, waited for every load's copy). Each call records an
+    event; finished ones are dropped as later calls look. The host never
+    waits. On the CPU the same code runs synchronously on plain memory. A
+    call's staging holds its n blocks (``n * bytes_per_block`` device
+    bytes) while it runs.
     """
 
     def __init__(self, kv: KVMemory, num_blocks: int) -> None:
@@ -215,21 +220,35 @@ class HostKVPool:
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
+        index = to_device(block_ids, self.device)
         stream = self._load_stream
-        if stream is not None and self._offloads:
+        if stream is None:
+            self._scatter(index, self._rows(host_ids))
+            return
+        if self._offloads:
             _prune(self._offloads)
-            for ids, host in ((host_ids, True), (block_ids, False)):
-                event = _latest(self._offloads, ids, host)
-                if event is not None:
-                    stream.wait_event(event)
-        with self._on(stream, block_ids, host_ids, None):
-            index = to_device(block_ids, self.device)
-            staging = torch.empty(
-                (len(host_ids), self.elements_per_block), dtype=self.dtype, device=self.device
-            )
-            for i, host_id, n in _runs(host_ids):
-                staging[i : i + n].copy_(self.blocks[host_id : host_id + n], non_blocking=True)
-            self._scatter(index, staging)
+            event = _latest(self._offloads, host_ids, host=True)
+            if event is not None:
+                stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            staging = self._rows(host_ids)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(copied)
+        staging.record_stream(compute)  # the scatter below reads it there
+        self.before_writes(block_ids)
+        self._scatter(index, staging)
+
+    def _rows(self, host_ids: np.ndarray) -> torch.Tensor:
+        """``[n, elements_per_block]`` on the device: host rows ``host_ids``
+        (ascending), copied without blocking the host."""
+        staging = torch.empty(
+            (len(host_ids), self.elements_per_block), dtype=self.dtype, device=self.device
+        )
+        for i, host_id, n in _runs(host_ids):
+            staging[i : i + n].copy_(self.blocks[host_id : host_id + n], non_blocking=True)
+        return staging
 
     def _gather(self, index: torch.Tensor) -> torch.Tensor:
         """``[n, elements_per_block]``: device blocks ``index``, as host rows."""
@@ -251,22 +270,17 @@ class HostKVPool:
         stream: torch.cuda.Stream | None,
         block_ids: np.ndarray,
         host_ids: np.ndarray,
-        calls: deque[_InFlight] | None,
+        calls: deque[_InFlight],
     ) -> Iterator[None]:
-        """Runs the body on ``stream``, after the compute stream's work so
-        far. ``calls`` (the offloads): the call is recorded there; None (a
-        load): the compute stream's later work waits for it. What the body
-        allocates belongs to ``stream`` (freed and reused in its order)."""
+        """Runs the body (an offload) on ``stream``, after the compute
+        stream's work so far, and records the call in ``calls``. What the
+        body allocates belongs to ``stream`` (freed and reused in its order)."""
         if stream is None:
             yield
             return
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
         event = torch.cuda.Event()
         event.record(stream)
-        if calls is None:
-            compute.wait_event(event)
-        else:
-            calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))
+        calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))
