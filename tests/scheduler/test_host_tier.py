@@ -235,3 +235,60 @@ def test_the_measured_costs_choose_load_or_recompute_per_request() -> None:
     assert computed.num_tokens == 0 and computed.host == ()  # recomputed
     assert kv.host is not None and kv.host.stats.num_recomputes_chosen == 1
     assert LoadCosts().load_pays(1, BLOCK_SIZE)  # unmeasured: always load
+
+
+def test_host_loads_always_or_never_overrides_the_measured_costs() -> None:
+    from pagedkv.scheduler.host_tier import LoadCosts
+
+    # Costs under which a load never pays: "auto" keeps no tier, "always"
+    # keeps one and loads every hit.
+    never_pays = LoadCosts(1e-5, 1e-3, 1e-4)
+    prompt = range(100, 113)
+    for loads, tier, want_host in (("auto", False, 0), ("always", True, 3), ("never", True, 0)):
+        costs = never_pays if loads != "never" else LoadCosts(1e-5, 0.0, 1e-7)
+        kv = KVCacheManager(
+            [full_spec()],
+            5,
+            model_id="m",
+            num_host_blocks=8,
+            host_costs=costs,
+            host_loads=loads,
+        )
+        assert (kv.host is not None) == tier, loads
+        if kv.host is None:
+            continue
+        run(kv, "a", prompt)
+        run(kv, "b", range(200, 216))  # a's three blocks go to the host
+        computed = kv.get_computed_blocks(kv.make_request("a2", prompt))
+        assert len(computed.host) == want_host, loads
+        stats = kv.host.stats
+        assert (stats.num_loads_chosen, stats.num_recomputes_chosen) == (
+            (1, 0) if want_host else (0, 1)
+        )
+
+
+def test_an_unknown_host_loads_setting_is_refused_naming_it() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="host_loads"):
+        HostTier(4, loads="sometimes")
+
+
+def test_the_cli_s_host_loads_reaches_the_config_and_a_bad_one_is_refused() -> None:
+    import pytest
+
+    from pagedkv.common.cli import build_parser
+    from pagedkv.scheduler.server import config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["scheduler", "--executor", "127.0.0.1:1"])
+    assert config_from_args(args, ["127.0.0.1:1"]).host_loads == "auto"
+    for command in ("scheduler", "serve"):
+        model = [] if command == "scheduler" else ["--model", "m"]
+        argv = [command, "--executor", "127.0.0.1:1", *model, "--host-loads", "never"]
+        if command == "serve":
+            argv.remove("--executor")
+            argv.remove("127.0.0.1:1")
+        assert parser.parse_args(argv).host_loads == "never"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["scheduler", "--executor", "127.0.0.1:1", "--host-loads", "maybe"])

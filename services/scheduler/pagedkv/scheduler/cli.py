@@ -23,6 +23,7 @@ from pagedkv.common.step_contract import (
     ONE_STEP,
     SINGLE_STEP_PIPELINE_DEPTH,
 )
+from pagedkv.scheduler.host_tier import HOST_LOADS
 
 MAX_PIPELINE_DEPTH = 8
 
@@ -71,6 +72,14 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
         help="steps in flight per executor: the next ones are scheduled and sent while the "
         f"executor runs the first (1: none ahead; default {DEFAULT_PIPELINE_DEPTH}, "
         f"{SINGLE_STEP_PIPELINE_DEPTH} with --decode-window 1)",
+    )
+    parser.add_argument(
+        "--host-loads",
+        choices=HOST_LOADS,
+        default="auto",
+        help="with executors that have a host KV tier: whether a request loads the blocks of "
+        "its prefix found there (auto: when the executor's measured load cost is below the "
+        "prefill of their tokens; always; never: recompute them); see docs/memory.md",
     )
     parser.add_argument(
         "--stream-pace-us",

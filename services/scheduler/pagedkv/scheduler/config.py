@@ -37,5 +37,8 @@ class SchedulerConfig:
     # Most decode steps one step message may ask for (windows.py). One step
     # here, unlike the CLI's default: see step_contract.ONE_STEP.
     decode_window: int = ONE_STEP
+    # Whether an admitted request loads its prefix's host hits (host_tier.py,
+    # HOST_LOADS): as the executor's measured costs say, always, or never.
+    host_loads: str = "auto"
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

@@ -59,6 +59,7 @@ class ExecutorScheduler:
         cached: Iterable[CacheEvent] = (),
         host_cached: Iterable[CacheEvent] = (),
         decode_window: int = ONE_STEP,
+        host_loads: str = "auto",
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
@@ -80,6 +81,7 @@ class ExecutorScheduler:
                 info.host_load_seconds,
                 info.host_load_seconds_per_block,
             ),
+            host_loads=host_loads,
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         if self.kv.host is not None:

@@ -175,6 +175,7 @@ class Executors:
             cached=taken.cached,
             host_cached=taken.host_cached,
             decode_window=self.config.decode_window,
+            host_loads=self.config.host_loads,
         )
         self.schedulers[address] = scheduler
         if self.cluster is not None:

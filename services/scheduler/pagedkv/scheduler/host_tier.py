@@ -85,6 +85,11 @@ class LoadCosts(NamedTuple):
 
 UNMEASURED = LoadCosts()
 
+# Which host hits an admitted request loads: "auto", as ``LoadCosts.load_pays``
+# says; "always"; "never" (it recomputes them: the tier still writes through
+# and counts its hits, for measuring what the loads buy).
+HOST_LOADS = ("auto", "always", "never")
+
 
 class HostTierStats(NamedTuple):
     """The tier's size and the blocks its index holds; counters since start:
@@ -115,14 +120,18 @@ class HostTier:
         "_pinned",
         "costs",
         "events",
+        "loads",
         "num_blocks",
     )
 
-    def __init__(self, num_blocks: int, costs: LoadCosts = UNMEASURED) -> None:
+    def __init__(self, num_blocks: int, costs: LoadCosts = UNMEASURED, loads: str = "auto") -> None:
         if num_blocks < 1:
             raise ValueError("a host tier needs at least one block")
+        if loads not in HOST_LOADS:
+            raise ValueError(f"host_loads: one of {', '.join(HOST_LOADS)}, got {loads!r}")
         self.num_blocks = num_blocks
         self.costs = costs
+        self.loads = loads
         self._num_loads_chosen = 0
         self._num_recomputes_chosen = 0
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives host block 0 first
@@ -152,11 +161,15 @@ class HostTier:
     def choose(self, hits: list[HostHit], block_size: int, count: bool) -> list[HostHit]:
         """The host hits a request takes: all of them when loading them
         costs less than computing their tokens (``costs``), else none (the
-        request recomputes them). ``count``: an admission's lookup, counted
-        in the stats (a placement probe is not)."""
+        request recomputes them); ``loads`` "always" or "never" overrides
+        the costs. ``count``: an admission's lookup, counted in the stats (a
+        placement probe is not)."""
         if not hits:
             return hits
-        load = self.costs.load_pays(len(hits), block_size)
+        loads = self.loads
+        load = loads == "always" or (
+            loads == "auto" and self.costs.load_pays(len(hits), block_size)
+        )
         if count:
             if load:
                 self._num_loads_chosen += 1

@@ -77,11 +77,13 @@ class KVCacheManager:
         record_events: bool = False,
         num_host_blocks: int = 0,
         host_costs: LoadCosts = UNMEASURED,
+        host_loads: str = "auto",
     ) -> None:
         """``num_host_blocks``: the executor's host tier (host_tier.py), used
         with prefix caching on and one full-attention group, unless its
         measured ``host_costs`` say a load never costs less than a
-        recompute; else unused."""
+        recompute (and ``host_loads`` is not "always"); else unused.
+        ``host_loads``: which host hits a request loads (``HOST_LOADS``)."""
         if not kv_cache_specs:
             raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
         block_sizes = {spec.block_size for spec in kv_cache_specs}
@@ -113,9 +115,9 @@ class KVCacheManager:
             num_host_blocks
             and enable_caching
             and self._single_full is not None
-            and not host_costs.loads_never_pay(self.block_size)
+            and (host_loads == "always" or not host_costs.loads_never_pay(self.block_size))
         ):
-            tier = HostTier(num_host_blocks, host_costs)
+            tier = HostTier(num_host_blocks, host_costs, host_loads)
             self.host = self.pool.host = self._lookup.host = tier
 
     # -- requests ----------------------------------------------------------------------
