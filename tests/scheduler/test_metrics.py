@@ -236,15 +236,25 @@ def test_the_host_tier_counts_its_totals_growth_and_sets_its_gauges(
         num_evicted=2,
         num_loads_chosen=3,
         num_recomputes_chosen=0,
+        offload_seconds=0.5,
+        load_seconds=0.25,
     )
-    metrics.host_tier.set("e0", stats, host_hits=48)
-    metrics.host_tier.set("e0", stats._replace(num_cached=11, num_offloaded=13), host_hits=64)
+    per_block = 4096
+    metrics.host_tier.set("e0", stats, 48, per_block)
+    later = stats._replace(num_cached=11, num_offloaded=13, offload_seconds=0.75)
+    metrics.host_tier.set("e0", later, 64, per_block)
     assert value(metrics, "pagedkv_host_kv_blocks", executor="e0") == 64
     assert value(metrics, "pagedkv_host_kv_cached_blocks", executor="e0") == 11
     assert value(metrics, "pagedkv_prefix_cache_host_hits_total", executor="e0") == 64
     assert value(metrics, "pagedkv_host_kv_offloaded_blocks_total", executor="e0") == 13
     assert value(metrics, "pagedkv_host_kv_loaded_blocks_total", executor="e0") == 3
+    assert value(metrics, "pagedkv_host_kv_offloaded_bytes_total", executor="e0") == 13 * per_block
+    assert value(metrics, "pagedkv_host_kv_loaded_bytes_total", executor="e0") == 3 * per_block
+    copy = "pagedkv_host_kv_copy_seconds_total"
+    assert value(metrics, copy, executor="e0", direction="offload") == 0.75
+    assert value(metrics, copy, executor="e0", direction="load") == 0.25
     # A new tier (the executor taken over again) starts from zero: counted in full.
-    metrics.host_tier.set("e0", stats._replace(num_offloaded=1, num_loaded=1), host_hits=16)
+    fresh = stats._replace(num_offloaded=1, num_loaded=1, offload_seconds=0.0, load_seconds=0.0)
+    metrics.host_tier.set("e0", fresh, 16, per_block)
     assert value(metrics, "pagedkv_host_kv_offloaded_blocks_total", executor="e0") == 14
     assert value(metrics, "pagedkv_prefix_cache_host_hits_total", executor="e0") == 80

@@ -56,6 +56,11 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(stack, model_dirs) -> N
     # The choice and its inputs: the executor's measured costs say load.
     assert after.host_loads_chosen >= 1 and after.host_recomputes_chosen == 0
     assert after.prefill_seconds_per_token > 0 and after.host_load_seconds_per_block > 0
+    # Bytes moved (blocks times the executor's bytes per block) and copy time.
+    per_block = after.offloaded_bytes // after.num_offloaded_blocks
+    assert per_block > 0 and after.offloaded_bytes == after.num_offloaded_blocks * per_block
+    assert after.loaded_bytes == after.num_loaded_blocks * per_block
+    assert after.offload_copy_seconds > 0 and after.load_copy_seconds > 0
 
 
 def test_streams_that_preempt_one_another_finish_as_hugging_face_does(stack, model_dirs) -> None:

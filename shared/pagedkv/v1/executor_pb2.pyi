@@ -124,7 +124,7 @@ class StepRequest(_message.Message):
     def __init__(self, owner: _Optional[_Union[_common_pb2.Owner, _Mapping]] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., continue_from_sampled: _Optional[_Iterable[bool]] = ..., needs_sample: _Optional[_Iterable[bool]] = ..., block_table_starts: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., freed_rows: _Optional[_Iterable[int]] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., untag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_ids: _Optional[_Iterable[int]] = ..., tag_block_hashes: _Optional[_Iterable[bytes]] = ..., tag_group_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., offload_block_ids: _Optional[_Iterable[int]] = ..., offload_host_block_ids: _Optional[_Iterable[int]] = ..., load_host_block_ids: _Optional[_Iterable[int]] = ..., load_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us", "draining", "drain_seconds_left")
+    __slots__ = ("step_id", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs", "host_time_us", "device_time_us", "draining", "drain_seconds_left", "host_offload_time_us", "host_load_time_us")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class StepResponse(_message.Message):
     DEVICE_TIME_US_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DRAIN_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    HOST_OFFLOAD_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_TIME_US_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_rows: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -147,7 +149,9 @@ class StepResponse(_message.Message):
     device_time_us: int
     draining: bool
     drain_seconds_left: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., host_time_us: _Optional[int] = ..., device_time_us: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ...) -> None: ...
+    host_offload_time_us: int
+    host_load_time_us: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., host_time_us: _Optional[int] = ..., device_time_us: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ..., host_offload_time_us: _Optional[int] = ..., host_load_time_us: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("owner", "new_requests", "rows", "block_table_starts", "new_block_counts", "new_block_ids")

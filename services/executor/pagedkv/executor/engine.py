@@ -379,6 +379,10 @@ class Executor:
                 self._settle_tags(launched.sequence)
         completed = time.perf_counter()
         response.host_time_us = int((completed - launched.received) * 1e6)
+        if self.runner.host_kv is not None:
+            offloads, loads = self.runner.host_kv.copy_seconds()
+            response.host_offload_time_us = int(offloads * 1e6)
+            response.host_load_time_us = int(loads * 1e6)
         if trace is not None:
             trace.add(
                 launched.step_id,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple, Protocol
@@ -53,6 +55,11 @@ class BlockStore(Protocol):
         offload that writes those store blocks or reads those device blocks,
         and before any later device work; mutates only those device
         blocks."""
+        ...
+
+    def copy_seconds(self) -> tuple[float, float]:
+        """Time spent copying so far, offloads then loads, in seconds, over
+        the calls known finished (device time on a GPU)."""
         ...
 
 
@@ -129,6 +136,14 @@ def _latest(calls: deque[_InFlight], ids: np.ndarray, host: bool) -> torch.cuda.
     return None
 
 
+class _Timed(NamedTuple):
+    """One call's copy between two timing events: 0 an offload, 1 a load."""
+
+    kind: int
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
 def _prune(calls: deque[_InFlight]) -> None:
     while calls and calls[0].event.query():
         calls.popleft()
@@ -187,6 +202,42 @@ class HostKVPool:
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
+        self._timed: list[_Timed] = []  # calls whose copy time is not summed yet
+        self._seconds = [0.0, 0.0]  # offloads, loads
+        self._timing = threading.Lock()  # calls append, a step's completion sums
+
+    def copy_seconds(self) -> tuple[float, float]:
+        """See ``BlockStore.copy_seconds``."""
+        with self._timing:
+            pending = []
+            for call in self._timed:
+                if call.end.query():
+                    self._seconds[call.kind] += call.start.elapsed_time(call.end) * 1e-3
+                else:
+                    pending.append(call)
+            self._timed = pending
+            return self._seconds[0], self._seconds[1]
+
+    @contextlib.contextmanager
+    def _timed_on(
+        self, stream: torch.cuda.Stream | None, kind: int
+    ) -> Iterator[torch.cuda.Event | None]:
+        """Times the body's copies on ``stream`` (a timing event before and
+        the one yielded, recorded after); on the CPU, its wall time."""
+        if stream is None:
+            began = time.perf_counter()
+            yield None
+            with self._timing:
+                self._seconds[kind] += time.perf_counter() - began
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        with torch.cuda.stream(stream):
+            yield end
+        end.record(stream)
+        with self._timing:
+            self._timed.append(_Timed(kind, start, end))
 
     @property
     def num_blocks(self) -> int:
@@ -223,17 +274,17 @@ class HostKVPool:
         index = to_device(block_ids, self.device)
         stream = self._load_stream
         if stream is None:
-            self._scatter(index, self._rows(host_ids))
+            with self._timed_on(None, 1):
+                self._scatter(index, self._rows(host_ids))
             return
         if self._offloads:
             _prune(self._offloads)
             event = _latest(self._offloads, host_ids, host=True)
             if event is not None:
                 stream.wait_event(event)
-        with torch.cuda.stream(stream):
+        with self._timed_on(stream, 1) as copied:
             staging = self._rows(host_ids)
-        copied = torch.cuda.Event()
-        copied.record(stream)
+        assert copied is not None
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(copied)
         staging.record_stream(compute)  # the scatter below reads it there
@@ -275,12 +326,9 @@ class HostKVPool:
         """Runs the body (an offload) on ``stream``, after the compute
         stream's work so far, and records the call in ``calls``. What the
         body allocates belongs to ``stream`` (freed and reused in its order)."""
-        if stream is None:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._timed_on(stream, 0) as event:
             yield
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            yield
-        event = torch.cuda.Event()
-        event.record(stream)
-        calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))
+        if event is not None:
+            calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))

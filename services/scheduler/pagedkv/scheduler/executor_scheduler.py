@@ -411,4 +411,7 @@ class ExecutorScheduler:
 
     def process(self, step: ScheduledStep, response: executor_pb2.StepResponse) -> Processed:
         """Applies a step's samples (see step_outputs.py)."""
+        if self.kv.host is not None:
+            us = (response.host_offload_time_us, response.host_load_time_us)
+            self.kv.host.copy_seconds = (us[0] * 1e-6, us[1] * 1e-6)
         return apply_outputs(self, step, response)

@@ -93,7 +93,9 @@ HOST_LOADS = ("auto", "always", "never")
 
 class HostTierStats(NamedTuple):
     """The tier's size and the blocks its index holds; counters since start:
-    blocks offloaded and loaded, host blocks evicted."""
+    blocks offloaded and loaded, host blocks evicted, the choices of
+    admissions, and the executor's copy time (seconds, offloads and loads,
+    as its last step response reported)."""
 
     num_blocks: int
     num_cached: int
@@ -102,6 +104,8 @@ class HostTierStats(NamedTuple):
     num_evicted: int
     num_loads_chosen: int
     num_recomputes_chosen: int
+    offload_seconds: float = 0.0
+    load_seconds: float = 0.0
 
 
 class HostTier:
@@ -118,6 +122,7 @@ class HostTier:
         "_num_recomputes_chosen",
         "_offloads",
         "_pinned",
+        "copy_seconds",
         "costs",
         "events",
         "loads",
@@ -132,6 +137,8 @@ class HostTier:
         self.num_blocks = num_blocks
         self.costs = costs
         self.loads = loads
+        # The executor's copy time so far, offloads then loads (StepResponse).
+        self.copy_seconds = (0.0, 0.0)
         self._num_loads_chosen = 0
         self._num_recomputes_chosen = 0
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives host block 0 first
@@ -292,6 +299,8 @@ class HostTier:
             num_evicted=self._num_evicted,
             num_loads_chosen=self._num_loads_chosen,
             num_recomputes_chosen=self._num_recomputes_chosen,
+            offload_seconds=self.copy_seconds[0],
+            load_seconds=self.copy_seconds[1],
         )
 
     def check_integrity(self) -> list[str]:

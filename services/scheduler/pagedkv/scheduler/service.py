@@ -291,6 +291,11 @@ class SchedulerService:
                 executor.prefill_seconds_per_token = costs.prefill_seconds_per_token
                 executor.host_load_seconds = costs.load_seconds
                 executor.host_load_seconds_per_block = costs.load_seconds_per_block
+                per_block = scheduler.info.bytes_per_block
+                executor.offloaded_bytes = host.num_offloaded * per_block
+                executor.loaded_bytes = host.num_loaded * per_block
+                executor.offload_copy_seconds = host.offload_seconds
+                executor.load_copy_seconds = host.load_seconds
             executor.incarnation_id = scheduler.info.incarnation_id
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks

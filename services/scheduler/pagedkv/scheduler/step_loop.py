@@ -262,6 +262,7 @@ class StepLoops:
             metrics.set_kv_usage(address, kv.usage)
             metrics.set_prefix_cache(address, stats.queries, stats.hits)
             if kv.host is not None:
-                metrics.host_tier.set(address, kv.host.stats, stats.host_hits)
+                bytes_per_block = scheduler.info.bytes_per_block
+                metrics.host_tier.set(address, kv.host.stats, stats.host_hits, bytes_per_block)
             metrics.set_preemptions(self.executors.num_preemptions)
             metrics.set_queue_sizes(self.executors.num_running, self.executors.num_waiting)
