@@ -214,11 +214,11 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
     scheduler = [  # step_id, entries, tokens, num_steps, scheduling .. processed, cpu
         (1, 4, 4, 1, 1 * ms, 2 * ms, 3 * ms, 22 * ms, 23 * ms, 0.0),
         (2, 4, 4, 1, 4 * ms, 5 * ms, 6 * ms, 32 * ms, 33 * ms, 5 * ms),
-        (3, 4, 4, 1, 32 * ms, 32.5 * ms, 33 * ms, 52 * ms, 53 * ms, 13 * ms),
+        (3, 4, 20, 1, 32 * ms, 32.5 * ms, 33 * ms, 52 * ms, 53 * ms, 13 * ms),  # prompt tokens
         (4, 4, 4, 1, 60 * ms, 61 * ms, 62 * ms, 70 * ms, 71 * ms, 15 * ms),  # after `until`
     ]
     executor = [  # step_id, rows, num_steps, received, planned, applied, ran, launched,
-        # launch CPU, done, completed, device span, cpu
+        # launch CPU, done, completed, device span, cpu, host blocks offloaded, loaded
         (
             1,
             4,
@@ -234,6 +234,8 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
             10 * ms,
             20 * ms,
             0.0,
+            0,
+            0,
         ),
         (
             2,
@@ -250,6 +252,8 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
             21 * ms,
             31 * ms,
             10 * ms,
+            0,
+            0,
         ),
         (
             3,
@@ -266,6 +270,8 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
             40 * ms,
             50 * ms,
             20 * ms,
+            2,
+            5,
         ),
     ]
     _write_trace(tmp_path, "scheduler", SCHEDULER_FIELDS, scheduler)
@@ -284,6 +290,11 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
     assert median["executor_run"] == pytest.approx(2000.0)  # of 2, 12, 0.5
     assert median["executor_launch_cpu"] == pytest.approx(3000.0)  # of 2, 4, 3
     assert trace["cpu_use"]["executor"] == pytest.approx(20 / 30, abs=1e-3)  # completed 21 .. 51
+    assert trace["device_ms_by_kind"] == {
+        "decode": {"steps": 2, "device_ms": pytest.approx(20.0), "loaded_blocks": 0},
+        "prefill+loads": {"steps": 1, "device_ms": pytest.approx(10.0), "loaded_blocks": 5},
+    }
+    assert trace["host_copies"] == {"offloaded_blocks": 2, "loaded_blocks": 5}
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -391,7 +402,7 @@ def test_an_executor_shared_by_schedulers_in_turn_has_each_step_matched_to_its_o
         (2, 4, 32, 8, 103 * ms, 104 * ms, 105 * ms, 140 * ms, 141 * ms, 1 * ms),
     ]
     executor = [  # the launch's phases all at its start, no launch CPU
-        (*row[:4], row[3], row[3], row[3], row[4], 0.0, *row[5:])
+        (*row[:4], row[3], row[3], row[3], row[4], 0.0, *row[5:], 0, 0)
         for row in (
             (1, 4, 1, 4 * ms, 9 * ms, 20 * ms, 21 * ms, 10 * ms, 20 * ms, 0.0),
             (2, 4, 1, 7 * ms, 20.5 * ms, 31 * ms, 31.5 * ms, 21 * ms, 31 * ms, 10 * ms),

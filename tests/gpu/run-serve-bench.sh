@@ -125,7 +125,8 @@ case "${1:-1b}" in
     # prompts of 1,024 tokens (4x the 1,024 blocks of the GPU pool) and a
     # short question, all at once, with the GPU pool alone and then with a
     # host tier of HOST_GIB (default 4; 16 for llama-8b's 2 MiB blocks) GiB
-    # (a few minutes). Files: serve-host-tier-{off,on}[-8b]-NAME.
+    # (a few minutes), each step traced (the report splits the device time
+    # by kind of step). Files: serve-host-tier-{off,on}[-8b]-NAME.
     preset=${PRESET:-llama-1.1b}
     suffix=''
     [[ $preset == llama-8b ]] && suffix=-8b
@@ -135,7 +136,7 @@ case "${1:-1b}" in
       bench --preset "$preset" --rates inf --num-requests 512 --warmup-requests 16 \
         --fixed-batch '' --no-hf --system-prompt-fraction 1 --num-system-prompts 64 \
         --system-prompt-len 1024 --mean-prompt-len 64 --mean-output-len 64 \
-        --num-blocks 1025 --max-num-seqs 32 "${tuned[@]}" "${host[@]}" \
+        --num-blocks 1025 --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
         --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
     done
     ;;

@@ -74,7 +74,8 @@ lives."""
 # (its device work enqueued), launched, seen done and answered; the
 # launching thread's CPU seconds over its launch (against the launch's wall
 # time: the rest waited, for the GIL or the device); when its device work
-# started and ended (CUDA events, on the same clock).
+# started and ended (CUDA events, on the same clock); the process's CPU
+# seconds; the host tier's blocks it offloaded and loaded.
 TRACE_FIELDS = (
     "step_id",
     "rows",
@@ -90,6 +91,8 @@ TRACE_FIELDS = (
     "device_start",
     "device_end",
     "cpu",
+    "offloads",
+    "loads",
 )
 
 
@@ -357,6 +360,7 @@ class Executor:
                 phases=(planned, applied, ran),
                 launched=time.perf_counter(),
                 launch_cpu=time.thread_time() - thread_cpu,
+                host_copies=(len(plan.offloads), len(plan.loads)),
             )
             if plan.tags.block_ids:
                 self._untagged.append(launched)
@@ -396,6 +400,7 @@ class Executor:
                 completed,
                 *span,
                 time.process_time(),
+                *launched.host_copies,
             )
         return response
 

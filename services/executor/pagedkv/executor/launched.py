@@ -70,6 +70,7 @@ class LaunchedStep:
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
     launched: float = 0.0
     launch_cpu: float = 0.0
+    host_copies: tuple[int, int] = (0, 0)  # blocks offloaded and loaded first
 
     def done(self) -> bool:
         """Whether the device has finished the step (never waits)."""

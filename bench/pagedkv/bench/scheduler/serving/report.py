@@ -186,11 +186,16 @@ def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:
         return []
     b = trace["batch"]
     idle = trace["idle_ms"]
+    what = (
+        "Every step of the run"
+        if b is None
+        else f"The first fixed batch ({b['batch']} x ({b['prompt_len']} -> {b['max_tokens']}))"
+    )
     lines = [
         "",
         "## Where the step time went (step trace)",
         "",
-        f"The first fixed batch ({b['batch']} x ({b['prompt_len']} -> {b['max_tokens']})): "
+        f"{what}: "
         f"{trace['steps']} steps, {trace['decode_steps']} decode steps' worth "
         f"({trace['windows']} windows) in {trace['span_ms']:.1f} ms, "
         f"{trace['wall_per_decode_step_us']:.0f} us each; the device was busy "
@@ -205,6 +210,22 @@ def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:
         "|---|---|",
     ]
     lines += [f"| {name} | {value:.0f} |" for name, value in trace["median_us"].items()]
+    kinds = trace.get("device_ms_by_kind")
+    if kinds:
+        copies = trace["host_copies"]
+        lines += [
+            "",
+            "Device time by kind of step (prefill: it computed prompt tokens; +loads: it "
+            f"loaded host-tier blocks; {copies['offloaded_blocks']} blocks offloaded and "
+            f"{copies['loaded_blocks']} loaded in all):",
+            "",
+            "| kind | steps | device ms | blocks loaded |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {kind} | {row['steps']} | {row['device_ms']:.1f} | {row['loaded_blocks']} |"
+            for kind, row in kinds.items()
+        ]
     return lines
 
 

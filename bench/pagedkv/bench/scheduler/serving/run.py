@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import importlib.metadata as metadata
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -264,10 +265,13 @@ def main(args: argparse.Namespace) -> int:
             if stack is not None:
                 stack.stop()
         marks = report.pop("fixed_batch_marks")
-        if args.step_trace and stack is not None and batches:
+        if args.step_trace and stack is not None:
+            # The first fixed batch; without one, every step of the run
+            # (the rate runs, their warm-up requests included).
+            since, until = marks if batches else (0.0, math.inf)
             report["step_trace"] = {
-                **step_trace.analyze(Path(traces), marks[0], marks[1]),
-                "batch": batches[0]._asdict(),
+                **step_trace.analyze(Path(traces), since, until),
+                "batch": batches[0]._asdict() if batches else None,
             }
         if not args.no_hf:
             for run, batch in zip(report["fixed_batches"], batches, strict=True):

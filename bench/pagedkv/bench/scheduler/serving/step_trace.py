@@ -15,7 +15,12 @@ looks at the steps the scheduler began in that time (``time.perf_counter()``):
   rows and running it, and the launching thread's CPU time over the launch:
   the rest of the launch's wall time it waited, for the GIL or the device);
 - each process's CPU use over the span (CPU seconds per second: above 1 means
-  more than one thread was busy).
+  more than one thread was busy);
+- ``device_ms_by_kind``: the device time of the steps that computed prompt
+  tokens (``prefill``: more tokens than decode steps' worth) and of the
+  others (``decode``), each split by whether the step loaded host-tier
+  blocks, with the steps and blocks of each (``host_copies``: the blocks
+  offloaded and loaded in all).
 
 Only the scheduler's and one executor's records are used (the serving
 benchmark runs one executor).
@@ -125,6 +130,7 @@ def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[s
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     decode_steps = sum(int(r["num_steps"]) for r in executor)
+    by_kind = _device_by_kind(executor, sent)
     return {
         "steps": len(executor),
         "decode_steps": decode_steps,  # a window of N counts N
@@ -157,7 +163,33 @@ def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[s
             "scheduler": _cpu_use(scheduler, "processed"),
             "executor": _cpu_use(executor, "completed"),
         },
+        "device_ms_by_kind": by_kind,
+        "host_copies": {
+            "offloaded_blocks": int(sum(r.get("offloads", 0) for r in executor)),
+            "loaded_blocks": int(sum(r.get("loads", 0) for r in executor)),
+        },
     }
+
+
+def _device_by_kind(
+    executor: list[dict[str, float]], sent: dict[int, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Device ms, steps and loaded blocks of each kind of step: ``prefill`` or
+    ``decode`` (a step whose tokens exceed its entries times its decode
+    steps computed prompt tokens), ``+loads`` when it loaded host blocks."""
+    kinds: dict[str, dict[str, float]] = {}
+    for r in executor:
+        step = sent[int(r["step_id"])]
+        prefill = step["tokens"] > step["entries"] * max(1, step["num_steps"])
+        loads = int(r.get("loads", 0))
+        kind = ("prefill" if prefill else "decode") + ("+loads" if loads else "")
+        row = kinds.setdefault(kind, {"steps": 0, "device_ms": 0.0, "loaded_blocks": 0})
+        row["steps"] += 1
+        row["device_ms"] += (r["device_end"] - r["device_start"]) * 1e3
+        row["loaded_blocks"] += loads
+    for row in kinds.values():
+        row["device_ms"] = round(row["device_ms"], 2)
+    return dict(sorted(kinds.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
