@@ -17,6 +17,9 @@
 #   bash tests/gpu/run-serve-bench.sh gemm       # python -m pagedkv.bench.kernels.bench_gemm
 #   bash tests/gpu/run-serve-bench.sh host-tier  # python -m pagedkv.bench.executor.host_tier:
 #                                            # first tokens from each tier, 8B shape
+#   bash tests/gpu/run-serve-bench.sh host-ttft  # pagedkv.bench.scheduler.host_ttft: a 4,096-
+#                                            # token prompt's first token from each tier
+#                                            # through pagedkv serve, 8B shape
 #   bash tests/gpu/run-serve-bench.sh host-tier-serve  # ~1.1B: long shared prompts, 4x
 #                                            # the GPU pool, without and with a host tier
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
@@ -139,6 +142,14 @@ case "${1:-1b}" in
         --num-blocks 1025 --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
         --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
     done
+    ;;
+  host-ttft)
+    # Llama-3-8B's shape: a 4,096-token prompt's TTFT end to end, recomputed,
+    # from a GPU hit and from a host hit (five rounds after a warm-up; a
+    # minute or two). RUN numbers the file.
+    "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
+      --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 \
+      --output "$RESULTS/host-ttft-8b-${RUN:-1}-$NAME.json"
     ;;
   host-tier)
     # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's
