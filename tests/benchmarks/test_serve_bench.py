@@ -291,8 +291,13 @@ def test_a_step_trace_splits_device_idle_time_by_its_cause(tmp_path: Path) -> No
     assert median["executor_launch_cpu"] == pytest.approx(3000.0)  # of 2, 4, 3
     assert trace["cpu_use"]["executor"] == pytest.approx(20 / 30, abs=1e-3)  # completed 21 .. 51
     assert trace["device_ms_by_kind"] == {
-        "decode": {"steps": 2, "device_ms": pytest.approx(20.0), "loaded_blocks": 0},
-        "prefill+loads": {"steps": 1, "device_ms": pytest.approx(10.0), "loaded_blocks": 5},
+        "decode": {"steps": 2, "tokens": 8, "device_ms": pytest.approx(20.0), "loaded_blocks": 0},
+        "prefill+loads": {
+            "steps": 1,
+            "tokens": 20,
+            "device_ms": pytest.approx(10.0),
+            "loaded_blocks": 5,
+        },
     }
     assert trace["host_copies"] == {"offloaded_blocks": 2, "loaded_blocks": 5}
 

@@ -219,11 +219,12 @@ def _step_trace_lines(trace: Mapping[str, Any] | None) -> list[str]:
             f"loaded host-tier blocks; {copies['offloaded_blocks']} blocks offloaded and "
             f"{copies['loaded_blocks']} loaded in all):",
             "",
-            "| kind | steps | device ms | blocks loaded |",
-            "|---|---|---|---|",
+            "| kind | steps | tokens | device ms | blocks loaded |",
+            "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {kind} | {row['steps']} | {row['device_ms']:.1f} | {row['loaded_blocks']} |"
+            f"| {kind} | {row['steps']} | {row.get('tokens', '')} | {row['device_ms']:.1f} | "
+            f"{row['loaded_blocks']} |"
             for kind, row in kinds.items()
         ]
     return lines

@@ -127,6 +127,21 @@ def _serve_runs(
         "prefix_cache_hits": sum(e.prefix_cache_hits for e in stats.executors),
         "prefix_cache_queries": sum(e.prefix_cache_queries for e in stats.executors),
     }
+    if any(e.num_host_blocks for e in stats.executors):  # the host tier's totals
+        out["server"]["host_tier"] = {
+            name: sum(getattr(e, name) for e in stats.executors)
+            for name in (
+                "prefix_cache_host_hits",
+                "num_offloaded_blocks",
+                "num_loaded_blocks",
+                "offloaded_bytes",
+                "loaded_bytes",
+                "offload_copy_seconds",
+                "load_copy_seconds",
+                "host_loads_chosen",
+                "host_recomputes_chosen",
+            )
+        }
     return out
 
 

@@ -174,7 +174,7 @@ def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[s
 def _device_by_kind(
     executor: list[dict[str, float]], sent: dict[int, dict[str, float]]
 ) -> dict[str, dict[str, float]]:
-    """Device ms, steps and loaded blocks of each kind of step: ``prefill`` or
+    """Device ms, steps, tokens and loaded blocks of each kind of step: ``prefill`` or
     ``decode`` (a step whose tokens exceed its entries times its decode
     steps computed prompt tokens), ``+loads`` when it loaded host blocks."""
     kinds: dict[str, dict[str, float]] = {}
@@ -183,8 +183,11 @@ def _device_by_kind(
         prefill = step["tokens"] > step["entries"] * max(1, step["num_steps"])
         loads = int(r.get("loads", 0))
         kind = ("prefill" if prefill else "decode") + ("+loads" if loads else "")
-        row = kinds.setdefault(kind, {"steps": 0, "device_ms": 0.0, "loaded_blocks": 0})
+        row = kinds.setdefault(
+            kind, {"steps": 0, "tokens": 0, "device_ms": 0.0, "loaded_blocks": 0}
+        )
         row["steps"] += 1
+        row["tokens"] += int(step["tokens"])
         row["device_ms"] += (r["device_end"] - r["device_start"]) * 1e3
         row["loaded_blocks"] += loads
     for row in kinds.values():
