@@ -40,8 +40,9 @@ class BlockStore(Protocol):
         """Copies device block ``block_ids[i]`` into store block
         ``host_ids[i]`` (int64 arrays of one length; ``host_ids`` distinct).
         Reads the device blocks after every earlier device write; later
-        device work does not wait for it, except a write into one of those
-        blocks (see ``before_writes``). Mutates only the store blocks."""
+        device work does not wait for it, except, for a store that reads
+        them later, a write into one of those blocks (see
+        ``before_writes``). Mutates only the store blocks."""
         ...
 
     def before_writes(self, block_ids: np.ndarray) -> None:
@@ -118,19 +119,17 @@ def _runs(host_ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 class _InFlight(NamedTuple):
-    """One offload or load call on its stream: done when ``event`` is."""
+    """One offload's copy to host memory: done when ``event`` is."""
 
     event: torch.cuda.Event
-    block_ids: np.ndarray
     host_ids: np.ndarray
 
 
-def _latest(calls: deque[_InFlight], ids: np.ndarray, host: bool) -> torch.cuda.Event | None:
-    """The event of the last call in ``calls`` that touches ``ids`` (host
-    block ids with ``host``, else device block ids); on one stream, it being
-    done means every earlier call is."""
+def _latest(calls: deque[_InFlight], host_ids: np.ndarray) -> torch.cuda.Event | None:
+    """The event of the last call in ``calls`` that writes any of
+    ``host_ids``; on one stream, it being done means every earlier call is."""
     for call in reversed(calls):
-        if np.isin(call.host_ids if host else call.block_ids, ids).any():
+        if np.isin(call.host_ids, host_ids).any():
             event: torch.cuda.Event = call.event
             return event
     return None
@@ -157,27 +156,28 @@ class HostKVPool:
     ``[block_size, num_kv_heads, head_size]`` of its group, so a block moves
     in one contiguous copy (and a run of consecutive host ids in one).
 
-    On CUDA the rows are pinned, and offloads and loads run on two streams
-    of the pool's own. An offload first waits for the compute stream's work
-    so far, gathers the device blocks into a staging buffer (one
-    ``index_select`` per layer and K/V) and copies rows from staging to host
-    without blocking the host. The compute stream does not wait for an
-    offload: it overlaps the steps that follow, and only work that writes
-    into a block it still reads waits for it (``before_writes``). A load
-    copies host rows into a staging buffer on the load stream without
-    waiting for the compute stream (staging is fresh memory, so nothing
-    there orders it), after the offloads still writing its host blocks; the
-    compute stream then waits for that copy and for the offloads still
-    reading the device blocks, and scatters the rows into the layers (one
-    ``index_copy_`` each) as its own work. So the host-to-device copy, the
-    slow part, overlaps the forward already enqueued, and the device blocks
-    are written in the compute stream's order. An offload's host blocks are
-    never read by a load still copying (the compute stream, which the
-    offload waits for, waited for every load's copy). Each call records an
-    event; finished ones are dropped as later calls look. The host never
-    waits. On the CPU the same code runs synchronously on plain memory. A
-    call's staging holds its n blocks (``n * bytes_per_block`` device
-    bytes) while it runs.
+    On CUDA the rows are pinned, and the copies between device and host
+    memory run on two streams of the pool's own, beside the compute
+    stream's work. An offload gathers the device blocks into a staging
+    buffer (one ``index_select`` per layer and K/V) on the compute stream
+    itself, in its order: it reads the blocks after every earlier write and
+    before every later one, so nothing later waits for it. The offload
+    stream then copies the staging rows to host memory without blocking the
+    host. A load copies host rows into a staging buffer on the load stream
+    without waiting for the compute stream (staging is fresh memory), after
+    the offloads still writing those host rows; the compute stream waits
+    for that copy and scatters the rows into the layers (one ``index_copy_``
+    each) as its own work. So both copies between host and device, the slow
+    part, overlap the forwards already enqueued, and device blocks are read
+    and written only in the compute stream's order. An offload's host rows
+    are never read by a load still copying (the offload's copy waits for
+    the compute stream, which waited for every earlier load's copy). Each
+    copy records an event; finished offloads are dropped as later calls
+    look. The host never waits. On the CPU the same code runs synchronously
+    on plain memory. A call's staging holds its n blocks (``n *
+    bytes_per_block`` device bytes) until its copy is done.
+    ``copy_seconds`` sums the copies' times (timing events around each
+    copy between host and device; wall time on the CPU).
     """
 
     def __init__(self, kv: KVMemory, num_blocks: int) -> None:
@@ -252,19 +252,23 @@ class HostKVPool:
         if not len(block_ids):
             return
         block_ids, host_ids = _by_host_id(block_ids, host_ids)
-        with self._on(self._offload_stream, block_ids, host_ids, self._offloads):
-            staging = self._gather(to_device(block_ids, self.device))
+        # The gather runs on the compute stream, in its order: it reads the
+        # blocks after every earlier write and before every later one, so
+        # nothing that follows waits for the copy to host memory.
+        staging = self._gather(to_device(block_ids, self.device))
+        stream = self._offload_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            staging.record_stream(stream)  # the copy below reads it there
+        with self._timed_on(stream, 0) as copied:
             for i, host_id, n in _runs(host_ids):
                 self.blocks[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+        if copied is not None:
+            self._offloads.append(_InFlight(copied, host_ids.copy()))
 
     def before_writes(self, block_ids: np.ndarray) -> None:
-        """See ``BlockStore.before_writes``."""
-        if not self._offloads:
-            return
-        _prune(self._offloads)
-        event = _latest(self._offloads, block_ids, host=False)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        """See ``BlockStore.before_writes``: nothing to wait for here (an
+        offload has read its device blocks on the compute stream)."""
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """See ``BlockStore.load``."""
@@ -279,8 +283,8 @@ class HostKVPool:
             return
         if self._offloads:
             _prune(self._offloads)
-            event = _latest(self._offloads, host_ids, host=True)
-            if event is not None:
+            event = _latest(self._offloads, host_ids)
+            if event is not None:  # an offload still writes some of these host rows
                 stream.wait_event(event)
         with self._timed_on(stream, 1) as copied:
             staging = self._rows(host_ids)
@@ -288,7 +292,6 @@ class HostKVPool:
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(copied)
         staging.record_stream(compute)  # the scatter below reads it there
-        self.before_writes(block_ids)
         self._scatter(index, staging)
 
     def _rows(self, host_ids: np.ndarray) -> torch.Tensor:
@@ -314,21 +317,3 @@ class HostKVPool:
         """Writes row i of ``staging`` into device block ``index[i]``."""
         for layer, columns in self._parts:
             layer.index_copy_(0, index, staging[:, columns])
-
-    @contextlib.contextmanager
-    def _on(
-        self,
-        stream: torch.cuda.Stream | None,
-        block_ids: np.ndarray,
-        host_ids: np.ndarray,
-        calls: deque[_InFlight],
-    ) -> Iterator[None]:
-        """Runs the body (an offload) on ``stream``, after the compute
-        stream's work so far, and records the call in ``calls``. What the
-        body allocates belongs to ``stream`` (freed and reused in its order)."""
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._timed_on(stream, 0) as event:
-            yield
-        if event is not None:
-            calls.append(_InFlight(event, block_ids.copy(), host_ids.copy()))
