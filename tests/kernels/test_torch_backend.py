@@ -304,3 +304,26 @@ def test_choosing_torch_needs_no_triton_kernel_module(monkeypatch: pytest.Monkey
     backend = get_backend("torch")
     batch = build_batch([2], [1], num_q_heads=2, num_kv_heads=1)
     assert backend.paged_attention(*attention_args(batch), scale=1.0).shape == (1, 2, 64)
+
+
+def test_gather_and_scatter_blocks_match_the_oracles_and_check_their_arguments() -> None:
+    caches = [torch.randn(6, 4, 2, 8) for _ in range(4)]
+    block_ids = torch.tensor([4, 1, 5])
+    numel = caches[0][0].numel()
+    want = torch.empty(3, 4 * numel)
+    reference.gather_blocks(caches, block_ids, want)
+    got = torch.empty_like(want)
+    torch_backend.gather_blocks(caches, block_ids, got)
+    assert torch.equal(got, want)
+    expected = [c.clone() for c in caches]
+    rows = torch.randn(3, 4 * numel)
+    reference.scatter_blocks(expected, block_ids, rows)
+    torch_backend.scatter_blocks(caches, block_ids, rows)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected, strict=True))
+    with pytest.raises(ValueError, match="out: expected a contiguous"):
+        torch_backend.gather_blocks(caches, block_ids, torch.empty(3, numel))
+    with pytest.raises(ValueError, match=r"caches\[1\]: must match"):
+        two = torch.empty(3, 2 * numel)
+        torch_backend.gather_blocks([caches[0], caches[1][:3]], block_ids, two)
+    with pytest.raises(ValueError, match="block_ids"):
+        torch_backend.scatter_blocks(caches, block_ids.float(), rows)

@@ -171,3 +171,21 @@ def test_decode_splits_fill_one_wave_of_programs(num_sms: int) -> None:
         assert pairs * splits <= max(slots, pairs)
         if pairs <= slots // 2 and splits < decode_attention.DECODE_MAX_SPLITS:
             assert pairs * splits > slots // 2
+
+
+def test_gather_and_scatter_blocks_match_the_oracles() -> None:
+    # Four caches (two layers' K and V), separate allocations; blocks in any order.
+    caches = [torch.randn(6, BLOCK_SIZE, 2, 8) for _ in range(4)]
+    block_ids = torch.tensor([4, 1, 5])
+    numel = caches[0][0].numel()
+    want = torch.empty(3, 4 * numel)
+    reference.gather_blocks(caches, block_ids, want)
+    got = torch.zeros_like(want)
+    run(cache_ops.gather_blocks, caches, block_ids, got)
+    assert torch.equal(got, want)
+    rows = torch.randn(3, 4 * numel)
+    expected = [c.clone() for c in caches]
+    reference.scatter_blocks(expected, block_ids, rows)
+    run(cache_ops.scatter_blocks, caches, block_ids, rows)
+    for cache, expect in zip(caches, expected, strict=True):
+        assert torch.equal(cache, expect)

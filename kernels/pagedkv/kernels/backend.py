@@ -61,6 +61,15 @@ class PagedAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class BlockRows(Protocol):
+    """Moves whole blocks between ``caches`` and rows of a host tier's
+    layout (``reference.gather_blocks`` / ``scatter_blocks``)."""
+
+    def __call__(
+        self, caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor
+    ) -> None: ...
+
+
 class CopyBlocks(Protocol):
     """Copies block ``src`` into block ``dst`` in every layer, K and V."""
 
@@ -171,7 +180,8 @@ class KernelBackend:
     decoder-layer ops (``pagedkv.executor.fused_model``; the fifth is the
     fourth and the attention in one, for one-token decodes);
     ``decode_inputs`` builds a decode graph's inputs; ``greedy_sample``
-    samples an all-greedy batch.
+    samples an all-greedy batch; ``gather_blocks`` and ``scatter_blocks``
+    move whole blocks to and from a host tier's rows.
     """
 
     name: str
@@ -187,6 +197,8 @@ class KernelBackend:
     rotary_decode_attention: RotaryDecodeAttention
     decode_inputs: DecodeInputsOp
     greedy_sample: GreedySample
+    gather_blocks: BlockRows
+    scatter_blocks: BlockRows
 
 
 def get_backend(name: str) -> KernelBackend:
@@ -213,6 +225,8 @@ def get_backend(name: str) -> KernelBackend:
             rotary_decode_attention=attention.rotary_decode_attention,
             decode_inputs=decode_inputs.decode_inputs,
             greedy_sample=greedy.greedy_sample,
+            gather_blocks=cache_ops.gather_blocks,
+            scatter_blocks=cache_ops.scatter_blocks,
         )
     if name == "torch":
         from pagedkv.kernels import torch_backend
@@ -231,5 +245,7 @@ def get_backend(name: str) -> KernelBackend:
             rotary_decode_attention=torch_backend.rotary_decode_attention,
             decode_inputs=torch_backend.decode_inputs,
             greedy_sample=torch_backend.greedy_sample,
+            gather_blocks=torch_backend.gather_blocks,
+            scatter_blocks=torch_backend.scatter_blocks,
         )
     raise ValueError(f"kernel backend: {name!r} is not one of {BACKEND_NAMES}")

@@ -1,7 +1,9 @@
 """Triton kernels that move K/V into and within the paged cache.
 
 ``reshape_and_cache`` writes a step's new K/V at their slots; ``copy_blocks``
-runs copy-on-write copies. Oracles: ``pagedkv.kernels.reference``.
+runs copy-on-write copies; ``gather_blocks`` and ``scatter_blocks`` move
+whole blocks of every layer between the caches and rows of a host tier's
+layout, in one launch. Oracles: ``pagedkv.kernels.reference``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.checks import check_cache, check_int_vector
+from pagedkv.kernels.checks import check_block_rows, check_cache, check_int_vector
 
 
 @triton.jit
@@ -136,3 +138,85 @@ def copy_blocks(
         block = min(4096, triton.next_power_of_2(block_numel))
         grid = (len(src_dst), triton.cdiv(block_numel, block))
         _copy_blocks_kernel[grid](cache, src_dst, block_numel, BLOCK=block)
+
+
+@triton.jit
+def _block_rows_kernel(
+    first_ptr,  # caches[0]; every cache is reached from it by its offset
+    offsets_ptr,  # [num_caches] int64: each cache's start, in elements from caches[0]'s
+    block_ids_ptr,  # [n]
+    rows_ptr,  # [n, num_caches * block_numel]
+    block_numel,
+    num_caches,
+    TO_ROWS: tl.constexpr,  # gather (blocks to rows), else scatter
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    chunk = tl.program_id(2)
+    block = tl.load(block_ids_ptr + i).to(tl.int64)
+    start = tl.load(offsets_ptr + part)
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offsets < block_numel
+    cache = first_ptr + start + block * block_numel + offsets
+    row = rows_ptr + (i * num_caches + part) * block_numel + offsets
+    if TO_ROWS:
+        tl.store(row, tl.load(cache, mask=mask), mask=mask)
+    else:
+        tl.store(cache, tl.load(row, mask=mask), mask=mask)
+
+
+_OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _cache_offsets(device: torch.device, pointers: tuple[int, ...], size: int) -> torch.Tensor:
+    """Each cache's start in elements from the first's, on ``device``; made
+    once per set of caches (a copy from host memory each call would wait
+    for the device)."""
+    key = (device, pointers)
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        starts = [pointer - pointers[0] for pointer in pointers]
+        assert all(start % size == 0 for start in starts)
+        offsets = torch.tensor([start // size for start in starts], dtype=torch.int64)
+        _OFFSETS[key] = offsets = offsets.to(device)
+    return offsets
+
+
+def _block_rows(
+    name: str,
+    caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    rows: torch.Tensor,
+    to_rows: bool,
+) -> None:
+    """One launch over every cache: each reached from ``caches[0]`` by its
+    offset in elements (the caches are separate allocations of one dtype,
+    so the offsets are whole)."""
+    block_numel = check_block_rows(name, caches, block_ids, rows)
+    if not len(block_ids):
+        return
+    first = caches[0]
+    pointers = tuple(cache.data_ptr() for cache in caches)
+    offsets = _cache_offsets(first.device, pointers, first.element_size())
+    block = min(4096, triton.next_power_of_2(block_numel))
+    grid = (len(block_ids), len(caches), triton.cdiv(block_numel, block))
+    _block_rows_kernel[grid](
+        first, offsets, block_ids, rows, block_numel, len(caches), TO_ROWS=to_rows, BLOCK=block
+    )
+
+
+def gather_blocks(
+    caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Row ``i`` of ``out``: block ``block_ids[i]`` of each cache in turn
+    (``reference.gather_blocks``), in one launch."""
+    _block_rows("out", caches, block_ids, out, to_rows=True)
+
+
+def scatter_blocks(
+    caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Row ``i`` of ``rows`` into block ``block_ids[i]`` of each cache
+    (``reference.scatter_blocks``), in one launch; ``block_ids`` distinct."""
+    _block_rows("rows", caches, block_ids, rows, to_rows=False)

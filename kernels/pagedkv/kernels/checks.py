@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -107,3 +109,34 @@ def check_rotary_args(
         raise ValueError(f"cos_sin: expected a contiguous float [max_position, {head_size}]")
     check_int_vector("positions", positions, num_tokens)
     check_int_vector("slot_mapping", slot_mapping, num_tokens)
+
+
+def check_block_rows(
+    name: str, caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor
+) -> int:
+    """The arguments of ``gather_blocks`` / ``scatter_blocks``: at least one
+    contiguous cache, all of one shape, dtype and device; ``block_ids`` a
+    1-D int vector on that device; ``rows`` (named ``name``) a contiguous
+    ``[len(block_ids), len(caches) * block_numel]`` tensor of their dtype.
+    Returns ``block_numel``, the elements of one cache's block."""
+    if not caches:
+        raise ValueError("caches: at least one is needed")
+    first = caches[0]
+    for i, cache in enumerate(caches):
+        if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+            raise ValueError(f"caches[{i}]: must match caches[0] in shape, dtype and device")
+        if not cache.is_contiguous():
+            raise ValueError(f"caches[{i}]: must be contiguous")
+    check_int_vector("block_ids", block_ids)
+    if block_ids.device != first.device:
+        raise ValueError(f"block_ids: on {block_ids.device}, the caches on {first.device}")
+    numel = first[0].numel()
+    want = (len(block_ids), len(caches) * numel)
+    if tuple(rows.shape) != want or rows.dtype != first.dtype or not rows.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous {list(want)} tensor of {first.dtype}, got "
+            f"{list(rows.shape)} of {rows.dtype}"
+        )
+    if rows.device != first.device:
+        raise ValueError(f"{name}: on {rows.device}, the caches on {first.device}")
+    return numel

@@ -120,6 +120,30 @@ def copy_blocks(
             cache[dst] = cache[src]
 
 
+def gather_blocks(
+    caches: Sequence[torch.Tensor],  # each [num_blocks, ...], one shape and dtype
+    block_ids: torch.Tensor,  # [n], int
+    out: torch.Tensor,  # [n, len(caches) * block_numel], the caches' dtype
+) -> None:
+    """Row ``i`` of ``out``: block ``block_ids[i]`` of each cache in turn,
+    flattened (a host tier's row: layer after layer, K then V)."""
+    for i, block in enumerate(block_ids.tolist()):
+        out[i] = torch.cat([cache[block].reshape(-1) for cache in caches])
+
+
+def scatter_blocks(
+    caches: Sequence[torch.Tensor],  # each [num_blocks, ...], one shape and dtype
+    block_ids: torch.Tensor,  # [n], int, distinct
+    rows: torch.Tensor,  # [n, len(caches) * block_numel], the caches' dtype
+) -> None:
+    """The inverse of ``gather_blocks``: row ``i`` of ``rows`` into block
+    ``block_ids[i]`` of each cache. Mutates those blocks only."""
+    for i, block in enumerate(block_ids.tolist()):
+        parts = rows[i].split(caches[0][0].numel())
+        for cache, part in zip(caches, parts, strict=True):
+            cache[block] = part.view(cache[block].shape)
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden_size]
     weight: torch.Tensor,  # [hidden_size]

@@ -21,6 +21,7 @@ from pagedkv.kernels import reference
 from pagedkv.kernels.backend import DecodeInputs
 from pagedkv.kernels.checks import (
     check_attention_args,
+    check_block_rows,
     check_cache,
     check_int_vector,
     check_rotary_args,
@@ -337,3 +338,27 @@ def decode_inputs(
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (ties to the lowest id) and its float32 log-probability."""
     return reference.greedy_sample(logits)
+
+
+def gather_blocks(
+    caches: Sequence[torch.Tensor],  # each [num_blocks, ...], one shape and dtype
+    block_ids: torch.Tensor,  # [n], int
+    out: torch.Tensor,  # [n, len(caches) * block_numel]
+) -> None:
+    """See ``reference.gather_blocks``: one ``index_select`` per cache."""
+    numel = check_block_rows("out", caches, block_ids, out)
+    for j, cache in enumerate(caches):
+        layer = cache.view(cache.shape[0], -1)
+        torch.index_select(layer, 0, block_ids, out=out[:, j * numel : (j + 1) * numel])
+
+
+def scatter_blocks(
+    caches: Sequence[torch.Tensor],  # each [num_blocks, ...], one shape and dtype
+    block_ids: torch.Tensor,  # [n], int, distinct
+    rows: torch.Tensor,  # [n, len(caches) * block_numel]
+) -> None:
+    """See ``reference.scatter_blocks``: one ``index_copy_`` per cache."""
+    numel = check_block_rows("rows", caches, block_ids, rows)
+    for j, cache in enumerate(caches):
+        layer = cache.view(cache.shape[0], -1)
+        layer.index_copy_(0, block_ids, rows[:, j * numel : (j + 1) * numel])

@@ -27,6 +27,7 @@ import torch
 
 from pagedkv.executor.kv_memory import KVMemory
 from pagedkv.executor.rows import to_device
+from pagedkv.kernels.backend import KernelBackend
 
 
 class BlockStore(Protocol):
@@ -180,12 +181,19 @@ class HostKVPool:
     copy between host and device; wall time on the CPU).
     """
 
-    def __init__(self, kv: KVMemory, num_blocks: int) -> None:
+    def __init__(self, kv: KVMemory, num_blocks: int, backend: KernelBackend | None = None) -> None:
+        """``backend``: its ``gather_blocks`` / ``scatter_blocks`` move a
+        call's blocks of every layer in one launch when all layers' caches
+        have one shape (else, or without one, an ``index_select`` /
+        ``index_copy_`` per layer and K/V)."""
         caches = [c for pair in zip(kv.key_caches, kv.value_caches, strict=True) for c in pair]
         dtypes = {cache.dtype for cache in caches}
         assert len(dtypes) == 1 and all(c.is_contiguous() for c in caches)
         self.device = caches[0].device
         self.dtype = caches[0].dtype
+        uniform = len({cache.shape for cache in caches}) == 1
+        self._caches = caches
+        self._backend = backend if uniform else None
         # Each layer's K, then V, as [num_device_blocks, elements of one
         # block], and its columns in a host row.
         self._parts: list[tuple[torch.Tensor, slice]] = []
@@ -309,11 +317,17 @@ class HostKVPool:
         staging = torch.empty(
             (len(index), self.elements_per_block), dtype=self.dtype, device=self.device
         )
+        if self._backend is not None:
+            self._backend.gather_blocks(self._caches, index, staging)
+            return staging
         for layer, columns in self._parts:
             torch.index_select(layer, 0, index, out=staging[:, columns])
         return staging
 
     def _scatter(self, index: torch.Tensor, staging: torch.Tensor) -> None:
         """Writes row i of ``staging`` into device block ``index[i]``."""
+        if self._backend is not None:
+            self._backend.scatter_blocks(self._caches, index, staging)
+            return
         for layer, columns in self._parts:
             layer.index_copy_(0, index, staging[:, columns])

@@ -125,7 +125,9 @@ class ModelRunner:
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
         num_host = num_host_blocks(config.host_kv_gib, self.bytes_per_block)
-        self.host_kv: BlockStore | None = HostKVPool(self.kv, num_host) if num_host else None
+        self.host_kv: BlockStore | None = (
+            HostKVPool(self.kv, num_host, self.backend) if num_host else None
+        )
         self.host_costs: HostCosts | None = None  # measured by warm_up
         self.limits = Limits(
             num_blocks=num_blocks,
