@@ -149,3 +149,68 @@ def _run_host_tier_bench(args: argparse.Namespace) -> int:
     from pagedkv.bench.scheduler.host_tier import main
 
     return main(args)
+
+
+@requires("pagedkv.executor")  # it starts executors
+def register_swap_bench(subparsers: Any, name: str) -> None:
+    from pagedkv.bench.scheduler.serving.cli import PRESETS
+
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help="swap versus recompute: the memory benchmark's chat on a halved GPU pool, per "
+        "--host-loads mode",
+        description=(
+            "Sends the memory benchmark's chat requests at once to a GPU pool of "
+            "--pool-fraction of the blocks they need, so that requests are preempted, once "
+            "per mode, each on a fresh `pagedkv serve`: off (no host tier: recompute), and "
+            "with a host tier holding every block, --host-loads never, always and auto. "
+            "Reports throughput, TTFT, preemptions, the host tier's loads and the tokens "
+            "computed, and whether auto matches the better of always and off."
+        ),
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto"
+    )
+    parser.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="tiny",
+        help="tiny (the memory benchmark's random llama), or a llama shape with dummy weights",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        help="chat requests (default: the memory benchmark's --chat-requests)",
+    )
+    parser.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.5,
+        help="the GPU pool, of the blocks the requests need at their final lengths",
+    )
+    parser.add_argument(
+        "--modes", default="off,never,always,auto", help="which to run (comma-separated)"
+    )
+    parser.add_argument(
+        "--host-kv-gib",
+        type=float,
+        help="the host tier (default: room for every block of the requests)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every mode, each on a fresh server; each mode's fastest is reported",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output", help="write JSON here and markdown beside it (default: none, printed only)"
+    )
+    parser.set_defaults(handler=_run_swap_bench)
+
+
+def _run_swap_bench(args: argparse.Namespace) -> int:
+    from pagedkv.bench.scheduler.swap import main
+
+    return main(args)
