@@ -12,7 +12,7 @@ PART_FILES := $(foreach p,$(PARTS),$(p)/pyproject.toml)
 
 PROTOS := $(wildcard protos/pagedkv/v1/*.proto)
 
-.PHONY: setup test test-quick lint image-install-check proto run bench-blocks bench-host-tier bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory redis fuzz gpu-wheels clean
+.PHONY: setup test test-quick lint image-install-check proto run bench-blocks bench-host-tier bench-routing bench-cluster-sim bench-serve-cpu bench-serve-gpu bench-steps-cpu bench-memory bench-swap redis fuzz gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -144,6 +144,11 @@ bench-steps-cpu: setup
 # scenarios of docs/memory.md (about five minutes on 2 cores).
 bench-memory: setup
 	$(BIN)/pagedkv bench memory --output tests/benchmarks/results/memory-cpu.json
+
+# The memory benchmark's chat requests on half the blocks they need, without
+# a host tier and per --host-loads mode, each twice (about a minute a mode).
+bench-swap: setup
+	$(BIN)/pagedkv bench swap --repeat 2 --output tests/benchmarks/results/swap-cpu.json
 
 bench-serve-gpu:
 	bash tests/gpu/run-serve-bench.sh 1b

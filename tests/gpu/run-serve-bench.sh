@@ -35,6 +35,7 @@
 #                                            # twice, over gRPC then through one pagedkv
 #                                            # gateway process (HTTP) on the same stack
 #                                            # (bench serve --gateway; a minute or two)
+#   bash tests/gpu/run-serve-bench.sh swap       # ~1.1B: swap versus recompute (bench swap)
 #
 # WINDOW and DEPTH (default 8 and the scheduler's default for the window:
 # 2, or 4 with single steps) are the --decode-window and
@@ -199,6 +200,14 @@ case "${1:-1b}" in
       --http-clients "${HTTP_CLIENTS:-2}" --gateway-probe "${PROBE:-200}" \
       --fixed-batch "${BATCHES:-64x512x256,256x512x256,64x512x256,256x512x256}" "${tuned[@]}" \
       --output "$RESULTS/serve-gateway$suffix-$NAME.json"
+    ;;
+  swap)
+    # The memory benchmark's chat, REQUESTS (default 256) at once on half the
+    # GPU blocks they need: no host tier, then --host-loads never, always and
+    # auto, each on a fresh server, each twice. File: swap-NAME.{json,md}.
+    "$PYTHON" -m pagedkv.common.cli bench swap --preset llama-1.1b --device "${DEVICE:-cuda}" \
+      --dtype bfloat16 --num-requests "${REQUESTS:-256}" --repeat 2 \
+      --output "$RESULTS/swap-$NAME.json"
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
