@@ -125,21 +125,26 @@ case "${1:-1b}" in
     "$PYTHON" -m pagedkv.bench.kernels.bench_gemm --output "$RESULTS/gemm-$NAME.json"
     ;;
   host-tier-serve)
-    # PRESET (default llama-1.1b): 512 requests, each one of 64 system
-    # prompts of 1,024 tokens (4x the 1,024 blocks of the GPU pool) and a
-    # short question, all at once, with the GPU pool alone and then with a
-    # host tier of HOST_GIB (default 4; 16 for llama-8b's 2 MiB blocks) GiB
-    # (a few minutes), each step traced (the report splits the device time
-    # by kind of step). Files: serve-host-tier-{off,on}[-8b]-NAME.
+    # PRESET (default llama-1.1b): 512 requests, each one of NUM_PROMPTS
+    # (default 64) system prompts of SYSTEM_LEN (default 1,024) tokens and a
+    # short question, all at once: the prompts' distinct blocks are 4x the
+    # 1,024 blocks of the GPU pool at the defaults (and with 32 prompts of
+    # 2,048). With the GPU pool alone and then with a host tier of HOST_GIB
+    # (default 4; 16 for llama-8b's 2 MiB blocks) GiB (a few minutes), each
+    # step traced (the report splits the device time by kind of step).
+    # Files: serve-host-tier-{off,on}[-8b][-SYSTEM_LEN unless 1024]-NAME.
     preset=${PRESET:-llama-1.1b}
+    system_len=${SYSTEM_LEN:-1024}
     suffix=''
     [[ $preset == llama-8b ]] && suffix=-8b
+    [[ $system_len == 1024 ]] || suffix=$suffix-$system_len
     for tier in off on; do
       host=()
       [[ $tier == on ]] && host=(--host-kv-gib "${HOST_GIB:-4}")
       bench --preset "$preset" --rates inf --num-requests 512 --warmup-requests 16 \
-        --fixed-batch '' --no-hf --system-prompt-fraction 1 --num-system-prompts 64 \
-        --system-prompt-len 1024 --mean-prompt-len 64 --mean-output-len 64 \
+        --fixed-batch '' --no-hf --system-prompt-fraction 1 \
+        --num-system-prompts "${NUM_PROMPTS:-64}" --system-prompt-len "$system_len" \
+        --mean-prompt-len 64 --mean-output-len 64 \
         --num-blocks 1025 --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
         --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
     done
@@ -202,11 +207,12 @@ case "${1:-1b}" in
       --output "$RESULTS/serve-gateway$suffix-$NAME.json"
     ;;
   swap)
-    # The memory benchmark's chat, REQUESTS (default 256) at once on half the
+    # The memory benchmark's chat, REQUESTS (default 128) at once on half the
     # GPU blocks they need: no host tier, then --host-loads never, always and
-    # auto, each on a fresh server, each twice. File: swap-NAME.{json,md}.
+    # auto, each on a fresh server, REPEAT (default 1) times each (about two
+    # minutes). File: swap-NAME.{json,md}.
     "$PYTHON" -m pagedkv.common.cli bench swap --preset llama-1.1b --device "${DEVICE:-cuda}" \
-      --dtype bfloat16 --num-requests "${REQUESTS:-256}" --repeat 2 \
+      --dtype bfloat16 --num-requests "${REQUESTS:-128}" --repeat "${REPEAT:-1}" \
       --output "$RESULTS/swap-$NAME.json"
     ;;
   *)
