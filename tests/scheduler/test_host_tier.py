@@ -292,3 +292,30 @@ def test_the_cli_s_host_loads_reaches_the_config_and_a_bad_one_is_refused() -> N
         assert parser.parse_args(argv).host_loads == "never"
     with pytest.raises(SystemExit):
         parser.parse_args(["scheduler", "--executor", "127.0.0.1:1", "--host-loads", "maybe"])
+
+
+def test_a_request_that_waits_for_blocks_counts_one_lookup_once_admitted() -> None:
+    """The scheduler looks a waiting request up every step; the prefix-cache
+    stats count it once, when it is admitted."""
+    from pagedkv.v1 import executor_pb2
+    from tests.scheduler.stepping import add_generation, live_scheduler, run_to_end
+
+    def respond(message: executor_pb2.StepRequest) -> executor_pb2.StepResponse:
+        rows = [r.row for r in message.new_requests] + list(message.rows)
+        sampled = [row for row, needs in zip(rows, message.needs_sample, strict=True) if needs]
+        return executor_pb2.StepResponse(
+            step_id=message.step_id,
+            sampled_rows=sampled,
+            sampled_token_ids=[7] * len(sampled),
+            sampled_logprobs=[-0.1] * len(sampled),
+            num_top_logprobs=[0] * len(sampled),
+        )
+
+    scheduler = live_scheduler(10, 4, max_num_batched_tokens=512)  # 9 usable blocks
+    prompt = list(range(10, 10 + 16 * 6))  # 6 blocks each: one request at a time
+    first = add_generation(scheduler, "first", prompt, 8, key=1)
+    second = add_generation(scheduler, "second", [t + 200 for t in prompt], 8, key=2)
+    sent = run_to_end(scheduler, [first, second], respond, depth=1)
+    assert len(sent) > 4  # the second waited while the first decoded
+    stats = scheduler.kv.prefix_cache_stats
+    assert (stats.requests, stats.queries) == (2, 2 * len(prompt))

@@ -320,10 +320,13 @@ class ExecutorScheduler:
             if len(self.free_rows) + len(generation.reserved_rows) < rows_needed:
                 break
             request = seq.request
-            computed = self.kv.get_computed_blocks(request)
+            # Counted once admitted: a request that waits is looked up again
+            # each step.
+            computed = self.kv.get_computed_blocks(request, count=False)
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:
                 break
+            self.kv.count_lookup(request, computed)
             self.waiting.pop(0)
             if not seq.admitted:
                 seq.admitted = True

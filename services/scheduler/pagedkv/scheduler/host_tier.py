@@ -165,24 +165,25 @@ class HostTier:
             hits.append(HostHit(block_hash, host_id))
         return hits
 
-    def choose(self, hits: list[HostHit], block_size: int, count: bool) -> list[HostHit]:
+    def choose(self, hits: list[HostHit], block_size: int) -> list[HostHit]:
         """The host hits a request takes: all of them when loading them
         costs less than computing their tokens (``costs``), else none (the
         request recomputes them); ``loads`` "always" or "never" overrides
-        the costs. ``count``: an admission's lookup, counted in the stats (a
-        placement probe is not)."""
+        the costs."""
         if not hits:
             return hits
         loads = self.loads
         load = loads == "always" or (
             loads == "auto" and self.costs.load_pays(len(hits), block_size)
         )
-        if count:
-            if load:
-                self._num_loads_chosen += 1
-            else:
-                self._num_recomputes_chosen += 1
         return hits if load else []
+
+    def count_choice(self, loaded: bool) -> None:
+        """Counts an admitted request's choice for the host hits it found."""
+        if loaded:
+            self._num_loads_chosen += 1
+        else:
+            self._num_recomputes_chosen += 1
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index

@@ -153,6 +153,11 @@ class KVCacheManager:
         """
         return self._lookup.find(request, count=count)
 
+    def count_lookup(self, request: Request, computed: ComputedBlocks) -> None:
+        """Counts in the prefix-cache stats a lookup made with ``count=False``
+        (``get_computed_blocks``), once its request is admitted."""
+        self._lookup.count(request, computed)
+
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._lookup.stats

@@ -13,11 +13,14 @@ class ComputedBlocks(NamedTuple):
     """A prefix-cache hit: per group, the cached blocks; and the tokens they
     hold. ``host``: the blocks after those found in the host tier (one
     full-attention group only), counted in ``num_tokens`` too; each gets a
-    fresh GPU block and a load when allocated."""
+    fresh GPU block and a load when allocated. ``host_declined``: blocks
+    found there that the request recomputes instead (their load costs
+    more), not in ``num_tokens``."""
 
     blocks: tuple[tuple[KVCacheBlock, ...], ...]
     num_tokens: int
     host: tuple[HostHit, ...] = ()
+    host_declined: bool = False
 
 
 class TableUpdate(NamedTuple):

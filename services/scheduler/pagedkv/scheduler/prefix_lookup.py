@@ -7,8 +7,8 @@ blocks in its window), shrunk until the groups agree; with a host tier (one
 full-attention group) the run goes on in the host index where the GPU's
 ends. It takes no reference
 and changes no table (``KVCacheManager.allocate_slots`` takes the hits); it
-owns the lookup counters of the prefix-cache stats, which only ``find``
-advances.
+owns the lookup counters of the prefix-cache stats, which ``find`` advances
+(or, for a lookup made uncounted, ``count`` once its request is admitted).
 """
 
 from __future__ import annotations
@@ -73,16 +73,11 @@ class PrefixLookup:
             if host is None:
                 result = ComputedBlocks((tuple(hits),), num_tokens)
             else:
-                on_host = host.choose(
-                    host.find(hashes, len(hits), max_length // self.block_size),
-                    self.block_size,
-                    count,
-                )
-                num_host = len(on_host) * self.block_size
-                num_tokens += num_host
-                result = ComputedBlocks((tuple(hits),), num_tokens, tuple(on_host))
-                if count:
-                    self._num_host_hits += num_host
+                found = host.find(hashes, len(hits), max_length // self.block_size)
+                on_host = host.choose(found, self.block_size)
+                num_tokens += len(on_host) * self.block_size
+                declined = bool(found) and not on_host
+                result = ComputedBlocks((tuple(hits),), num_tokens, tuple(on_host), declined)
         else:
             # Shrink the candidate length until every group accepts it.
             length = max_length
@@ -94,12 +89,20 @@ class PrefixLookup:
                 length = agreed
             num_tokens = agreed
             result = ComputedBlocks(tuple(tuple(h) for h in per_group), num_tokens)
-        if not count:
-            return result
+        if count:
+            self.count(request, result)
+        return result
+
+    def count(self, request: Request, computed: ComputedBlocks) -> None:
+        """Counts a lookup of ``request`` that found ``computed`` in the
+        stats (and, with a host tier, its choice for the host hits)."""
         self._num_requests += 1
         self._num_queries += request.num_tokens
-        self._num_hits += num_tokens
-        return result
+        self._num_hits += computed.num_tokens
+        if computed.host or computed.host_declined:
+            assert self.host is not None
+            self._num_host_hits += len(computed.host) * self.block_size
+            self.host.count_choice(bool(computed.host))
 
     @property
     def stats(self) -> PrefixCacheStats:
