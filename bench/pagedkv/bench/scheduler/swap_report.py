@@ -110,7 +110,7 @@ def markdown(report: dict[str, Any]) -> str:
             else ""
         )
         + "Counters are GetStats' over the batch. Host hits loaded / recomputed count the "
-        "admission lookups that found blocks in the host tier, a failed admission's too. "
+        "admissions whose lookup found blocks in the host tier. "
         "Tokens computed are the tokens the batch's steps scheduled (the scheduler's step "
         "trace); recomputed ones are those beyond each prompt and output token once.",
         "",
