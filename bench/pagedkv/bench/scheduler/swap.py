@@ -14,10 +14,9 @@ executor's measured costs say). ``--repeat`` runs every mode again, in
 turn; each mode's fastest run is reported. A few salted warm-up requests
 run first; the server's counters are GetStats' after the batch less before
 it. The tokens computed are those the batch's steps scheduled, from the
-scheduler's step trace (``pagedkv.common.step_trace``): GetStats counts one
-lookup per admission, at its start, so its queries less its hits miss what
-a preempted request's readmission recomputes. Numbers come only from the
-run.
+scheduler's step trace (``pagedkv.common.step_trace``): GetStats counts
+each admission's lookup, not the tokens the steps compute. Numbers come
+only from the run.
 """
 
 from __future__ import annotations
