@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from pagedkv.v1 import scheduler_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import PROMPTS, hf_greedy, model_dirs
 from tests.service.stack import Process, serve
@@ -110,34 +112,39 @@ def test_a_scheduler_taking_the_executor_over_finds_its_host_tier(model_dirs) ->
             assert stats.prefix_cache_host_hits >= 48 and stats.num_loaded_blocks >= 3
 
 
-def test_a_beam_search_under_memory_pressure_matches_a_reference_search(stack, model_dirs) -> None:
-    """A beam search sent beside two long streams on the small pool with a
-    host tier: blocks run short (a request is preempted or waits), and the
-    search still ends with the reference search's beams, the streams with
-    Hugging Face's tokens."""
+def test_a_beam_search_swapped_out_mid_search_ends_as_a_reference_search(stack, model_dirs) -> None:
+    """A beam search runs; two streams of higher priority join it on the
+    small pool with a host tier. As they grow, blocks run short and the
+    search, the least important, is preempted mid-search (the streams alone
+    fit, so nothing else is); once the streams end it comes back, its
+    blocks loaded from the host tier, and ends with the reference search's
+    beams, the streams with Hugging Face's tokens."""
     from tests.service.test_stack import reference_beam_search
 
-    others = churn_prompts(2, 64, seed=4)
-    request = greedy_request(PROMPTS[2], 12)
+    before = assert_nothing_held(stack.stub)
+    request = greedy_request(PROMPTS[2], 40, priority=1)  # 61 + 40 tokens: 11 blocks for two beams
     request.sampling.beam_width = 2
-    results: dict[str, object] = {}
+    search = stack.stub.Generate(request, timeout=600)  # its beams come at its end
+    while not stack.stub.GetStats(scheduler_pb2.GetStatsRequest()).num_running:
+        time.sleep(0.001)  # until the search runs
+    others = churn_prompts(2, 32, seed=4)  # 32 + 40 tokens: 5 blocks each, 10 of the 11
+    results: dict[int, list[int]] = {}
 
-    def run(name: str, req) -> None:
-        results[name] = collect(stack.stub, req)
+    def stream(i: int) -> None:
+        tokens, _ = collect(stack.stub, greedy_request(others[i], 40))
+        results[i] = tokens[0]
 
-    threads = [
-        threading.Thread(target=run, args=(f"o{i}", greedy_request(p, 24)))
-        for i, p in enumerate(others)
-    ]
-    threads.append(threading.Thread(target=run, args=("beam", request)))
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
     for thread in threads:
         thread.start()
+    chunks = list(search)
     for thread in threads:
         thread.join()
-    _, chunks = results["beam"]  # type: ignore[misc]
-    expected = reference_beam_search(model_dirs["llama"], PROMPTS[2], 2, 12)
-    assert [list(beam.token_ids) for beam in chunks[-1].beams] == [out for _, out in expected]
     for i, prompt in enumerate(others):
-        tokens, _ = results[f"o{i}"]  # type: ignore[misc]
-        assert tokens[0] == hf_greedy(model_dirs["llama"], prompt, 24)
-    assert_nothing_held(stack.stub)
+        assert results[i] == hf_greedy(model_dirs["llama"], prompt, 40)
+    expected = reference_beam_search(model_dirs["llama"], PROMPTS[2], 2, 40)
+    assert [list(beam.token_ids) for beam in chunks[-1].beams] == [out for _, out in expected]
+    after = assert_nothing_held(stack.stub)
+    assert after.num_preemptions > before.num_preemptions
+    loaded = after.executors[0].num_loaded_blocks - before.executors[0].num_loaded_blocks
+    assert loaded > 0
