@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bench.report_files import write_report
 from pagedkv.bench.scheduler.serving.load import run_load, server_stats, wait_ready
 from pagedkv.bench.scheduler.serving.run import machine
 from pagedkv.bench.scheduler.serving.stack import ServeStack, model_dir
@@ -176,20 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "seed": args.seed,
     }
+    summary = _summary(rounds, args.prompt_len)
     report = {
         "machine": machine(args.device),
         "settings": settings,
-        "summary": _summary(rounds, args.prompt_len),
+        "summary": summary,
         "rounds": rounds,
     }
-    text = markdown(report)
-    print(text)
-    if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        path.with_suffix(".md").write_text(text)
-    return 0 if report["summary"]["hits_as_claimed"] else 1
+    write_report(args.output, report, markdown(report))
+    return 0 if summary["hits_as_claimed"] else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bench.report_files import write_report
 from pagedkv.bench.scheduler.machine import machine_info
 from pagedkv.bench.scheduler.memory import cli as memory_cli
 from pagedkv.bench.scheduler.memory.live import BLOCK_SIZE, tiny_model
@@ -315,12 +316,6 @@ def main(args: argparse.Namespace) -> int:
         "runs": runs,
         "verdict": verdict(runs),
     }
-    text = markdown(report)
-    print(text)
-    if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        path.with_suffix(".md").write_text(text)
+    write_report(args.output, report, markdown(report))
     complete = all(r["num_finished"] == len(batch) and r["integrity_ok"] for r in runs.values())
     return 0 if complete else 1

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bench.report_files import write_report
 from pagedkv.bench.scheduler.machine import machine_info
 from pagedkv.bench.scheduler.serving import report as reporting
 from pagedkv.bench.scheduler.serving import step_trace, sweep
@@ -308,15 +309,9 @@ def _write(args: argparse.Namespace, model: str, report: dict[str, Any]) -> int:
         "model_shape": described,
         **report,
     }
-    text = reporting.markdown(report)
-    print(text)
-    if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        path.with_suffix(".md").write_text(text)
-        if "sweep" not in report:
-            reporting.plot(report, path.with_suffix(".png"))
+    path = write_report(args.output, report, reporting.markdown(report))
+    if path is not None and "sweep" not in report:
+        reporting.plot(report, path.with_suffix(".png"))
     return 0 if _all_ok(report) else 1
 
 
