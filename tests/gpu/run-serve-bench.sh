@@ -138,9 +138,12 @@ case "${1:-1b}" in
     suffix=''
     [[ $preset == llama-8b ]] && suffix=-8b
     [[ $system_len == 1024 ]] || suffix=$suffix-$system_len
-    for tier in off on; do
+    # TIERS (default "off on"): "on-eviction" adds a run whose tier takes a
+    # cached block only when the GPU pool evicts it (--host-offload eviction).
+    for tier in ${TIERS:-off on}; do
       host=()
-      [[ $tier == on ]] && host=(--host-kv-gib "${HOST_GIB:-4}")
+      [[ $tier != off ]] && host=(--host-kv-gib "${HOST_GIB:-4}")
+      [[ $tier == on-eviction ]] && host+=(--host-offload eviction)
       bench --preset "$preset" --rates inf --num-requests 512 --warmup-requests 16 \
         --fixed-batch '' --no-hf --system-prompt-fraction 1 \
         --num-system-prompts "${NUM_PROMPTS:-64}" --system-prompt-len "$system_len" \

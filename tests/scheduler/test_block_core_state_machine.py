@@ -162,6 +162,7 @@ class BlockCoreMachine(RuleBasedStateMachine):
             enable_caching=cfg.enable_caching,
             model_id="m",
             num_host_blocks=num_host_blocks,
+            host_write_through=self.host_tier and data.draw(st.booleans(), label="write_through"),
         )
         # Token ids come from a seeded generator so that hypothesis's choices
         # stay few per step and every run gets its full number of steps.

@@ -169,6 +169,21 @@ def test_blocks_are_written_through_in_the_step_after_the_one_that_filled_them()
     assert kv.check_integrity().ok
 
 
+def test_without_write_through_a_block_goes_to_the_host_when_evicted() -> None:
+    kv = KVCacheManager([full_spec()], 9, model_id="m", num_host_blocks=8, host_write_through=False)
+    request = kv.make_request("a", range(100, 113))  # three full blocks
+    admit(kv, request)
+    assert kv.take_host_copies() == ([], [])
+    assert kv.take_host_copies() == ([], [])  # computed by now, still not copied
+    blocks = kv.get_block_ids(request.seq_id)[0][:3]
+    kv.free(request)
+    _, (offloads, loads) = run(kv, "b", range(200, 232))  # b takes every block: a's go
+    assert sorted(c.block_id for c in offloads) == sorted(blocks) and not loads
+    hit, (_, loads) = run(kv, "a2", range(100, 113))
+    assert hit == 12 and len(loads) == 3  # back from the host
+    assert kv.check_integrity().ok
+
+
 def test_every_change_to_the_host_index_is_an_event() -> None:
     tier = HostTier(2)
     tier.offload(BlockId(1), h("h1"))

@@ -23,7 +23,7 @@ from pagedkv.common.step_contract import (
     ONE_STEP,
     SINGLE_STEP_PIPELINE_DEPTH,
 )
-from pagedkv.scheduler.host_tier import HOST_LOADS
+from pagedkv.scheduler.host_tier import HOST_LOADS, HOST_OFFLOADS
 
 MAX_PIPELINE_DEPTH = 8
 
@@ -80,6 +80,14 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
         help="with executors that have a host KV tier: whether a request loads the blocks of "
         "its prefix found there (auto: when the executor's measured load cost is below the "
         "prefill of their tokens; always; never: recompute them); see docs/memory.md",
+    )
+    parser.add_argument(
+        "--host-offload",
+        choices=HOST_OFFLOADS,
+        default="write-through",
+        help="with a host KV tier: when a cached block is copied there (write-through: in the "
+        "step after the one that computed it; eviction: only when the GPU pool evicts it); "
+        "see docs/memory.md",
     )
     parser.add_argument(
         "--stream-pace-us",

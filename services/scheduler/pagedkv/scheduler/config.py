@@ -40,5 +40,9 @@ class SchedulerConfig:
     # Whether an admitted request loads its prefix's host hits (host_tier.py,
     # HOST_LOADS): as the executor's measured costs say, always, or never.
     host_loads: str = "auto"
+    # When a cached block goes to the host tier: written through in the step
+    # after the one that computed it, or only when the GPU pool evicts it
+    # (host_tier.py, HOST_OFFLOADS).
+    host_offload: str = "write-through"
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

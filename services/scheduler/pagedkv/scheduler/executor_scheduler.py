@@ -60,6 +60,7 @@ class ExecutorScheduler:
         host_cached: Iterable[CacheEvent] = (),
         decode_window: int = ONE_STEP,
         host_loads: str = "auto",
+        host_offload: str = "write-through",
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
@@ -82,6 +83,7 @@ class ExecutorScheduler:
                 info.host_load_seconds_per_block,
             ),
             host_loads=host_loads,
+            host_write_through=host_offload == "write-through",
         )
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         if self.kv.host is not None:

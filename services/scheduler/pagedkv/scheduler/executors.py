@@ -176,6 +176,7 @@ class Executors:
             host_cached=taken.host_cached,
             decode_window=self.config.decode_window,
             host_loads=self.config.host_loads,
+            host_offload=self.config.host_offload,
         )
         self.schedulers[address] = scheduler
         if self.cluster is not None:

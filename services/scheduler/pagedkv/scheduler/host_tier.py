@@ -89,6 +89,9 @@ UNMEASURED = LoadCosts()
 # says; "always"; "never" (it recomputes them: the tier still writes through
 # and counts its hits, for measuring what the loads buy).
 HOST_LOADS = ("auto", "always", "never")
+# When a cached block is offloaded: in the step after the one that computed
+# it, or only when the GPU pool evicts it (``KVCacheManager.take_host_copies``).
+HOST_OFFLOADS = ("write-through", "eviction")
 
 
 class HostTierStats(NamedTuple):

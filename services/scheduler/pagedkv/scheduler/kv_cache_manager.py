@@ -78,12 +78,15 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         host_costs: LoadCosts = UNMEASURED,
         host_loads: str = "auto",
+        host_write_through: bool = True,
     ) -> None:
         """``num_host_blocks``: the executor's host tier (host_tier.py), used
         with prefix caching on and one full-attention group, unless its
         measured ``host_costs`` say a load never costs less than a
         recompute (and ``host_loads`` is not "always"); else unused.
-        ``host_loads``: which host hits a request loads (``HOST_LOADS``)."""
+        ``host_loads``: which host hits a request loads (``HOST_LOADS``);
+        ``host_write_through``: cached blocks go to the tier in the step
+        after the one that computed them, else only when evicted."""
         if not kv_cache_specs:
             raise ValueError("kv_cache_specs: at least one KV-cache group is needed")
         block_sizes = {spec.block_size for spec in kv_cache_specs}
@@ -111,6 +114,7 @@ class KVCacheManager:
         )
         self.host: HostTier | None = None
         self._written_through: list[KVCacheBlock] = []  # entered for the step last sent
+        self._write_through = host_write_through
         if (
             num_host_blocks
             and enable_caching
@@ -341,20 +345,24 @@ class KVCacheManager:
 
     def take_host_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:
         """The host tier's offloads and loads for the step being sent (none
-        without a tier); counts a step sent (host_tier.py). The blocks the
-        step before it entered into the index, computed by then, are written
-        through to the host first, unless their hash is there already or they
-        have been reused since."""
+        without a tier); counts a step sent (host_tier.py). With write-through,
+        the blocks the step before it entered into the index, computed by
+        then, are written through to the host first, unless their hash is
+        there already or they have been reused since; without, a cached block
+        goes to the host only when evicted (``BlockPool._evict``)."""
         pool = self.pool
         pool.step += 1
         host = self.host
         if host is None:
             return [], []
-        previous = pool.step - 2  # the step count while the step before was made
-        for block in self._written_through:
-            if block.block_hash is not None and block.cached_step == previous:
-                host.offload(block.block_id, block.block_hash)
-        self._written_through, pool.fresh = pool.fresh, []
+        if self._write_through:
+            previous = pool.step - 2  # the step count while the step before was made
+            for block in self._written_through:
+                if block.block_hash is not None and block.cached_step == previous:
+                    host.offload(block.block_id, block.block_hash)
+            self._written_through, pool.fresh = pool.fresh, []
+        else:
+            pool.fresh.clear()
         return host.take_copies()
 
     # -- ending and sharing ------------------------------------------------------------

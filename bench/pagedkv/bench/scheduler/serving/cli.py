@@ -75,6 +75,11 @@ def register(subparsers: Any, name: str) -> None:
         type=float,
         help="the executor's host-memory KV tier in GiB (default: none; docs/memory.md)",
     )
+    model.add_argument(
+        "--host-offload",
+        choices=("write-through", "eviction"),
+        help="with --host-kv-gib: the scheduler's --host-offload (default: its own)",
+    )
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
     model.add_argument(

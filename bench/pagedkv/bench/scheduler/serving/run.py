@@ -204,6 +204,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "kernel_backend",
         "num_blocks",
         "host_kv_gib",
+        "host_offload",
         "max_num_seqs",
         "max_num_batched_tokens",
         "decode_window",
