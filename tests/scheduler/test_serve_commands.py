@@ -226,6 +226,18 @@ def test_child_schedulers_and_routers_get_the_security_options(tmp_path: Path) -
         assert "--tls-cert" not in command  # executors listen on 127.0.0.1, for the stack
 
 
+def test_child_schedulers_get_the_host_tier_s_scheduler_options() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve", "--redis-url", "redis://127.0.0.1:6379/0", "--schedulers", "2",
+            "--host-kv-gib", "4", "--host-loads", "never", "--host-offload", "eviction",
+        ]
+    )  # fmt: skip
+    (scheduler,) = scheduler_commands(args, "/models/m", args.redis_url)
+    assert _option(scheduler, "--host-loads") == "never"
+    assert _option(scheduler, "--host-offload") == "eviction"
+
+
 def test_help_states_what_options_without_a_value_default_to(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

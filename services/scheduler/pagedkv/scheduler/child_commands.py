@@ -82,6 +82,7 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
         if args.pipeline_depth is not None:  # else the window's default, there too
             command += ["--pipeline-depth", str(args.pipeline_depth)]
         command += ["--stream-pace-us", str(args.stream_pace_us)]
+        command += ["--host-loads", args.host_loads, "--host-offload", args.host_offload]
         command += ["--executor-timeout", str(args.executor_timeout)]
         command += ["--drain-timeout", str(args.drain_timeout)]
         if args.metrics_port is not None:
