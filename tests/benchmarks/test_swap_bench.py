@@ -65,10 +65,9 @@ def test_a_reduced_run_preempts_loads_back_and_finishes_every_request(tmp_path: 
     assert always["host_recomputes_chosen"] == 0
     # What the loads bring back is not computed again.
     assert always["tokens_recomputed"] < off["tokens_recomputed"]
-    # The tier writes the full blocks through, each hash once (a few may be
-    # computed by a step whose request was preempted, or by the last step).
+    # The tier takes full blocks as the GPU pool evicts them, each hash once.
     full = sum((len(p) + m - 1) // 16 for p, m in batch)
-    assert 0.95 * full <= always["num_offloaded_blocks"] <= full
+    assert 0 < always["num_offloaded_blocks"] <= full
     # auto on the CPU: a block's load costs far less than its tokens' prefill.
     assert runs["auto"]["num_loaded_blocks"] > 0
     assert report["verdict"]["best_of_always_and_off"] in ("always", "off")

@@ -84,7 +84,7 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-offload",
         choices=HOST_OFFLOADS,
-        default="write-through",
+        default="eviction",
         help="with a host KV tier: when a cached block is copied there (write-through: in the "
         "step after the one that computed it; eviction: only when the GPU pool evicts it); "
         "see docs/memory.md",

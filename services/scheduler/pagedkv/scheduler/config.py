@@ -43,6 +43,6 @@ class SchedulerConfig:
     # When a cached block goes to the host tier: written through in the step
     # after the one that computed it, or only when the GPU pool evicts it
     # (host_tier.py, HOST_OFFLOADS).
-    host_offload: str = "write-through"
+    host_offload: str = "eviction"
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

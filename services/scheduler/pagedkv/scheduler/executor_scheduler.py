@@ -60,7 +60,7 @@ class ExecutorScheduler:
         host_cached: Iterable[CacheEvent] = (),
         decode_window: int = ONE_STEP,
         host_loads: str = "auto",
-        host_offload: str = "write-through",
+        host_offload: str = "eviction",
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the

@@ -53,7 +53,7 @@ def config_from_args(
         stream_pace_per_stream=getattr(args, "stream_pace_us", 150.0) * 1e-6,
         decode_window=args.decode_window,
         host_loads=getattr(args, "host_loads", "auto"),
-        host_offload=getattr(args, "host_offload", "write-through"),
+        host_offload=getattr(args, "host_offload", "eviction"),
         pipeline_depth=(
             default_pipeline_depth(args.decode_window)
             if args.pipeline_depth is None
