@@ -3,11 +3,12 @@ which host block, in LRU order, and the copies a step asks for.
 
 The executor keeps ``num_host_blocks`` blocks of host memory beside its GPU
 pool (``pagedkv executor --host-kv-gib``); the scheduler decides what they
-hold, as it does for the GPU pool. The tier is inclusive and written
-through: a block entered into the GPU index is copied to a host block (an
-*offload*) in the step after the one that computes it, unless its hash is
-there already (``KVCacheManager.take_host_copies``); a cached block evicted
-from the GPU (popped for reuse) whose hash the host lacks is offloaded then.
+hold, as it does for the GPU pool. The tier is inclusive: a cached block
+evicted from the GPU (popped for reuse) whose hash the host lacks is copied
+to a host block (an *offload*) then; with write-through (``HOST_OFFLOADS``),
+a block entered into the GPU index is offloaded in the step after the one
+that computes it too, unless its hash is there already
+(``KVCacheManager.take_host_copies``).
 A prefix lookup that runs out of GPU hits goes on in the host index; each
 host hit becomes a fresh GPU block entered into the GPU index under its hash
 and a *load* from the host block, both in the same step message, ahead of
