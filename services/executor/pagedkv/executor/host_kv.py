@@ -160,15 +160,15 @@ class HostKVPool:
     On CUDA the rows are pinned, and the copies between device and host
     memory run on two streams of the pool's own, beside the compute
     stream's work. An offload gathers the device blocks into a staging
-    buffer (one ``index_select`` per layer and K/V) on the compute stream
-    itself, in its order: it reads the blocks after every earlier write and
+    buffer (one launch over every layer, the backend's ``gather_blocks``)
+    on the compute stream itself, in its order: it reads the blocks after every earlier write and
     before every later one, so nothing later waits for it. The offload
     stream then copies the staging rows to host memory without blocking the
     host. A load copies host rows into a staging buffer on the load stream
     without waiting for the compute stream (staging is fresh memory), after
     the offloads still writing those host rows; the compute stream waits
-    for that copy and scatters the rows into the layers (one ``index_copy_``
-    each) as its own work. So both copies between host and device, the slow
+    for that copy and scatters the rows into the layers (``scatter_blocks``)
+    as its own work. So both copies between host and device, the slow
     part, overlap the forwards already enqueued, and device blocks are read
     and written only in the compute stream's order. An offload's host rows
     are never read by a load still copying (the offload's copy waits for
