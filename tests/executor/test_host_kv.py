@@ -459,6 +459,52 @@ def test_on_cuda_a_load_into_a_block_an_offload_still_reads_waits_for_it(
         a_load_into_a_block_an_offload_still_reads_waits_for_it(cuda)
 
 
+def a_takeover_while_offloads_are_in_flight_loads_whole_blocks(executor: Executor) -> None:
+    """The owner launches offloads of tagged blocks and is gone before they
+    finish; a new owner takes the executor over with its cache, finds the
+    host blocks listed, reuses the device blocks at once and loads the host
+    blocks back: it reads what the offloads copied, whole."""
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    original = kv_of(executor, [1, 2])
+    tags = {"tag_block_ids": [1, 2], "tag_block_hashes": [b"p1", b"p2"], "tag_group_ids": [0, 0]}
+    executor.step(moving(**tags))
+    in_flight = executor.launch(moving(offloads=((1, 3), (2, 4))))  # never awaited by its owner
+    new = common_pb2.Owner(owner_id="next", epoch=OWNER.epoch + 1)
+    executor.reset(executor_pb2.ResetRequest(owner=new))
+    listing = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=new))
+    host = {
+        bytes(h): b
+        for c in listing
+        for h, b in zip(c.host_block_hashes, c.host_block_ids, strict=True)
+    }
+    assert host == {b"p1": 3, b"p2": 4}
+    other = Seq(row=1, blocks=[1, 2], num_computed=0)  # the device blocks, reused
+    request = prefill(OWNER, other, "r1", PROMPT[::-1])
+    request.owner.CopyFrom(new)
+    reuse = executor.launch(request)
+    load = moving(loads=((3, 7), (4, 8)))
+    load.owner.CopyFrom(new)
+    executor.step(load)
+    executor.complete(reuse)
+    executor.complete(in_flight)
+    assert_same(kv_of(executor, [7, 8]), original)
+
+
+def test_a_takeover_while_offloads_are_in_flight_loads_whole_blocks(model_dir: Path) -> None:
+    executor = make_executor(model_dir, HOST_KV_GIB)  # its own: the takeover raises the epoch
+    a_takeover_while_offloads_are_in_flight_loads_whole_blocks(executor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_takeover_while_offloads_are_in_flight_loads_whole_blocks(
+    model_dir: Path,
+) -> None:
+    cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
+    a_takeover_while_offloads_are_in_flight_loads_whole_blocks(cuda)
+
+
 def test_an_offloaded_block_takes_its_sources_tag_for_a_takeover_to_list(
     executor: Executor,
 ) -> None:
