@@ -21,3 +21,7 @@ def test_each_round_hits_the_tier_it_claims_and_the_report_is_written(tmp_path: 
     assert counted["host_hit"]["loaded_blocks"] == 224 // 16
     assert all(report["summary"]["median_ttft_ms"][tier] > 0 for tier in TIERS)
     assert "Host hit / recompute" in output.with_suffix(".md").read_text()
+    # Where the time went, per tier found in the step traces.
+    spans = {"to_scheduler", "schedule_and_send", "to_executor", "executor", "back"}
+    assert all(set(where) == spans for where in report["where_ms"].values())
+    assert set(report["where_ms"]) <= set(TIERS)

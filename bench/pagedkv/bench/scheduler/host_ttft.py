@@ -17,7 +17,10 @@ API, timing each request from its send to its first token:
 
 Each request's usage (``cached_prompt_tokens``) and the executor's
 ``GetStats`` (host hits, blocks loaded) are checked, so a round whose hits
-were not what it claims is reported as such. The first round warms the
+were not what it claims is reported as such. The server's processes trace
+their steps (``pagedkv.common.step_trace``), and the report splits each
+tier's first token into the path to the scheduler, the scheduler's step,
+the executor's and the way back (``where_ms``). The first round warms the
 paths up and is not counted; the report gives every counted round and the
 medians, with the ratios host/recompute and host/GPU hit.
 """
@@ -30,15 +33,21 @@ import json
 import random
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from pagedkv.bench.report_files import write_report
-from pagedkv.bench.scheduler.serving.load import run_load, server_stats, wait_ready
+from pagedkv.bench.scheduler.serving import step_trace
+from pagedkv.bench.scheduler.serving.load import server_stats, wait_ready
 from pagedkv.bench.scheduler.serving.run import machine
 from pagedkv.bench.scheduler.serving.stack import ServeStack, model_dir
-from pagedkv.bench.scheduler.serving.workload import BenchRequest
+from pagedkv.bench.scheduler.serving.step_trace import records as step_trace_records
 from pagedkv.bench.shapes import LLAMA_SHAPES
+from pagedkv.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 BLOCK_SIZE = 16
 TIERS = ("recompute", "gpu_hit", "host_hit")
@@ -48,12 +57,28 @@ def _prompt(rng: random.Random, length: int, vocab_size: int) -> tuple[int, ...]
     return tuple(rng.randrange(3, vocab_size) for _ in range(length))
 
 
-async def _first_token(target: str, request_id: str, prompt: tuple[int, ...]) -> dict[str, Any]:
-    """One request for one token: its TTFT (ms) and cached prompt tokens."""
-    (result,), _ = await run_load(target, [BenchRequest(request_id, prompt, 1)], [0.0])
-    if not result.ok or result.ttft_s is None:
-        raise RuntimeError(f"{request_id}: {result.error or 'no token'}")
-    return {"ttft_ms": round(result.ttft_s * 1e3, 2), "cached": result.cached_prompt_tokens}
+async def _first_token(
+    stub: scheduler_pb2_grpc.SchedulerStub, request_id: str, prompt: tuple[int, ...]
+) -> dict[str, Any]:
+    """One request for one token: its TTFT (ms), cached prompt tokens, and
+    when it was sent and its token came (``time.perf_counter()``, the clock
+    of the step traces)."""
+    message = scheduler_pb2.GenerateRequest(
+        request_id=request_id,
+        token_ids=scheduler_pb2.TokenIds(ids=prompt),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        skip_text=True,
+    )
+    sent = time.perf_counter()
+    first, cached = None, None
+    async for chunk in stub.Generate(message, timeout=600):
+        if first is None and any(output.token_ids for output in chunk.outputs):
+            first = time.perf_counter()
+        if chunk.HasField("usage"):
+            cached = chunk.usage.cached_prompt_tokens
+    if first is None or cached is None:
+        raise RuntimeError(f"{request_id}: the stream ended without a token and usage")
+    return {"ttft_ms": round((first - sent) * 1e3, 2), "cached": cached, "at": (sent, first)}
 
 
 async def _round(
@@ -61,17 +86,53 @@ async def _round(
 ) -> dict[str, Any]:
     """The three first tokens of one prompt (see the module's docstring)."""
     row: dict[str, Any] = {"round": index}
-    row["recompute"] = await _first_token(target, f"r{index}-recompute", prompt)
-    row["gpu_hit"] = await _first_token(target, f"r{index}-gpu", prompt)
-    for i, filler in enumerate(fillers):
-        await _first_token(target, f"r{index}-filler-{i}", filler)
-    before = (await server_stats(target)).executors[0]
-    row["host_hit"] = await _first_token(target, f"r{index}-host", prompt)
-    after = (await server_stats(target)).executors[0]
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        row["recompute"] = await _first_token(stub, f"r{index}-recompute", prompt)
+        row["gpu_hit"] = await _first_token(stub, f"r{index}-gpu", prompt)
+        for i, filler in enumerate(fillers):
+            await _first_token(stub, f"r{index}-filler-{i}", filler)
+        before = (await server_stats(target)).executors[0]
+        row["host_hit"] = await _first_token(stub, f"r{index}-host", prompt)
+        after = (await server_stats(target)).executors[0]
     host = row["host_hit"]
     host["host_hit_tokens"] = after.prefix_cache_host_hits - before.prefix_cache_host_hits
     host["loaded_blocks"] = after.num_loaded_blocks - before.num_loaded_blocks
     return row
+
+
+def _where(rounds: list[dict[str, Any]], traces: Path) -> dict[str, dict[str, float]]:
+    """Per tier, the medians (ms) of where its first token's time went, from
+    the step traces: from the send to the scheduler's scheduling the step
+    that computes the prompt (``to_scheduler``: the RPC, admission, waking
+    the step loop), scheduling and sending it, the executor's receipt to
+    its answer (``executor``), and from there to the token at the client
+    (``back``: the answer, its processing, the stream)."""
+    steps = step_trace_records(traces, "scheduler")
+    answered = {int(r["step_id"]): r for r in step_trace_records(traces, "executor")}
+    parts: dict[str, dict[str, list[float]]] = {}
+    for row in rounds:
+        for tier in TIERS:
+            sent, first = row[tier].pop("at")
+            step = next(
+                (r for r in steps if sent <= r["scheduling"] <= first and r["tokens"] > 0), None
+            )
+            executor = answered.get(int(step["step_id"])) if step is not None else None
+            if step is None or executor is None:
+                continue
+            spans = parts.setdefault(tier, {})
+            for name, start, end in (
+                ("to_scheduler", sent, step["scheduling"]),
+                ("schedule_and_send", step["scheduling"], step["sent"]),
+                ("to_executor", step["sent"], executor["received"]),
+                ("executor", executor["received"], executor["completed"]),
+                ("back", executor["completed"], first),
+            ):
+                spans.setdefault(name, []).append((end - start) * 1e3)
+    return {
+        tier: {name: round(statistics.median(v), 2) for name, v in spans.items()}
+        for tier, spans in parts.items()
+    }
 
 
 def _summary(rounds: list[dict[str, Any]], prompt_len: int) -> dict[str, Any]:
@@ -100,7 +161,7 @@ async def _run(target: str, args: argparse.Namespace, vocab_size: int) -> list[d
         prompt = _prompt(rng, args.prompt_len, vocab_size)
         fillers = [_prompt(rng, args.prompt_len, vocab_size) for _ in range(2)]
         rounds.append(await _round(target, index, prompt, fillers))
-        print(json.dumps(rounds[-1]), file=sys.stderr)
+        print(json.dumps({t: rounds[-1][t]["ttft_ms"] for t in TIERS}), file=sys.stderr)
     return rounds[1:]  # the first warms up
 
 
@@ -132,6 +193,25 @@ def markdown(report: dict[str, Any]) -> str:
         f"{r['host_hit']['ttft_ms']:.2f} | {r['host_hit']['loaded_blocks']} |"
         for r in report["rounds"]
     ]
+    where = report.get("where_ms") or {}
+    if where:
+        names = list(next(iter(where.values())))
+        lines += [
+            "",
+            "Where each first token's time went (medians, ms, from the step traces): the "
+            "send to the scheduler's scheduling the step that computes the prompt (the RPC, "
+            "admission, the step loop waking), scheduling and sending it, its transit, the "
+            "executor's receipt to its answer, and back to the client (the answer, its "
+            "processing, the stream).",
+            "",
+            "| tier | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        lines += [
+            f"| {tier} | " + " | ".join(f"{where[tier].get(n, 0):.2f}" for n in names) + " |"
+            for tier in TIERS
+            if tier in where
+        ]
     lines += ["", f"Settings: {json.dumps(settings)}", ""]
     lines.append(f"Machine: {json.dumps(report['machine'])}")
     return "\n".join(lines) + "\n"
@@ -162,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         options += ["--host-kv-gib", str(args.host_kv_gib)]
         options += ["--max-model-len", str(args.prompt_len + 16)]
         options += ["--max-num-batched-tokens", str(max(8192, args.prompt_len))]
-        stack = ServeStack(model, options)
-        try:
-            rounds = asyncio.run(_run(stack.target, args, vocab_size))
-        finally:
-            stack.stop()
+        with tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
+            with step_trace.tracing(traces):
+                stack = ServeStack(model, options)
+            try:
+                rounds = asyncio.run(_run(stack.target, args, vocab_size))
+            finally:
+                stack.stop()  # the processes write their traces as they exit
+            where = _where(rounds, Path(traces))
     settings = {
         "model": args.model or f"preset {args.preset}",
         "device": args.device,
@@ -182,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(args.device),
         "settings": settings,
         "summary": summary,
+        "where_ms": where,
         "rounds": rounds,
     }
     write_report(args.output, report, markdown(report))

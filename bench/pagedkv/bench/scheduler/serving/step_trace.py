@@ -78,7 +78,8 @@ def tracing(folder: str | None) -> Iterator[None]:
             os.environ[ENV] = previous
 
 
-def _load(folder: Path, role: str) -> list[dict[str, float]]:
+def records(folder: Path, role: str) -> list[dict[str, float]]:
+    """The step records of the first trace of ``role`` in ``folder``, as dicts."""
     files = sorted(folder.glob(f"{role}-*.json"))
     if not files:
         raise FileNotFoundError(f"no {role} step trace in {folder}")
@@ -100,14 +101,14 @@ def _cpu_use(records: list[dict[str, float]], clock: str) -> float:
 
 def analyze(folder: Path, since: float = 0.0, until: float = math.inf) -> dict[str, Any]:
     """The measures above, of the steps begun between ``since`` and ``until``."""
-    scheduler = [r for r in _load(folder, "scheduler") if since <= r["scheduling"] < until]
+    scheduler = [r for r in records(folder, "scheduler") if since <= r["scheduling"] < until]
     sent = {int(r["step_id"]): r for r in scheduler}
     # A step id names one step of one scheduler: an executor that served
     # several schedulers in turn saw each id more than once, and its record
     # of this step is the one read between its scheduling and its answer.
     executor = [
         r
-        for r in _load(folder, "executor")
+        for r in records(folder, "executor")
         if (step := sent.get(int(r["step_id"]))) is not None
         and step["scheduling"] <= r["received"] <= step["received"]
     ]
