@@ -173,7 +173,7 @@ def _traced_steps(folder: Path, since: float) -> tuple[int | None, int | None]:
     """The scheduler's steps begun after ``since`` and the tokens they
     scheduled (None, None without its trace)."""
     try:
-        records = step_trace._load(folder, "scheduler")
+        records = step_trace.records(folder, "scheduler")
     except FileNotFoundError:
         return None, None
     steps = [r for r in records if r["scheduling"] >= since]
