@@ -66,7 +66,7 @@ class BlockRows(Protocol):
     layout (``reference.gather_blocks`` / ``scatter_blocks``)."""
 
     def __call__(
-        self, caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor
+        self, caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor, /
     ) -> None: ...
 
 

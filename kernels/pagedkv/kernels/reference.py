@@ -138,10 +138,10 @@ def scatter_blocks(
 ) -> None:
     """The inverse of ``gather_blocks``: row ``i`` of ``rows`` into block
     ``block_ids[i]`` of each cache. Mutates those blocks only."""
+    numel = caches[0][0].numel()
     for i, block in enumerate(block_ids.tolist()):
-        parts = rows[i].split(caches[0][0].numel())
-        for cache, part in zip(caches, parts, strict=True):
-            cache[block] = part.view(cache[block].shape)
+        for j, cache in enumerate(caches):
+            cache[block] = rows[i, j * numel : (j + 1) * numel].view(cache[block].shape)
 
 
 def rms_norm(
