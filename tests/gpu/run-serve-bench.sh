@@ -220,7 +220,7 @@ case "${1:-1b}" in
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
-      "fixed, gateway, host-tier or host-tier-serve, not $1" >&2
+      "fixed, gateway, host-tier, host-ttft, host-tier-serve or swap, not $1" >&2
     exit 2
     ;;
 esac
