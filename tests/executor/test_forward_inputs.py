@@ -1,6 +1,6 @@
-"""The one builder of forward inputs: a CUDA graph's decode forward (run here
-without capture, on the CPU) gives the eager path's logits for the same
-entries, and its padding entries write no K/V."""
+"""The one builder of forward inputs: a CUDA graph's decode forward and a
+mixed step's (run here without capture, on the CPU) give the eager path's
+logits for the same entries, and their padding writes no K/V."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.mixed_graphs import MixedGraphs, tile_schedule
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 
@@ -78,6 +79,35 @@ def test_a_graph_decode_gives_the_eager_logits_and_its_padding_writes_no_kv(
     torch.testing.assert_close(graph[:2].float(), eager, atol=1e-5, rtol=1e-5)
     for cache in caches:
         assert bool((cache[1, 0] == 123.0).all())
+
+
+@pytest.mark.parametrize("needs_sample", [[True, True], [False, True]])
+def test_a_mixed_graph_gives_the_eager_logits_and_its_padding_writes_no_kv(
+    runner: ModelRunner, needs_sample: list[bool]
+) -> None:
+    # Row 1 computes tokens 10-20 again (a prompt chunk), row 2 decodes its
+    # 22nd token: 12 tokens in the graph of 32, 20 of them padding.
+    rows, computed, scheduled = np.array([1, 2]), np.array([10, PROMPT_LEN]), np.array([11, 1])
+    sample = np.array(needs_sample)
+    inputs = runner.forward_inputs.prepare(rows, computed, scheduled, sample)
+    eager = runner.logits(inputs)
+    assert eager is not None
+    caches = runner.kv.key_caches + runner.kv.value_caches
+    for cache in caches:  # where padding (row 0, position 0) would write
+        cache[1, 0] = 123.0
+    graphs = MixedGraphs(runner, 64, 4, capture=False)
+    assert graphs.sizes == [32, 64] and graphs.fits(scheduled)
+    logits, sampled_rows, positions = graphs.run(rows, computed, scheduled, sample)
+    torch.testing.assert_close(logits.float(), eager, atol=1e-4, rtol=1e-4)
+    assert sampled_rows.tolist() == rows[sample].tolist()
+    assert positions.tolist() == (computed + scheduled)[sample].tolist()
+    for cache in caches:
+        assert bool((cache[1, 0] == 123.0).all())
+
+
+def test_a_tile_schedule_covers_every_tile_once_the_furthest_reaching_first() -> None:
+    schedule = tile_schedule(np.array([0, 40, 5]), np.array([300, 1, 128]), 128, 8)
+    assert schedule.tolist() == [[0, 0, 2, 0, 1, -1, -1, -1], [2, 1, 0, 0, 0, -1, -1, -1]]
 
 
 def test_eager_inputs_gather_whole_table_rows_whatever_the_entries_need(

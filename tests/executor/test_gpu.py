@@ -51,8 +51,9 @@ def test_executor_process_on_cuda_matches_hugging_face(
     eager: bool,
     fused: bool,
 ) -> None:
-    # With the Triton kernels decode steps replay CUDA graphs unless
-    # --enforce-eager; the torch kernels always run eagerly. Fused ops are on
+    # With the Triton kernels decode steps and the mixed steps of prompt
+    # chunks beside decodes replay CUDA graphs unless --enforce-eager; the
+    # torch kernels always run eagerly. Fused ops are on
     # by default (docs/executor.md, "Model families"); gemma2 has two KV
     # cache groups and soft-caps.
     model_dir = {**model_dirs, **family_dirs}[arch]
@@ -64,8 +65,9 @@ def test_executor_process_on_cuda_matches_hugging_face(
         seqs = [driver.add(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
         outputs = driver.run(seqs, chunk_size=16)
         graphs = "decode graphs captured" in executor.stderr()
+        mixed = "mixed-step graphs captured" in executor.stderr()
         assert ("fused ops" in executor.ready_line) == fused
-    assert graphs == (backend == "triton" and not eager)
+    assert graphs == mixed == (backend == "triton" and not eager)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output == hf_greedy_cuda(model_dir, prompt, NEW_TOKENS)
 

@@ -18,8 +18,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ from pagedkv.executor.host_kv import HostKVPool
 from pagedkv.executor.launched import LaunchedStep
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
+from pagedkv.kernels.backend import get_backend
 from pagedkv.v1 import common_pb2, executor_pb2
 from tests.executor.driver import ExecutorProcess
 from tests.executor.test_executor_api import BLOCK_SIZE, Seq, decode, prefill, take_samples
@@ -51,7 +54,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_executor(
-    model_dir: Path, host_kv_gib: float, device: str = "cpu", backend: str = "torch"
+    model_dir: Path,
+    host_kv_gib: float,
+    device: str = "cpu",
+    backend: str = "torch",
+    fused_ops: bool = True,
 ) -> Executor:
     config = RunnerConfig(
         model=str(model_dir),
@@ -60,6 +67,7 @@ def make_executor(
         num_blocks=NUM_BLOCKS,
         max_num_rows=4,
         host_kv_gib=host_kv_gib,
+        fused_ops=fused_ops,
     )
     runner = ModelRunner(config)
     runner.warm_up()
@@ -234,6 +242,72 @@ def test_a_request_continued_on_loaded_blocks_samples_what_it_samples_without_th
     assert continued_tokens(executor, num_steps, round_trip=True, loaded=False) != want
 
 
+def test_on_transformers_layers_a_load_lands_before_each_layers_attention(
+    model_dir: Path,
+) -> None:
+    unfused = make_executor(model_dir, HOST_KV_GIB, fused_ops=False)
+    assert unfused.runner.fused is None
+    want = continued_tokens(unfused, 1, round_trip=False)
+    assert continued_tokens(unfused, 1, round_trip=True) == want
+    assert continued_tokens(unfused, 1, round_trip=True, loaded=False) != want
+
+
+def layered_kv(shapes: list[tuple[int, ...]]) -> Any:
+    """What a pool reads of ``KVMemory``: K and V per layer (``shapes``:
+    each layer's block shape), block b of layer l holding ``100 * l + b``
+    in K and its negative in V."""
+    keys, values = [], []
+    for layer, shape in enumerate(shapes):
+        key = torch.arange(NUM_BLOCKS, dtype=torch.float32).add(100 * layer)
+        keys.append(key.view(-1, *[1] * len(shape)).expand(NUM_BLOCKS, *shape).contiguous())
+        values.append(keys[-1].neg())
+    return SimpleNamespace(key_caches=tuple(keys), value_caches=tuple(values))
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [[(BLOCK_SIZE, 2, 4)] * 5, [(BLOCK_SIZE, 2, 4), (BLOCK_SIZE, 1, 8), (BLOCK_SIZE, 2, 4)] * 2],
+    ids=["uniform", "mixed-shapes"],
+)
+def test_a_load_lands_layer_by_layer_as_a_forward_reaches_them(
+    shapes: list[tuple[int, ...]],
+) -> None:
+    kv = layered_kv(shapes)
+    pool = HostKVPool(kv, 4, get_backend("torch"), chunks=2)
+    per_chunk = -(-len(shapes) // 2)
+    assert pool.num_chunks == 2
+    pool.offload(np.array([5, 6]), np.array([1, 0]))
+    pool.load(np.array([0, 1]), np.array([8, 9]))  # block 6 into 8, block 5 into 9
+    pool.load(np.array([1]), np.array([10]))  # a second load before the forward
+
+    def landed(layer: int) -> list[bool]:
+        """Per block 8, 9, 10: whether ``layer`` holds what was loaded there."""
+        k, v = kv.key_caches[layer], kv.value_caches[layer]
+        return [
+            bool((k[b] == 100 * layer + src).all() and (v[b] == -(100 * layer + src)).all())
+            for b, src in ((8, 6), (9, 5), (10, 5))
+        ]
+
+    assert not any(any(landed(layer)) for layer in range(len(shapes)))
+    pool.before_layer(0)  # the first chunk of both loads lands, the rest waits
+    assert [all(landed(layer)) for layer in range(len(shapes))] == [
+        layer < per_chunk for layer in range(len(shapes))
+    ]
+    assert not any(any(landed(layer)) for layer in range(per_chunk, len(shapes)))
+    pool.before_layer(per_chunk)
+    assert all(all(landed(layer)) for layer in range(len(shapes)))
+    pool.load(np.array([0]), np.array([9]))
+    pool.finish_loads()
+    assert [
+        bool((kv.key_caches[layer][9] == 100 * layer + 6).all()) for layer in range(len(shapes))
+    ] == [True] * len(shapes)
+    others = [b for b in range(NUM_BLOCKS) if b not in (8, 9, 10)]
+    for layer in range(len(shapes)):
+        assert (
+            kv.key_caches[layer][others][:, 0, 0, 0] == 100 * layer + torch.tensor(others)
+        ).all()
+
+
 def test_load_destinations_lose_their_tags_unless_the_step_tags_them(executor: Executor) -> None:
     fresh(executor)
     prefilled(executor, [1, 2])
@@ -336,7 +410,8 @@ def test_get_info_reports_the_host_blocks_that_fit_in_the_gib(executor: Executor
     assert executor.get_info().num_host_blocks == NUM_HOST_BLOCKS
     pool = runner.host_kv
     assert isinstance(pool, HostKVPool)
-    assert pool.blocks.shape == (NUM_HOST_BLOCKS, runner.bytes_per_block // 4)  # float32
+    assert pool.num_blocks == NUM_HOST_BLOCKS
+    assert pool.elements_per_block == runner.bytes_per_block // 4  # float32
     assert pool.num_bytes == NUM_HOST_BLOCKS * runner.bytes_per_block
 
 

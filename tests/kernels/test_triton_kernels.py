@@ -3,6 +3,7 @@ else under TRITON_INTERPRET=1 on the CPU."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,35 @@ def test_paged_attention_matches_the_oracle(
     out = run(paged_attention.paged_attention, *args, **kwargs)
     tolerance = FP32_TOLERANCE if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def tile_schedule(query_lens: list[int], rows: int, extra: int) -> torch.Tensor:
+    """Every query tile of every sequence once, and ``extra`` programs with
+    none, shuffled: ``paged_attention``'s ``tiles``."""
+    pairs = [(seq, t) for seq, q in enumerate(query_lens) for t in range(-(-q // rows))]
+    pairs += [(-1, 0)] * extra
+    random.Random(0).shuffle(pairs)
+    return torch.tensor(pairs, dtype=torch.int32).T.contiguous()
+
+
+@pytest.mark.parametrize("max_query_len", [24, 2048])  # 16-row tiles, then 128-row ones
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+def test_a_tile_schedule_read_on_the_device_gives_the_same_output(
+    max_query_len: int, sliding_window: int | None, softcap: float | None
+) -> None:
+    # As a CUDA graph launches it: the grid fixed by the schedule's length
+    # and a bound on the query lengths; decodes take the prefill kernel too.
+    contexts, query_lens = MIXED
+    batch = build_batch(contexts, query_lens, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    rows = paged_attention.tile_rows(max_query_len, head_size=args[0].shape[-1])
+    tiles = tile_schedule(list(query_lens), rows, extra=5)
+    out = run(
+        paged_attention.paged_attention, *args, max_query_len=max_query_len, tiles=tiles, **kwargs
+    )
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
 def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -> None:

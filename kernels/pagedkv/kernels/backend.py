@@ -58,6 +58,7 @@ class PagedAttention(Protocol):
         softcap: float | None = None,
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
+        tiles: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

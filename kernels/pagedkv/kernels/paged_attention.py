@@ -29,6 +29,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
+    tiles_ptr,  # with TILED: [2, num_tiles], each program's sequence (-1: none) and tile
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     query_stride_t,
     query_stride_h,
@@ -43,6 +44,8 @@ def _paged_attention_kernel(
     sliding_window,
     head_size,
     num_queries_per_kv,
+    num_tiles,
+    TILED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -54,8 +57,16 @@ def _paged_attention_kernel(
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
     head = tl.program_id(0).to(tl.int64)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    if TILED:  # the launch's schedule, from the device: a fixed grid (CUDA graphs)
+        seq = tl.load(tiles_ptr + tl.program_id(1)).to(tl.int64)
+        tile = tl.load(tiles_ptr + num_tiles + tl.program_id(1)).to(tl.int64)
+        # A program with no tile takes sequence 0 past its last query: no row
+        # is valid, no key is read, nothing is stored.
+        tile = tl.where(seq >= 0, tile, 1 << 24)
+        seq = tl.maximum(seq, 0)
+    else:
+        tile = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64)
+        seq = tl.program_id(2).to(tl.int64)
     kv_head = head // num_queries_per_kv
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -162,6 +173,21 @@ def _paged_attention_kernel(
 # larger heads (shared memory).
 PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
+SHORT_TILE = (16, 16, 4, 2)
+
+
+def prefill_tiling(max_query_len: int, head_size: int) -> tuple[int, int, int, int]:
+    """The prefill kernel's tiling for a batch whose longest query has
+    ``max_query_len`` tokens: small tiles for short chunks, large ones where
+    prefill is compute-bound."""
+    if max_query_len <= 16:
+        return SHORT_TILE
+    return PREFILL_TILE if head_size <= 128 else PREFILL_TILE_LARGE_HEAD
+
+
+def tile_rows(max_query_len: int, head_size: int) -> int:
+    """Query rows per tile of ``prefill_tiling``: the unit of a ``tiles`` schedule."""
+    return prefill_tiling(max_query_len, head_size)[0]
 
 
 def paged_attention(
@@ -176,10 +202,17 @@ def paged_attention(
     softcap: float | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
-    Same contract as ``reference.paged_attention``. A batch of decodes only
+    Same contract as ``reference.paged_attention``. ``tiles`` (int32 ``[2,
+    n]``), when given, is the prefill kernel's schedule, read on the device:
+    program ``j`` computes query tile ``tiles[1, j]`` (``tile_rows`` rows
+    each, for ``max_query_len``) of sequence ``tiles[0, j]``, or nothing where
+    that is -1. The launch is then fixed by ``n`` and ``max_query_len``
+    whatever the batch (a CUDA graph replays it over other batches); the
+    schedule must cover every query tile of every sequence once. A batch of decodes only
     (one new token per sequence) takes the flash-decoding path: the context
     is split across programs, each reading every K/V byte once for all the
     query heads that share it, and a second pass merges the splits. Other
@@ -199,12 +232,14 @@ def paged_attention(
     )
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    out = torch.empty_like(query)
+    # A schedule's batch may carry padding tokens: zeros there, not whatever
+    # the memory held (their rows flow through the rest of the layer).
+    out = torch.empty_like(query) if tiles is None else torch.zeros_like(query)
     if not num_tokens or not len(seq_lens):
         return out
     if max_query_len is None:
         max_query_len = int(query_start_loc.diff().max())
-    if max_query_len == 1 and num_tokens == len(seq_lens):
+    if tiles is None and max_query_len == 1 and num_tokens == len(seq_lens):
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         decode(
@@ -220,15 +255,15 @@ def paged_attention(
             max_seq_len,
         )
         return out
-    # Small tiles for short chunks; large ones where prefill is compute-bound.
-    if max_query_len <= 16:
-        block_m, block_n, num_warps, num_stages = 16, 16, 4, 2
-    else:
-        block_m, block_n, num_warps, num_stages = (
-            PREFILL_TILE if head_size <= 128 else PREFILL_TILE_LARGE_HEAD
-        )
+    block_m, block_n, num_warps, num_stages = prefill_tiling(max_query_len, head_size)
     block_d = max(16, triton.next_power_of_2(head_size))
-    grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))
+    if tiles is not None:
+        if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
+            raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
+        tiles = tiles.contiguous()
+        grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
+    else:
+        grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -236,6 +271,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        tiles if tiles is not None else query_start_loc,
         out,
         query.stride(0),
         query.stride(1),
@@ -250,6 +286,8 @@ def paged_attention(
         sliding_window or 0,
         head_size,
         num_q_heads // num_kv_heads,
+        tiles.shape[1] if tiles is not None else 0,
+        TILED=tiles is not None,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_SIZE=key_cache.shape[1],

@@ -139,6 +139,7 @@ def paged_attention(
     softcap: float | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    tiles: torch.Tensor | None = None,  # the Triton kernel's schedule: nothing here
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 

@@ -172,7 +172,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: {settings['model']}; a {settings['prompt_len']}-token prompt, one output "
         f"token, over `pagedkv serve`'s gRPC API; GPU pool {settings['num_blocks']} blocks, "
-        f"host tier {settings['host_kv_gib']} GiB; {settings['rounds']} rounds after one "
+        f"host tier {settings['host_kv_gib']} GiB; CUDA graphs: "
+        f"{settings.get('cuda_graphs', 'decode')} steps; {settings['rounds']} rounds after one "
         "warm-up round.",
         "",
         "| tier | TTFT median (ms) |",
@@ -225,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--host-kv-gib", type=float, default=4.0)
+    parser.add_argument(
+        "--cuda-graphs",
+        default="all",
+        choices=("all", "decode"),
+        help="the executor's steps replayed from CUDA graphs (pagedkv serve's --cuda-graphs)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="PATH.json (and PATH.md)")
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         options += ["--host-kv-gib", str(args.host_kv_gib)]
         options += ["--max-model-len", str(args.prompt_len + 16)]
         options += ["--max-num-batched-tokens", str(max(8192, args.prompt_len))]
+        options += ["--cuda-graphs", args.cuda_graphs]
         with tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
             with step_trace.tracing(traces):
                 stack = ServeStack(model, options)
@@ -257,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "num_blocks": num_blocks,
         "host_kv_gib": args.host_kv_gib,
+        "cuda_graphs": args.cuda_graphs,
         "rounds": args.rounds,
         "seed": args.seed,
     }

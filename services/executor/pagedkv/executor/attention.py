@@ -13,6 +13,7 @@ paged attention over the packed batch. Nothing lives in module globals.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,12 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     softcap: float | None
+    # Called with a layer's index before its attention reads its caches: lands
+    # the host tier's loads of that layer (host_kv.py); None: nothing to land.
+    before_layer: Callable[[int], None] | None = None
+    # The prefill kernel's schedule, on the device (``paged_attention``'s
+    # ``tiles``): a CUDA graph's fixed launch over any mix of entries.
+    tiles: torch.Tensor | None = None
 
 
 def paged_attention_forward(
@@ -55,6 +62,8 @@ def paged_attention_forward(
     meta: AttentionMetadata = kwargs["pagedkv_metadata"]
     layer: int = module.layer_idx  # type: ignore[assignment]
     group = meta.layer_groups[layer]
+    if meta.before_layer is not None:
+        meta.before_layer(layer)
     key_cache, value_cache = meta.key_caches[layer], meta.value_caches[layer]
     q = query[0].transpose(0, 1)  # [T, Hq, D], last dim contiguous
     k = key[0].transpose(0, 1)
@@ -72,6 +81,7 @@ def paged_attention_forward(
         softcap=meta.softcap,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
+        tiles=meta.tiles,
     )
     return out[None], None  # [1, T, Hq, D]
 

@@ -82,7 +82,14 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs: launch every decode step's kernels one by one",
+        help="no CUDA graphs: launch every step's kernels one by one",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        default="all",
+        choices=("all", "decode"),
+        help="steps replayed from CUDA graphs (without --enforce-eager): all: decode steps and "
+        "steps of up to 2,048 tokens that compute prompts; decode: decode steps only",
     )
     parser.add_argument(
         "--no-progress",

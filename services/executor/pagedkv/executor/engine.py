@@ -18,7 +18,8 @@ so a stream can launch step N + 1 while the device runs step N
 (step_pipeline.py). Launch and completion keep the steps' order.
 
 A step's host tier copies (host_kv.py: offloads, then loads) are enqueued
-before anything else of it; its device work waits for the loads, and for an
+before anything else of it; each layer of its forward waits for that
+layer's part of the loads (the model runner lands them), and for an
 offload only when it writes into that block (a table update, a copy's
 destination; an Allocate's and a CopyBlocks' blocks likewise). The pool
 keeps its blocks across resets.

@@ -328,9 +328,11 @@ class FusedDecoder:
             query = self._head_norm(query, layer.q_norm, layer.head_norm_eps)
             key = self._head_norm(key, layer.k_norm, layer.head_norm_eps)
         group = meta.layer_groups[layer.index]
+        if meta.before_layer is not None:
+            meta.before_layer(layer.index)
         key_cache, value_cache = meta.key_caches[layer.index], meta.value_caches[layer.index]
         slot_mapping = meta.slot_mappings[group]
-        if meta.max_query_len == 1 and num_tokens == len(meta.seq_lens):  # decodes only
+        if meta.tiles is None and meta.max_query_len == 1 and num_tokens == len(meta.seq_lens):
             out = self.backend.rotary_decode_attention(
                 query,
                 key,
@@ -364,6 +366,7 @@ class FusedDecoder:
             softcap=meta.softcap,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            tiles=meta.tiles,
         )
         attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
         return attended

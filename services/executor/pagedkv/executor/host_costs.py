@@ -71,7 +71,12 @@ def measure_host_costs(runner: CostRunner, num_blocks: int) -> HostCosts | None:
     count = max(1, min(LOAD_BLOCKS, store.num_blocks, num_blocks - 1))
     block_ids = np.arange(1, 1 + count, dtype=np.int64)
     host_ids = np.arange(count, dtype=np.int64)
-    one = timed(lambda: store.load(host_ids[:1], block_ids[:1]))
-    many = timed(lambda: store.load(host_ids, block_ids))
+
+    def load(count: int) -> None:
+        store.load(host_ids[:count], block_ids[:count])
+        store.finish_loads()
+
+    one = timed(lambda: load(1))
+    many = timed(lambda: load(count))
     per_block = max(0.0, (many - one) / (count - 1)) if count > 1 else one
     return HostCosts(prefill, max(0.0, one - per_block), per_block)

@@ -54,9 +54,22 @@ class BlockStore(Protocol):
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
         """Copies store block ``host_ids[i]`` into device block
         ``block_ids[i]`` (``block_ids`` distinct), after every earlier
-        offload that writes those store blocks or reads those device blocks,
-        and before any later device work; mutates only those device
-        blocks."""
+        offload that writes those store blocks or reads those device blocks.
+        The blocks' layers may land in turn: layer ``l`` of them is in place
+        for device work enqueued after ``before_layer(l)``, every layer
+        after ``finish_loads()``; until then no other device work may touch
+        those blocks. Mutates only those device blocks."""
+        ...
+
+    def before_layer(self, layer: int) -> None:
+        """Call before enqueuing device work that reads layer ``layer`` of
+        blocks loaded since the last ``finish_loads`` (a forward's attention
+        of that layer): that work then finds them in place."""
+        ...
+
+    def finish_loads(self) -> None:
+        """Every load so far is in place for device work enqueued after
+        this call."""
         ...
 
     def copy_seconds(self) -> tuple[float, float]:
@@ -86,8 +99,10 @@ def move_blocks(
     then every load (``[m, 2]``: host block, block), so a load reads what
     the step's offloads left; ``written``: the other blocks the step writes
     into (its table updates' blocks, its copies' destinations), whose
-    pending offloads its device work waits for. No store: the host columns
-    are empty (validated)."""
+    pending offloads its device work waits for. The loads land layer by
+    layer as the step's forward reaches them (``BlockStore.before_layer``;
+    the model runner finishes them). No store: the host columns are empty
+    (validated)."""
     if store is None:
         return
     if len(offloads):
@@ -149,70 +164,133 @@ def _prune(calls: deque[_InFlight]) -> None:
         calls.popleft()
 
 
+LOAD_CHUNKS = 8
+"""At most this many groups of consecutive layers (chunks) a host row is
+split into: a load copies them in turn, and a forward's attention of a layer
+waits only for its chunk's copy."""
+
+
+class _Chunk(NamedTuple):
+    """Consecutive layers of a host row: their caches (each layer's K, then
+    V), each cache as ``[num_device_blocks, elements of one block]`` with its
+    columns in the chunk's rows, and the chunk's rows in host memory."""
+
+    first_layer: int
+    caches: list[torch.Tensor]
+    parts: list[tuple[torch.Tensor, slice]]
+    host: torch.Tensor  # [num_blocks, elements]: one contiguous run of the pool's memory
+    uniform: bool  # every cache of one shape: the backend's one-launch moves apply
+
+
+class _Landing(NamedTuple):
+    """One chunk of a load on its way: scattered into ``block_ids``' blocks
+    once the compute stream has waited for ``copied``."""
+
+    chunk: _Chunk
+    block_ids: torch.Tensor
+    staging: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
+def _chunks(
+    kv: KVMemory, num_blocks: int, count: int, pinned: bool
+) -> tuple[torch.Tensor, list[_Chunk]]:
+    """The pool's memory and its ``count`` (at most) chunks of layers."""
+    num_layers = len(kv.key_caches)
+    per_chunk = -(-num_layers // max(1, min(count, num_layers)))
+    layers = [
+        range(first, min(first + per_chunk, num_layers))
+        for first in range(0, num_layers, per_chunk)
+    ]
+    groups = [
+        [c for layer in r for c in (kv.key_caches[layer], kv.value_caches[layer])] for r in layers
+    ]
+    sizes = [sum(cache[0].numel() for cache in caches) for caches in groups]
+    memory = torch.empty(num_blocks * sum(sizes), dtype=kv.key_caches[0].dtype, pin_memory=pinned)
+    chunks, offset = [], 0
+    for r, caches, size in zip(layers, groups, sizes, strict=True):
+        parts, column = [], 0
+        for cache in caches:
+            flat = cache.view(cache.shape[0], -1)
+            parts.append((flat, slice(column, column + flat.shape[1])))
+            column += flat.shape[1]
+        host = memory[offset : offset + num_blocks * size].view(num_blocks, size)
+        offset += num_blocks * size
+        uniform = len({cache.shape for cache in caches}) == 1
+        chunks.append(_Chunk(r.start, caches, parts, host, uniform))
+    return memory, chunks
+
+
 class HostKVPool:
-    """``num_blocks`` host blocks over ``kv``'s layers, block-major.
+    """``num_blocks`` host blocks over ``kv``'s layers, chunk-major.
 
-    ``blocks`` is ``[num_blocks, elements_per_block]`` of the KV dtype; a
-    row is one block id's bytes, layer after layer, K then V, each
-    ``[block_size, num_kv_heads, head_size]`` of its group, so a block moves
-    in one contiguous copy (and a run of consecutive host ids in one).
+    The layers are split into at most ``chunks`` (``LOAD_CHUNKS``) chunks of
+    consecutive layers. Host block ``h`` is row ``h`` of every chunk's
+    ``[num_blocks, elements]`` region of ``blocks``: its layers' K, then V,
+    each ``[block_size, num_kv_heads, head_size]`` of its group. So a chunk
+    of a run of consecutive host ids moves in one contiguous copy.
 
-    On CUDA the rows are pinned, and the copies between device and host
+    On CUDA the memory is pinned, and the copies between device and host
     memory run on two streams of the pool's own, beside the compute
     stream's work. An offload gathers the device blocks into a staging
-    buffer (one launch over every layer, the backend's ``gather_blocks``)
-    on the compute stream itself, in its order: it reads the blocks after every earlier write and
-    before every later one, so nothing later waits for it. The offload
-    stream then copies the staging rows to host memory without blocking the
-    host. A load copies host rows into a staging buffer on the load stream
-    without waiting for the compute stream (staging is fresh memory), after
-    the offloads still writing those host rows; the compute stream waits
-    for that copy and scatters the rows into the layers (``scatter_blocks``)
-    as its own work. So both copies between host and device, the slow
-    part, overlap the forwards already enqueued, and device blocks are read
-    and written only in the compute stream's order. An offload's host rows
-    are never read by a load still copying (the offload's copy waits for
-    the compute stream, which waited for every earlier load's copy). Each
-    copy records an event; finished offloads are dropped as later calls
-    look. The host never waits. On the CPU the same code runs synchronously
-    on plain memory. A call's staging holds its n blocks (``n *
-    bytes_per_block`` device bytes) until its copy is done.
-    ``copy_seconds`` sums the copies' times (timing events around each
-    copy between host and device; wall time on the CPU).
+    buffer per chunk (one launch over its layers, the backend's
+    ``gather_blocks``) on the compute stream itself, in its order: it reads
+    the blocks after every earlier write and before every later one, so
+    nothing later waits for it. The offload stream then copies the staging
+    rows to host memory without blocking the host. A load copies host rows
+    into staging, chunk after chunk, on the load stream without waiting for
+    the compute stream (staging is fresh memory), after the offloads still
+    writing those host rows; an event follows each chunk's copy. The chunk
+    lands when the compute stream needs it: ``before_layer`` of its first
+    layer (a forward's attention) or ``finish_loads`` makes the compute
+    stream wait for that chunk's copy and scatter it into the layers
+    (``scatter_blocks``) as its own work. So the copies between host and
+    device, the slow part, overlap the forwards already enqueued and the
+    layers of the step's own forward before the chunk's, and device blocks
+    are read and written only in the compute stream's order. An offload's
+    host rows are never read by a load still copying (the offload's copy
+    waits for the compute stream, which waited for every earlier load's
+    copy by the end of its step). Each copy records an event; finished
+    offloads are dropped as later calls look. The host never waits. On the
+    CPU the same code runs on plain memory, each copy at once. A call's
+    staging holds its n blocks (``n * bytes_per_block`` device bytes) until
+    its copy is done. ``copy_seconds`` sums the copies' times (timing
+    events around each call's copies between host and device; wall time on
+    the CPU).
     """
 
-    def __init__(self, kv: KVMemory, num_blocks: int, backend: KernelBackend | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVMemory,
+        num_blocks: int,
+        backend: KernelBackend | None = None,
+        chunks: int = LOAD_CHUNKS,
+    ) -> None:
         """``backend``: its ``gather_blocks`` / ``scatter_blocks`` move a
-        call's blocks of every layer in one launch when all layers' caches
-        have one shape (else, or without one, an ``index_select`` /
+        chunk's blocks of its layers in one launch when their caches have
+        one shape (else, or without one, an ``index_select`` /
         ``index_copy_`` per layer and K/V)."""
-        caches = [c for pair in zip(kv.key_caches, kv.value_caches, strict=True) for c in pair]
+        caches = [*kv.key_caches, *kv.value_caches]
         dtypes = {cache.dtype for cache in caches}
         assert len(dtypes) == 1 and all(c.is_contiguous() for c in caches)
         self.device = caches[0].device
         self.dtype = caches[0].dtype
-        uniform = len({cache.shape for cache in caches}) == 1
-        self._caches = caches
-        self._backend = backend if uniform else None
-        # Each layer's K, then V, as [num_device_blocks, elements of one
-        # block], and its columns in a host row.
-        self._parts: list[tuple[torch.Tensor, slice]] = []
-        start = 0
-        for cache in caches:
-            layer = cache.view(cache.shape[0], -1)
-            self._parts.append((layer, slice(start, start + layer.shape[1])))
-            start += layer.shape[1]
-        self.elements_per_block = start
+        self._backend = backend
         cuda = self.device.type == "cuda"
-        self.blocks = torch.empty(
-            (num_blocks, self.elements_per_block), dtype=self.dtype, pin_memory=cuda
-        )
+        self.blocks, self._chunks = _chunks(kv, num_blocks, chunks, pinned=cuda)
+        self._num_blocks = num_blocks
+        self.elements_per_block = sum(int(chunk.host.shape[1]) for chunk in self._chunks)
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
+        self._landing: deque[_Landing] = deque()  # loaded chunks not scattered yet
         self._timed: list[_Timed] = []  # calls whose copy time is not summed yet
         self._seconds = [0.0, 0.0]  # offloads, loads
         self._timing = threading.Lock()  # calls append, a step's completion sums
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
 
     def copy_seconds(self) -> tuple[float, float]:
         """See ``BlockStore.copy_seconds``."""
@@ -249,7 +327,7 @@ class HostKVPool:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.blocks.shape[0])
+        return self._num_blocks
 
     @property
     def num_bytes(self) -> int:
@@ -260,17 +338,21 @@ class HostKVPool:
         if not len(block_ids):
             return
         block_ids, host_ids = _by_host_id(block_ids, host_ids)
-        # The gather runs on the compute stream, in its order: it reads the
+        # The gathers run on the compute stream, in its order: they read the
         # blocks after every earlier write and before every later one, so
         # nothing that follows waits for the copy to host memory.
-        staging = self._gather(to_device(block_ids, self.device))
+        index = to_device(block_ids, self.device)
+        staged = [self._gather(chunk, index) for chunk in self._chunks]
         stream = self._offload_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            staging.record_stream(stream)  # the copy below reads it there
+            for staging in staged:
+                staging.record_stream(stream)  # the copies below read it there
+        runs = _runs(host_ids)
         with self._timed_on(stream, 0) as copied:
-            for i, host_id, n in _runs(host_ids):
-                self.blocks[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+            for chunk, staging in zip(self._chunks, staged, strict=True):
+                for i, host_id, n in runs:
+                    chunk.host[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
         if copied is not None:
             self._offloads.append(_InFlight(copied, host_ids.copy()))
 
@@ -284,50 +366,64 @@ class HostKVPool:
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
         index = to_device(block_ids, self.device)
+        runs = _runs(host_ids)
         stream = self._load_stream
-        if stream is None:
-            with self._timed_on(None, 1):
-                self._scatter(index, self._rows(host_ids))
-            return
-        if self._offloads:
+        if stream is not None and self._offloads:
             _prune(self._offloads)
             event = _latest(self._offloads, host_ids)
             if event is not None:  # an offload still writes some of these host rows
                 stream.wait_event(event)
-        with self._timed_on(stream, 1) as copied:
-            staging = self._rows(host_ids)
-        assert copied is not None
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(copied)
-        staging.record_stream(compute)  # the scatter below reads it there
-        self._scatter(index, staging)
+        with self._timed_on(stream, 1):
+            for chunk in self._chunks:
+                staging = torch.empty(
+                    (len(host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
+                )
+                for i, host_id, n in runs:
+                    staging[i : i + n].copy_(chunk.host[host_id : host_id + n], non_blocking=True)
+                copied = None
+                if stream is not None:
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                self._landing.append(_Landing(chunk, index, staging, copied))
 
-    def _rows(self, host_ids: np.ndarray) -> torch.Tensor:
-        """``[n, elements_per_block]`` on the device: host rows ``host_ids``
-        (ascending), copied without blocking the host."""
-        staging = torch.empty(
-            (len(host_ids), self.elements_per_block), dtype=self.dtype, device=self.device
-        )
-        for i, host_id, n in _runs(host_ids):
-            staging[i : i + n].copy_(self.blocks[host_id : host_id + n], non_blocking=True)
-        return staging
+    def before_layer(self, layer: int) -> None:
+        """See ``BlockStore.before_layer``."""
+        if not self._landing:
+            return
+        later: deque[_Landing] = deque()
+        for landing in self._landing:  # in the order they were loaded
+            if landing.chunk.first_layer <= layer:
+                self._land(landing)
+            else:
+                later.append(landing)
+        self._landing = later
 
-    def _gather(self, index: torch.Tensor) -> torch.Tensor:
-        """``[n, elements_per_block]``: device blocks ``index``, as host rows."""
+    def finish_loads(self) -> None:
+        """See ``BlockStore.finish_loads``."""
+        while self._landing:
+            self._land(self._landing.popleft())
+
+    def _land(self, landing: _Landing) -> None:
+        """The compute stream waits for the chunk's copy and scatters it."""
+        chunk, index, staging, copied = landing
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            staging.record_stream(compute)  # the scatter below reads it there
+        if chunk.uniform and self._backend is not None:
+            self._backend.scatter_blocks(chunk.caches, index, staging)
+            return
+        for layer, columns in chunk.parts:
+            layer.index_copy_(0, index, staging[:, columns])
+
+    def _gather(self, chunk: _Chunk, index: torch.Tensor) -> torch.Tensor:
+        """``[n, elements]``: device blocks ``index``, as ``chunk``'s host rows."""
         staging = torch.empty(
-            (len(index), self.elements_per_block), dtype=self.dtype, device=self.device
+            (len(index), chunk.host.shape[1]), dtype=self.dtype, device=self.device
         )
-        if self._backend is not None:
-            self._backend.gather_blocks(self._caches, index, staging)
+        if chunk.uniform and self._backend is not None:
+            self._backend.gather_blocks(chunk.caches, index, staging)
             return staging
-        for layer, columns in self._parts:
+        for layer, columns in chunk.parts:
             torch.index_select(layer, 0, index, out=staging[:, columns])
         return staging
-
-    def _scatter(self, index: torch.Tensor, staging: torch.Tensor) -> None:
-        """Writes row i of ``staging`` into device block ``index[i]``."""
-        if self._backend is not None:
-            self._backend.scatter_blocks(self._caches, index, staging)
-            return
-        for layer, columns in self._parts:
-            layer.index_copy_(0, index, staging[:, columns])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -25,6 +25,7 @@ from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.host_costs import HostCosts, measure_host_costs
 from pagedkv.executor.host_kv import BlockStore, HostKVPool, num_host_blocks
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
+from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
 from pagedkv.executor.rows import Rows, to_device
@@ -52,6 +53,7 @@ class RunnerConfig:
     max_logprobs: int = 20
     seed: int = 0
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
+    mixed_graphs: bool = True  # and steps that compute prompts, up to 2,048 tokens
     fused_ops: bool = True  # the fused decoder stack, for the model types it supports
     host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
 
@@ -121,6 +123,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
+        self.mixed_graphs: MixedGraphs | None = None  # likewise
         self._params_cache: _ParamsCache | None = None
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
@@ -208,6 +211,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self, min(config.max_num_rows, config.max_num_batched_tokens)
             )
+            if config.mixed_graphs:
+                self.mixed_graphs = MixedGraphs(
+                    self, config.max_num_batched_tokens, config.max_num_rows
+                )
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -221,17 +228,28 @@ class ModelRunner:
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         if len(copies):
+            self._finish_loads()  # a copy may read a block just loaded
             self.kv.copy_blocks(self.backend, to_device(copies, self.device))
 
     def run(self, plan: StepPlan) -> SamplerOutput | None:
         """Copies, then the forward and sampling of the plan's entries (rows
-        already updated). Returns None when no entry needs a sample."""
-        self.copy_blocks(plan.copies)
-        if not len(plan.rows):
-            return None
-        if plan.num_steps > 1:
-            return self.decode_window(plan.rows, plan.num_computed, plan.num_steps)
-        return self.forward(plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample)
+        already updated). Returns None when no entry needs a sample. The
+        host tier's loads of the step land layer by layer as an eager
+        forward reaches them, and whole before a copy or a graph's replay;
+        all have landed when it returns."""
+        try:
+            self.copy_blocks(plan.copies)
+            if not len(plan.rows):
+                return None
+            if plan.num_steps > 1:
+                return self.decode_window(plan.rows, plan.num_computed, plan.num_steps)
+            return self.forward(plan.rows, plan.num_computed, plan.num_scheduled, plan.needs_sample)
+        finally:
+            self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        if self.host_kv is not None:
+            self.host_kv.finish_loads()
 
     def decode_window(
         self, rows: np.ndarray, num_computed: np.ndarray, num_steps: int
@@ -273,10 +291,21 @@ class ModelRunner:
         become the rows' last samples (on the device). Decodes replay a
         captured graph when there is one."""
         if self.graphs is not None and self.graphs.fits(num_scheduled, needs_sample):
+            self._finish_loads()  # a graph has no layer hook
             logits, sampled_rows = self.graphs.run(rows, num_computed)
             sample_positions = num_computed + 1
+        elif self.mixed_graphs is not None and self.mixed_graphs.fits(num_scheduled):
+            self._finish_loads()
+            logits, sampled_rows, sample_positions = self.mixed_graphs.run(
+                rows, num_computed, num_scheduled, needs_sample
+            )
+            if not len(sample_positions):
+                return None
         else:
             inputs = self.forward_inputs.prepare(rows, num_computed, num_scheduled, needs_sample)
+            if self.host_kv is not None:
+                meta = replace(inputs.metadata, before_layer=self.host_kv.before_layer)
+                inputs = replace(inputs, metadata=meta)
             maybe_logits = self._model_logits(inputs)
             if maybe_logits is None:
                 return None

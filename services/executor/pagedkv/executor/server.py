@@ -69,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             seed=args.seed,
             cuda_graphs=not args.enforce_eager,
+            mixed_graphs=args.cuda_graphs == "all",
             fused_ops=args.fused_ops == "on",
             host_kv_gib=args.host_kv_gib,
         )

@@ -35,6 +35,8 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
                 command += [flag, str(value)]
         if args.enforce_eager:
             command.append("--enforce-eager")
+        if getattr(args, "cuda_graphs", "all") != "all":
+            command += ["--cuda-graphs", args.cuda_graphs]
         if getattr(args, "redis_url", None):
             command += ["--redis-url", args.redis_url, *_redis_secrets(args)]
         commands.append(command)

@@ -257,6 +257,12 @@ def register_serve(subparsers: Any, name: str) -> None:
         "--enforce-eager", action="store_true", help="executors without CUDA graphs"
     )
     parser.add_argument(
+        "--cuda-graphs",
+        default="all",
+        choices=("all", "decode"),
+        help="the executors' steps replayed from CUDA graphs: all, or decode steps only",
+    )
+    parser.add_argument(
         "--http-port",
         type=int,
         metavar="PORT",

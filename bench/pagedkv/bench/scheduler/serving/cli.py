@@ -95,6 +95,12 @@ def register(subparsers: Any, name: str) -> None:
     )
     model.add_argument("--max-model-len", type=int, help="clip lengths to this (default: model's)")
     model.add_argument("--enforce-eager", action="store_true")
+    model.add_argument(
+        "--cuda-graphs",
+        default="all",
+        choices=("all", "decode"),
+        help="the executor's steps replayed from CUDA graphs (pagedkv serve's --cuda-graphs)",
+    )
     mix = parser.add_argument_group("the ShareGPT-like mix at Poisson rates")
     mix.add_argument(
         "--rates",

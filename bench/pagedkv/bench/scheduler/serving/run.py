@@ -211,6 +211,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "pipeline_depth",
         "max_model_len",
         "enforce_eager",
+        "cuda_graphs",
         "rates",
         "num_requests",
         "mean_prompt_len",

@@ -106,6 +106,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
         options += ["--host-offload", args.host_offload]
     if args.enforce_eager:
         options.append("--enforce-eager")
+    if getattr(args, "cuda_graphs", "all") != "all":
+        options += ["--cuda-graphs", args.cuda_graphs]
     return options
 
 
