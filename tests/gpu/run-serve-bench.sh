@@ -138,6 +138,9 @@ case "${1:-1b}" in
     suffix=''
     [[ $preset == llama-8b ]] && suffix=-8b
     [[ $system_len == 1024 ]] || suffix=$suffix-$system_len
+    # TAG, when set, ends the files' names (runs of another setting, e.g.
+    # GRAPHS=decode: CUDA graphs for decode steps only, --cuda-graphs).
+    [[ -n ${TAG:-} ]] && suffix=$suffix-$TAG
     # TIERS (default "off on"): "on-eviction" adds a run whose tier takes a
     # cached block only when the GPU pool evicts it (--host-offload eviction).
     for tier in ${TIERS:-off on}; do
@@ -149,15 +152,16 @@ case "${1:-1b}" in
         --num-system-prompts "${NUM_PROMPTS:-64}" --system-prompt-len "$system_len" \
         --mean-prompt-len 64 --mean-output-len 64 \
         --num-blocks 1025 --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
-        --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
+        --cuda-graphs "${GRAPHS:-all}" --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
     done
     ;;
   host-ttft)
     # Llama-3-8B's shape: a 4,096-token prompt's TTFT end to end, recomputed,
     # from a GPU hit and from a host hit (five rounds after a warm-up; a
-    # minute or two). RUN numbers the file.
+    # minute or two). RUN numbers the file; GRAPHS=decode: CUDA graphs for
+    # decode steps only (--cuda-graphs).
     "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
-      --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 \
+      --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 --cuda-graphs "${GRAPHS:-all}" \
       --output "$RESULTS/host-ttft-8b-${RUN:-1}-$NAME.json"
     ;;
   host-tier)

@@ -89,7 +89,7 @@ def register(subparsers: Any, name: str) -> None:
         default="all",
         choices=("all", "decode"),
         help="steps replayed from CUDA graphs (without --enforce-eager): all: decode steps and "
-        "steps of up to 2,048 tokens that compute prompts; decode: decode steps only",
+        "steps of up to 1,024 tokens that compute prompts; decode: decode steps only",
     )
     parser.add_argument(
         "--no-progress",

@@ -164,10 +164,15 @@ def _prune(calls: deque[_InFlight]) -> None:
         calls.popleft()
 
 
-LOAD_CHUNKS = 8
+LOAD_CHUNKS = 1
 """At most this many groups of consecutive layers (chunks) a host row is
 split into: a load copies them in turn, and a forward's attention of a layer
-waits only for its chunk's copy."""
+waits only for its chunk's copy. One by default: on the H200, eight chunks
+did not shorten an eager step's host hit of the 8B shape (its load still
+added its whole copy time: host-ttft-8b-chunks8 against
+host-ttft-8b-eager), while each run of host ids takes one copy per chunk;
+and steps of up to 1,024 tokens replay CUDA graphs, before which every
+chunk lands anyway."""
 
 
 class _Chunk(NamedTuple):

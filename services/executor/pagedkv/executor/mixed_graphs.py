@@ -6,8 +6,8 @@ the running decodes) is as slow as the host is: on the H200 such a step of
 the 8B shape took 13-21 ms against 6 ms for a decode step, and one of the
 ~1.1B model about 13 ms whatever its tokens (docs/memory.md, "The host
 tier"). ``MixedGraphs`` captures the packed forward once per token count in
-``TOKEN_SIZES`` up to the step's token limit (at most ``TOKEN_SIZES[-1]``;
-longer steps are compute-bound and stay eager), each for up to
+``TOKEN_SIZES`` up to the step's token limit (at most ``TOKEN_SIZES[-1]``),
+each for up to
 ``min(max_entries, tokens)`` entries: the gather of the input tokens and
 block tables, the slot mappings, the model and its LM head at each entry's
 sampled token. A step that the decode graphs do not take and whose tokens
@@ -37,7 +37,12 @@ from pagedkv.executor.cuda_graphs import GraphRunner
 
 log = get_logger(__name__)
 
-TOKEN_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+TOKEN_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024)
+"""A step replays the smallest graph that holds its tokens, and its padding
+tokens cost the matmuls as much as real ones: the sizes are at most 128
+apart past 256. Longer steps stay eager: their launches hide behind the
+device's work. (Powers of two up to 2,048 made the 8B shape's prompt steps
+of ~1,200 tokens 29% slower on the H200: serve-host-tier-off-8b-graphs2048.)"""
 
 
 def tile_schedule(

@@ -53,7 +53,7 @@ class RunnerConfig:
     max_logprobs: int = 20
     seed: int = 0
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
-    mixed_graphs: bool = True  # and steps that compute prompts, up to 2,048 tokens
+    mixed_graphs: bool = True  # and steps that compute prompts, up to 1,024 tokens
     fused_ops: bool = True  # the fused decoder stack, for the model types it supports
     host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
 
@@ -125,12 +125,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
         self.mixed_graphs: MixedGraphs | None = None  # likewise
         self._params_cache: _ParamsCache | None = None
+        self.host_kv: BlockStore | None = None  # after the pool, which a measurement may size
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
         num_host = num_host_blocks(config.host_kv_gib, self.bytes_per_block)
-        self.host_kv: BlockStore | None = (
-            HostKVPool(self.kv, num_host, self.backend) if num_host else None
-        )
+        if num_host:
+            self.host_kv = HostKVPool(self.kv, num_host, self.backend)
         self.host_costs: HostCosts | None = None  # measured by warm_up
         self.limits = Limits(
             num_blocks=num_blocks,
