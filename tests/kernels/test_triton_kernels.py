@@ -84,6 +84,28 @@ def test_a_tile_schedule_read_on_the_device_gives_the_same_output(
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])  # 8, 4 and 1 query heads per KV head
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+def test_decode_entries_beside_a_prefill_read_their_whole_context(
+    num_kv_heads: int, sliding_window: int | None, softcap: float | None
+) -> None:
+    # A decode entry of a mixed batch computes its KV head's query heads in
+    # one program: contexts past several whole key tiles (128 keys), and one
+    # of exactly a tile, beside a prefill chunk.
+    batch = build_batch(
+        [300, 5, 200, 127, 0],
+        [1, 40, 1, 1, 1],
+        num_q_heads=8,
+        num_kv_heads=num_kv_heads,
+        dtype=torch.float16,
+    )
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    out = run(paged_attention.paged_attention, *args, **kwargs)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
 def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -> None:
     batch = build_batch([0, 17], [3, 1], num_q_heads=8, num_kv_heads=1, head_size=80)
     args = [batch[name] for name in NAMES]

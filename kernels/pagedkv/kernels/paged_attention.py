@@ -53,6 +53,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
+    GROUP: tl.constexpr,  # rows of a decode entry's tile: the query heads of a KV head, padded
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -74,98 +75,188 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     context = seq_len - q_len
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < q_len
-    q_pos = context + rows
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_size
-    q_offsets = (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if (q_len == 1) & (tile == 0):
+        # A decode entry: the program of the group's first query head computes
+        # every query head of its KV head, one row each, so each K/V byte is
+        # read once for the group, in tiles of GROUP rows (not BLOCK_M rows
+        # with one valid); the group's other programs have nothing to do.
+        if head % num_queries_per_kv == 0:
+            members = tl.arange(0, GROUP)
+            heads = head + members
+            head_valid = members < num_queries_per_kv
+            offsets = q_start * query_stride_t + heads[:, None] * query_stride_h + dims[None, :]
+            q = tl.load(
+                query_ptr + offsets, mask=head_valid[:, None] & dim_valid[None, :], other=0.0
+            )
+            g_pos = tl.zeros([GROUP], dtype=tl.int64) + context
+            g_m = tl.full([GROUP], MASKED, dtype=tl.float32)
+            g_l = tl.zeros([GROUP], dtype=tl.float32)
+            g_acc = tl.zeros([GROUP, BLOCK_D], dtype=tl.float32)
+            g_start = seq_len * 0
+            g_diagonal = (seq_len // BLOCK_N) * BLOCK_N  # whole tiles every row sees
+            if USE_WINDOW:
+                g_start = (tl.maximum(context - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+                g_diagonal = g_start
+            g_m, g_l, g_acc = attend(
+                q,
+                g_pos,
+                g_m,
+                g_l,
+                g_acc,
+                g_start,
+                g_diagonal,
+                seq,
+                kv_head,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_table_ptr,
+                cache_stride_b,
+                cache_stride_s,
+                cache_stride_h,
+                block_table_stride,
+                scale,
+                softcap,
+                sliding_window,
+                dims,
+                dim_valid,
+                USE_WINDOW,
+                USE_SOFTCAP,
+                BLOCK_SIZE,
+                BLOCK_N,
+                EVEN_D,
+                False,
+            )
+            g_m, g_l, g_acc = attend(
+                q,
+                g_pos,
+                g_m,
+                g_l,
+                g_acc,
+                g_diagonal,
+                seq_len,
+                seq,
+                kv_head,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_table_ptr,
+                cache_stride_b,
+                cache_stride_s,
+                cache_stride_h,
+                block_table_stride,
+                scale,
+                softcap,
+                sliding_window,
+                dims,
+                dim_valid,
+                USE_WINDOW,
+                USE_SOFTCAP,
+                BLOCK_SIZE,
+                BLOCK_N,
+                EVEN_D,
+                True,
+            )
+            g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
+            out_offsets = q_start * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
+            tl.store(
+                out_ptr + out_offsets,
+                g_out.to(out_ptr.dtype.element_ty),
+                mask=head_valid[:, None] & dim_valid[None, :],
+            )
+    else:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < q_len
+        q_pos = context + rows
+        q_offsets = (
+            (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
+        )
+        q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Keys this tile reads: up to its last query's position, from the first
-    # key its first query's window reaches (a multiple of BLOCK_N).
-    kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
-    kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
-    kv_start = kv_end * 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(context + tile * BLOCK_M - sliding_window + 1, 0)
-        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+        # Keys this tile reads: up to its last query's position, from the first
+        # key its first query's window reaches (a multiple of BLOCK_N).
+        kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
+        kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
+        kv_start = kv_end * 0
+        if USE_WINDOW:
+            kv_start = tl.maximum(context + tile * BLOCK_M - sliding_window + 1, 0)
+            kv_start = (kv_start // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Keys before the tile's first query (rounded down to BLOCK_N) are seen by
-    # every row: no mask there. With a window every key is masked (the
-    # unmasked range is empty).
-    diagonal = kv_start
-    if not USE_WINDOW:
-        diagonal = tl.minimum(((context + tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
-    m_i, l_i, acc = attend(
-        q,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        kv_start,
-        diagonal,
-        seq,
-        kv_head,
-        key_cache_ptr,
-        value_cache_ptr,
-        block_table_ptr,
-        cache_stride_b,
-        cache_stride_s,
-        cache_stride_h,
-        block_table_stride,
-        scale,
-        softcap,
-        sliding_window,
-        dims,
-        dim_valid,
-        USE_WINDOW,
-        USE_SOFTCAP,
-        BLOCK_SIZE,
-        BLOCK_N,
-        EVEN_D,
-        False,
-    )
-    m_i, l_i, acc = attend(
-        q,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        diagonal,
-        kv_end,
-        seq,
-        kv_head,
-        key_cache_ptr,
-        value_cache_ptr,
-        block_table_ptr,
-        cache_stride_b,
-        cache_stride_s,
-        cache_stride_h,
-        block_table_stride,
-        scale,
-        softcap,
-        sliding_window,
-        dims,
-        dim_valid,
-        USE_WINDOW,
-        USE_SOFTCAP,
-        BLOCK_SIZE,
-        BLOCK_N,
-        EVEN_D,
-        True,
-    )
+        m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Keys before the tile's first query (rounded down to BLOCK_N) are seen by
+        # every row: no mask there. With a window every key is masked (the
+        # unmasked range is empty).
+        diagonal = kv_start
+        if not USE_WINDOW:
+            diagonal = tl.minimum(((context + tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
+        m_i, l_i, acc = attend(
+            q,
+            q_pos,
+            m_i,
+            l_i,
+            acc,
+            kv_start,
+            diagonal,
+            seq,
+            kv_head,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            cache_stride_b,
+            cache_stride_s,
+            cache_stride_h,
+            block_table_stride,
+            scale,
+            softcap,
+            sliding_window,
+            dims,
+            dim_valid,
+            USE_WINDOW,
+            USE_SOFTCAP,
+            BLOCK_SIZE,
+            BLOCK_N,
+            EVEN_D,
+            False,
+        )
+        m_i, l_i, acc = attend(
+            q,
+            q_pos,
+            m_i,
+            l_i,
+            acc,
+            diagonal,
+            kv_end,
+            seq,
+            kv_head,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            cache_stride_b,
+            cache_stride_s,
+            cache_stride_h,
+            block_table_stride,
+            scale,
+            softcap,
+            sliding_window,
+            dims,
+            dim_valid,
+            USE_WINDOW,
+            USE_SOFTCAP,
+            BLOCK_SIZE,
+            BLOCK_N,
+            EVEN_D,
+            True,
+        )
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
-    out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
-    tl.store(
-        out_ptr + out_offsets,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
-    )
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
+        out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
+        tl.store(
+            out_ptr + out_offsets,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
 
 
 # Prefill tiling: (query rows, keys per step, warps, pipeline stages); the
@@ -295,6 +386,7 @@ def paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         EVEN_D=block_d == head_size,
+        GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
         num_warps=num_warps,
         num_stages=num_stages,
     )
