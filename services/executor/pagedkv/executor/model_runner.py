@@ -289,7 +289,8 @@ class ModelRunner:
         """One packed forward over ``rows`` (tokens ``[c, c + s)`` of each,
         already in the rows' histories) and sampling where asked; the samples
         become the rows' last samples (on the device). Decodes replay a
-        captured graph when there is one."""
+        captured decode graph when there is one, other steps of up to 1,024
+        tokens a mixed-step graph (mixed_graphs.py)."""
         if self.graphs is not None and self.graphs.fits(num_scheduled, needs_sample):
             self._finish_loads()  # a graph has no layer hook
             logits, sampled_rows = self.graphs.run(rows, num_computed)
