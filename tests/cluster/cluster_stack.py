@@ -86,6 +86,18 @@ class Cluster:
         owners = self.ownership()
         return all(len(owners.get(address, [])) == 1 for address in live)
 
+    def balanced(self) -> bool:
+        """Every live executor in service once, and every live scheduler
+        holding its share (rebalancing gives a scheduler that joined after
+        the others took every executor its share a moment later)."""
+        live = [e for e in self.executors if e.process.poll() is None]
+        schedulers = self.live_schedulers()
+        if not schedulers or not self.each_owned_once():
+            return False
+        share = len(live) // len(schedulers)
+        held = [sum(e.healthy for e in s.stats().executors) for s in schedulers]
+        return all(count >= share for count in held)
+
     def close(self) -> None:
         for process in [*self.schedulers, *self.executors]:
             process.close()
