@@ -284,7 +284,6 @@ class HostKVPool:
         cuda = self.device.type == "cuda"
         self.blocks, self._chunks = _chunks(kv, num_blocks, chunks, pinned=cuda)
         self._num_blocks = num_blocks
-        self.elements_per_block = sum(int(chunk.host.shape[1]) for chunk in self._chunks)
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
@@ -292,6 +291,10 @@ class HostKVPool:
         self._timed: list[_Timed] = []  # calls whose copy time is not summed yet
         self._seconds = [0.0, 0.0]  # offloads, loads
         self._timing = threading.Lock()  # calls append, a step's completion sums
+
+    @property
+    def elements_per_block(self) -> int:
+        return sum(int(chunk.host.shape[1]) for chunk in self._chunks)
 
     @property
     def num_chunks(self) -> int:

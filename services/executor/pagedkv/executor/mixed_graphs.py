@@ -84,6 +84,10 @@ class _Graph:
         t, e = self.tokens, self.entries
         return (e, t, t, e, e + 1, e, e, 2 * self.num_tiles)
 
+    def split(self, host: np.ndarray) -> list[np.ndarray]:
+        """``host`` (the buffer's host copy) as views of the layout's vectors."""
+        return np.split(host, np.cumsum(self.layout)[:-1])
+
     def views(self) -> list[torch.Tensor]:
         out, start = [], 0
         for length in self.layout:
@@ -112,7 +116,6 @@ class MixedGraphs:
             graph = _Graph(tokens, entries, rows, num_tiles, torch.empty(0))
             graph.inputs = torch.from_numpy(self._padding(graph)).to(runner.device)
             self.graphs.append(graph)
-        self.captured = capture
         if capture:
             self._capture()
 
@@ -138,8 +141,8 @@ class MixedGraphs:
         num_tokens = int(num_scheduled.sum())
         graph = next(g for g in self.graphs if g.tokens >= num_tokens)
         host = self._padding(graph)
-        rows_v, token_rows, positions, seq_lens, starts, sample_index, sampled, tiles = np.split(
-            host, np.cumsum(graph.layout)[:-1]
+        rows_v, token_rows, positions, seq_lens, starts, sample_index, sampled, tiles = graph.split(
+            host
         )
         count = len(rows)
         rows_v[:count] = rows
@@ -172,7 +175,7 @@ class MixedGraphs:
         """The input buffer of a step with no entries: every token padding,
         no tile scheduled."""
         host = np.zeros(sum(graph.layout), dtype=np.int64)
-        _, _, positions, _, _, _, _, tiles = np.split(host, np.cumsum(graph.layout)[:-1])
+        _, _, positions, _, _, _, _, tiles = graph.split(host)
         positions[:] = -1
         tiles[: graph.num_tiles] = -1
         return host
