@@ -6,7 +6,9 @@ prompt's KV come back byte for byte, every layer's K and V, into other
 blocks, across a reset; a load reads what the same step's offloads wrote; a
 request continued on loaded blocks (in the step that loads them, a single
 step or a decode window) samples the tokens it samples without the round
-trip; load destinations lose their tags; every bad column is refused naming
+trip; a host hit (a new request whose prefix its step loads) samples what
+the original request did, eager and through a mixed-step graph's forward;
+load destinations lose their tags; every bad column is refused naming
 its field and moves nothing; GetInfo and ``--host-kv-gib`` size the pool.
 The same round trip on CUDA is marked ``gpu``.
 """
@@ -29,6 +31,7 @@ from pagedkv.common.errors import InvalidArgument
 from pagedkv.executor.engine import Executor
 from pagedkv.executor.host_kv import HostKVPool
 from pagedkv.executor.launched import LaunchedStep
+from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.kernels.backend import get_backend
@@ -252,6 +255,49 @@ def test_on_transformers_layers_a_load_lands_before_each_layers_attention(
     assert continued_tokens(unfused, 1, round_trip=True, loaded=False) != want
 
 
+def host_hit_tokens(executor: Executor, loaded: bool = True) -> tuple[list[int], list[int]]:
+    """A request prefilled in blocks 1 and 2 and decoded three times; then
+    its first block offloaded, it and block 3 overwritten, and the same
+    prompt as a new request in row 1 whose first block is loaded (unless
+    not ``loaded``) into block 3 by the step that computes the rest of its
+    prompt, in block 4 (a host hit), then decoded three times. The two
+    requests' tokens."""
+    fresh(executor)
+    seq = prefilled(executor, [1, 2])
+    for _ in range(3):
+        take_samples([seq], executor.step(decode(OWNER, [seq])))
+    executor.step(moving(offloads=((1, 5),)))
+    clobber(executor, [1, 3])
+    hit = Seq(row=1, blocks=[3, 4], num_computed=0)
+    request = prefill(OWNER, hit, "r1", PROMPT)
+    request.num_scheduled_tokens[0] = len(PROMPT) - BLOCK_SIZE
+    request.num_computed_tokens[0] = BLOCK_SIZE
+    loads = ((5, 3),) if loaded else ()
+    take_samples([hit], executor.step(with_moves(request, loads=loads)))
+    for _ in range(3):
+        take_samples([hit], executor.step(decode(OWNER, [hit])))
+    return seq.output, hit.output
+
+
+@pytest.mark.parametrize("mixed_graph", [False, True], ids=["eager", "uncaptured-mixed-graph"])
+def test_a_host_hit_computes_the_rest_of_its_prompt_on_the_blocks_it_loads(
+    executor: Executor, mixed_graph: bool
+) -> None:
+    """Eager, and through a mixed-step graph's padded forward (uncaptured on
+    the CPU), whose segments start where the pool's chunks of layers do."""
+    runner = executor.runner
+    pool = runner.host_kv
+    assert isinstance(pool, HostKVPool) and pool.chunk_starts() == (0, 1)
+    if mixed_graph:
+        runner.mixed_graphs = MixedGraphs(runner, 64, 4, capture=False, starts=pool.chunk_starts())
+    try:
+        want, got = host_hit_tokens(executor)
+        assert len(want) == 4 and got == want
+        assert host_hit_tokens(executor, loaded=False)[1] != want
+    finally:
+        runner.mixed_graphs = None
+
+
 def layered_kv(shapes: list[tuple[int, ...]]) -> Any:
     """What a pool reads of ``KVMemory``: K and V per layer (``shapes``:
     each layer's block shape), block b of layer l holding ``100 * l + b``
@@ -462,6 +508,21 @@ def test_on_cuda_the_round_trip_is_byte_exact_and_a_load_feeds_its_steps_forward
         assert continued_tokens(cuda, num_steps, round_trip=True) == want
         assert continued_tokens(cuda, num_steps, round_trip=True, ahead=True) == want
         assert continued_tokens(cuda, num_steps, round_trip=True, loaded=False) != want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_host_hit_replays_its_mixed_graph_in_segments_as_its_load_lands(
+    model_dir: Path,
+) -> None:
+    cuda = make_executor(model_dir, HOST_KV_GIB, device="cuda", backend="triton")
+    pool, graphs = cuda.runner.host_kv, cuda.runner.mixed_graphs
+    assert isinstance(pool, HostKVPool) and graphs is not None
+    assert graphs.starts == pool.chunk_starts() == (0, 1)
+    assert all(len(graph.segments) == 2 for graph in graphs.graphs)
+    want, got = host_hit_tokens(cuda)
+    assert len(want) == 4 and got == want
+    assert host_hit_tokens(cuda, loaded=False)[1] != want
 
 
 def offloaded_blocks_survive_a_step_that_reuses_them(executor: Executor) -> None:

@@ -167,8 +167,14 @@ case "${1:-1b}" in
   host-tier)
     # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's
     # first token recomputed, from a GPU hit and from a host hit; decode
-    # steps carrying offloads (under a minute). RUN numbers the file.
-    "$PYTHON" -m pagedkv.bench.executor.host_tier --preset llama-8b \
+    # steps carrying offloads (under a minute). RUN numbers the file;
+    # GRAPHS (all, decode or none: --cuda-graphs), CHUNKS (the host pool's
+    # chunks of layers: --load-chunks) and PROFILE (a folder for the
+    # profiler's traces of one GPU hit and one host hit: --profile).
+    args=(--cuda-graphs "${GRAPHS:-all}")
+    [[ -n ${CHUNKS:-} ]] && args+=(--load-chunks "$CHUNKS")
+    [[ -n ${PROFILE:-} ]] && args+=(--profile "$PROFILE")
+    "$PYTHON" -m pagedkv.bench.executor.host_tier --preset llama-8b "${args[@]}" \
       --output "$RESULTS/host-tier-executor-8b-${RUN:-1}-$NAME.json"
     ;;
   executor)
@@ -217,10 +223,14 @@ case "${1:-1b}" in
     # The memory benchmark's chat, REQUESTS (default 128) at once on half the
     # GPU blocks they need: no host tier, then --host-loads never, always and
     # auto, each on a fresh server, REPEAT (default 1) times each (about two
-    # minutes). File: swap-NAME.{json,md}.
+    # minutes). OUTPUT_FRACTION (default the chat's 0.125): each request's
+    # share of its length generated; more preempts more. TAG, when set,
+    # ends the file's name. File: swap[-TAG]-NAME.{json,md}.
+    fraction=()
+    [[ -n ${OUTPUT_FRACTION:-} ]] && fraction=(--output-fraction "$OUTPUT_FRACTION")
     "$PYTHON" -m pagedkv.common.cli bench swap --preset llama-1.1b --device "${DEVICE:-cuda}" \
-      --dtype bfloat16 --num-requests "${REQUESTS:-128}" --repeat "${REPEAT:-1}" \
-      --output "$RESULTS/swap-$NAME.json"
+      --dtype bfloat16 --num-requests "${REQUESTS:-128}" --repeat "${REPEAT:-1}" "${fraction[@]}" \
+      --output "$RESULTS/swap${TAG:+-$TAG}-$NAME.json"
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \

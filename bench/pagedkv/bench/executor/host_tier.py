@@ -20,7 +20,11 @@ rows with two in flight (as a scheduler's step stream runs them), alone and
 each carrying ``--offload-blocks`` offloads of other blocks, give the cost
 of offload traffic to the steps around it.
 
-Writes a JSON file and a markdown summary.
+Writes a JSON file and a markdown summary. ``--profile DIR`` then runs one
+GPU hit and one host hit under the torch profiler: their Chrome traces go to
+DIR and, into the JSON, each stream's GPU time in those steps (when its
+first and last work ran, how long it was busy), which shows whether a host
+hit's copies overlap its forward.
 """
 
 from __future__ import annotations
@@ -237,6 +241,67 @@ def time_decodes_with_offloads(
     return result
 
 
+def stream_spans(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each stream's GPU work in a Chrome trace's ``events``: its first
+    start and last end (ms from the first GPU work), its busy ms, its
+    number of events, and the busiest names."""
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {}
+    origin = min(float(e["ts"]) for e in gpu)
+    streams: dict[str, Any] = {}
+    for event in gpu:
+        key = str(event.get("args", {}).get("stream", event.get("tid")))
+        entry = streams.setdefault(
+            key, {"first_ms": 1e30, "last_ms": 0.0, "busy_ms": 0.0, "events": 0, "names": {}}
+        )
+        start = (float(event["ts"]) - origin) / 1e3
+        duration = float(event.get("dur", 0.0)) / 1e3
+        entry["first_ms"] = min(entry["first_ms"], start)
+        entry["last_ms"] = max(entry["last_ms"], start + duration)
+        entry["busy_ms"] += duration
+        entry["events"] += 1
+        name = str(event.get("name", ""))[:60]
+        entry["names"][name] = entry["names"].get(name, 0.0) + duration
+    for entry in streams.values():
+        top = sorted(entry["names"].items(), key=lambda item: -item[1])[:8]
+        entry["names"] = {name: round(ms, 3) for name, ms in top}
+        for key in ("first_ms", "last_ms", "busy_ms"):
+            entry[key] = round(entry[key], 3)
+    return streams
+
+
+def profile_hits(bench: Bench, directory: Path) -> dict[str, Any]:
+    """One GPU hit and one host hit (after its offload) under the torch
+    profiler: each one's stream spans (``stream_spans``); traces to
+    ``directory``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, hits = bench.num_blocks, bench.num_hit_blocks
+    gpu_blocks = list(range(1, 1 + n))
+    fresh = list(range(1 + n, 1 + 2 * n))
+    host_ids = list(range(hits))
+    directory.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if bench.executor.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    result: dict[str, Any] = {}
+    bench.first_token(gpu_blocks, 0, [])
+    for label in ("gpu_hit", "host_hit"):
+        if label == "host_hit":
+            bench.offload(gpu_blocks[:hits], host_ids)
+            if bench.executor.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+        blocks, loads = (gpu_blocks, []) if label == "gpu_hit" else (fresh, host_ids)
+        with profile(activities=activities) as prof:
+            ms = bench.first_token(blocks, hits * bench.block_size, loads) * 1e3
+        path = directory / f"{label}.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+        result[label] = {"step_ms": round(ms, 3), "streams": stream_spans(events)}
+    return result
+
+
 def markdown(results: dict[str, Any]) -> str:
     first, decode = results["first_token"], results["decode"]
     ms = first["ms"]
@@ -247,7 +312,9 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Model: {results['preset']} shape, dummy weights; {results['gpu']}; "
             f"blocks of {results['block_size']} tokens, {mib:.2f} MiB each "
-            f"(every layer's K and V); host tier {results['num_host_blocks']:,} blocks.",
+            f"(every layer's K and V); host tier {results['num_host_blocks']:,} blocks "
+            f"in {results.get('load_chunks', 1)} chunk(s) of layers; CUDA graphs: "
+            f"{results.get('cuda_graphs', 'all')}.",
             "",
             f"## First token of a {results['prompt_len']:,}-token prompt "
             f"(median of {results['repeat']}; `Executor.step` until the token is on the host)",
@@ -292,6 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=100, help="decode steps per setting")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (use --preset tiny)")
     parser.add_argument("--output", default="host-tier-executor-h200.json")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="all",
+        choices=("all", "decode", "none"),
+        help="steps replayed from CUDA graphs: all, decodes only, or none",
+    )
+    parser.add_argument("--load-chunks", type=int, default=0, help="host pool chunks (0: default)")
+    parser.add_argument("--profile", default="", help="a folder: profile one GPU and one host hit")
     args = parser.parse_args(argv)
 
     import transformers
@@ -318,19 +393,30 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_rows=max(args.batch, 1),
                 max_num_batched_tokens=max(args.chunk, args.batch * args.context),
                 host_kv_gib=args.host_kv_gib,
+                cuda_graphs=args.cuda_graphs != "none",
+                mixed_graphs=args.cuda_graphs == "all",
             )
         )
+        if args.load_chunks and runner.host_kv is not None:
+            from pagedkv.executor.host_kv import HostKVPool
+
+            runner.host_kv = HostKVPool(
+                runner.kv, runner.host_kv.num_blocks, runner.backend, chunks=args.load_chunks
+            )
         runner.warm_up()
     executor = Executor(runner, f"{args.preset}-dummy")
     executor.reset(executor_pb2.ResetRequest(owner=_owner()))
     prompt = np.random.default_rng(0).integers(0, 1000, size=args.prompt_len).tolist()
     bench = Bench(executor, prompt, args.chunk)
     first = time_first_tokens(bench, args.repeat)
+    profiled = profile_hits(bench, Path(args.profile)) if args.profile else None
     decode = time_decodes_with_offloads(
         bench, args.batch, args.context, args.offload_blocks, args.iters
     )
     results = {
         "preset": args.preset,
+        "cuda_graphs": args.cuda_graphs,
+        "load_chunks": getattr(runner.host_kv, "num_chunks", 0),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -346,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         "first_token": first,
         "decode": decode,
     }
+    if profiled is not None:
+        results["profile"] = profiled
     path = Path(args.output)
     path.write_text(json.dumps(results, indent=2) + "\n")
     text = markdown(results)

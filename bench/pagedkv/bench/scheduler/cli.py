@@ -190,6 +190,12 @@ def register_swap_bench(subparsers: Any, name: str) -> None:
         help="the GPU pool, of the blocks the requests need at their final lengths",
     )
     parser.add_argument(
+        "--output-fraction",
+        type=float,
+        help="each request's share of its length generated (default: the memory "
+        "benchmark's chat); more output grows the running requests and preempts more",
+    )
+    parser.add_argument(
         "--modes", default="off,never,always,auto", help="which to run (comma-separated)"
     )
     parser.add_argument(

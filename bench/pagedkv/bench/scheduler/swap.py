@@ -287,6 +287,10 @@ def main(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit(f"--repeat: at least 1, got {args.repeat}")
     chat = chat_settings()
+    if args.output_fraction is not None:
+        if not 0 < args.output_fraction < 1:
+            raise SystemExit(f"--output-fraction: between 0 and 1, got {args.output_fraction}")
+        chat["chat_output_fraction"] = args.output_fraction
     batch = chat_batch(args.num_requests or chat["chat_requests"], args.seed, chat)
     with benchmark_model(args, chat["max_model_len"]) as (model, load_format):
         config = json.loads((Path(model) / "config.json").read_text())

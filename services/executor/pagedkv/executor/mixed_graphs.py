@@ -19,6 +19,14 @@ buffer too (``paged_attention``'s ``tiles``: each program's sequence and
 query tile, the longest reaches first), so its grid is fixed however the
 tokens split between entries.
 
+A host tier's load lands chunk by chunk of layers (host_kv.py), and a
+graph has no hook between its layers: so each token count's forward is
+captured as consecutive segments, a new one starting where a chunk's first
+layer reaches its attention (``starts``: the chunks' first layers). Before
+replaying a segment the runner lands the chunks it reads (``before_layer``:
+the compute stream waits for that chunk's copy alone), so a step's loads
+overlap its own forward, not only the steps before it.
+
 ``MixedGraphs(..., capture=False)`` runs the same padded forward without
 capturing it, so the CPU tests check its inputs against the eager path.
 Only on CUDA with the Triton kernels, as the decode graphs.
@@ -27,7 +35,8 @@ Only on CUDA with the Triton kernels, as the decode graphs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -73,7 +82,7 @@ class _Graph:
     rows_per_tile: int
     num_tiles: int
     inputs: torch.Tensor
-    graph: torch.cuda.CUDAGraph | None = None
+    segments: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # one per start
     logits: torch.Tensor | None = None
 
     @property
@@ -100,11 +109,20 @@ class MixedGraphs:
     """One captured packed forward per token count up to ``max_tokens``."""
 
     def __init__(
-        self, runner: GraphRunner, max_tokens: int, max_entries: int, capture: bool = True
+        self,
+        runner: GraphRunner,
+        max_tokens: int,
+        max_entries: int,
+        capture: bool = True,
+        starts: Sequence[int] = (0,),
     ) -> None:
+        """``starts``: the first layers of the segments, 0 first (a host
+        tier's ``chunk_starts``)."""
         from pagedkv.kernels.paged_attention import tile_rows  # after TRITON_INTERPRET is set
 
+        assert starts and starts[0] == 0 and list(starts) == sorted(set(starts))
         self.runner = runner
+        self.starts = tuple(starts)
         top = min(max_tokens, TOKEN_SIZES[-1])
         sizes = [t for t in TOKEN_SIZES if t < top] + [top]
         head_size = runner.spec.head_size
@@ -133,11 +151,14 @@ class MixedGraphs:
         num_computed: np.ndarray,
         num_scheduled: np.ndarray,
         needs_sample: np.ndarray,
+        before_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The forward of tokens ``[c, c + s)`` of each of ``rows`` (already
         in the rows' histories); the logits of the entries that sample, in
         the model's dtype (a view of the graph's output, valid until its
-        next replay), their rows on the device and their sample positions."""
+        next replay), their rows on the device and their sample positions.
+        ``before_layer(start)`` is called before each segment's replay (and
+        before each layer's attention when uncaptured)."""
         num_tokens = int(num_scheduled.sum())
         graph = next(g for g in self.graphs if g.tokens >= num_tokens)
         host = self._padding(graph)
@@ -162,11 +183,14 @@ class MixedGraphs:
         if graph.inputs.device.type == "cuda":
             source = source.pin_memory()
         graph.inputs.copy_(source, non_blocking=True)
-        if graph.graph is not None:
-            graph.graph.replay()
+        if graph.segments:
+            for start, segment in zip(self.starts, graph.segments, strict=True):
+                if before_layer is not None:
+                    before_layer(start)
+                segment.replay()
             logits = graph.logits
         else:
-            logits = self._forward(graph)
+            logits = self._forward(graph, before_layer)
         assert logits is not None
         sampled_rows = graph.views()[6][:num_samples]
         return logits[:num_samples], sampled_rows, (num_computed + num_scheduled)[needs_sample]
@@ -182,25 +206,40 @@ class MixedGraphs:
 
     def _capture(self) -> None:
         device = self.runner.device
-        start = time.perf_counter()
+        begun = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for graph in reversed(self.graphs):  # the largest first: the others reuse its memory
                 self._forward(graph)  # compiles and settles the allocator outside the capture
-                graph.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph.graph, pool=pool, stream=stream):
-                    graph.logits = self._forward(graph)
+                torch.cuda.synchronize(device)
+                graph.segments = [torch.cuda.CUDAGraph()]
+                graph.segments[0].capture_begin(pool=pool)
+
+                def split(
+                    layer: int, segments: list[torch.cuda.CUDAGraph] = graph.segments
+                ) -> None:
+                    if layer in self.starts[1:]:  # a new segment from this layer's attention on
+                        segments[-1].capture_end()
+                        segments.append(torch.cuda.CUDAGraph())
+                        segments[-1].capture_begin(pool=pool)
+
+                graph.logits = self._forward(graph, split)
+                graph.segments[-1].capture_end()
+                assert len(graph.segments) == len(self.starts)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         log.info(
             "mixed-step graphs captured",
             token_sizes=self.sizes,
-            seconds=round(time.perf_counter() - start, 2),
+            segments=len(self.starts),
+            seconds=round(time.perf_counter() - begun, 2),
         )
 
-    def _forward(self, graph: _Graph) -> torch.Tensor:
+    def _forward(
+        self, graph: _Graph, before_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         runner = self.runner
         rows, token_rows, raw_positions, seq_lens, starts, sample_index, _, tiles = graph.views()
         positions = raw_positions.clamp(min=0)
@@ -219,5 +258,6 @@ class MixedGraphs:
             meta,
             slot_mappings=tuple(s.masked_fill(padding, -1) for s in meta.slot_mappings),
             tiles=tiles.to(torch.int32).view(2, -1),
+            before_layer=before_layer,
         )
         return runner.run_model(input_ids, positions, meta, sample_index)

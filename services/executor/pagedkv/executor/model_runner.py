@@ -211,9 +211,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self, min(config.max_num_rows, config.max_num_batched_tokens)
             )
-            if config.mixed_graphs:
+            if config.mixed_graphs:  # in segments where a host tier's loads land
+                starts = (0,) if self.host_kv is None else self.host_kv.chunk_starts()
                 self.mixed_graphs = MixedGraphs(
-                    self, config.max_num_batched_tokens, config.max_num_rows
+                    self, config.max_num_batched_tokens, config.max_num_rows, starts=starts
                 )
 
     @property
@@ -235,8 +236,9 @@ class ModelRunner:
         """Copies, then the forward and sampling of the plan's entries (rows
         already updated). Returns None when no entry needs a sample. The
         host tier's loads of the step land layer by layer as an eager
-        forward reaches them, and whole before a copy or a graph's replay;
-        all have landed when it returns."""
+        forward reaches them (a mixed-step graph's segment by segment), and
+        whole before a copy or a decode graph's replay; all have landed when
+        it returns."""
         try:
             self.copy_blocks(plan.copies)
             if not len(plan.rows):
@@ -296,9 +298,9 @@ class ModelRunner:
             logits, sampled_rows = self.graphs.run(rows, num_computed)
             sample_positions = num_computed + 1
         elif self.mixed_graphs is not None and self.mixed_graphs.fits(num_scheduled):
-            self._finish_loads()
+            before_layer = None if self.host_kv is None else self.host_kv.before_layer
             logits, sampled_rows, sample_positions = self.mixed_graphs.run(
-                rows, num_computed, num_scheduled, needs_sample
+                rows, num_computed, num_scheduled, needs_sample, before_layer
             )
             if not len(sample_positions):
                 return None
