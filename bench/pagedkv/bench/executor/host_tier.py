@@ -263,7 +263,19 @@ def stream_spans(events: list[dict[str, Any]]) -> dict[str, Any]:
         entry["events"] += 1
         name = str(event.get("name", ""))[:60]
         entry["names"][name] = entry["names"].get(name, 0.0) + duration
-    for entry in streams.values():
+    for key, entry in streams.items():
+        spans = sorted(
+            ((float(e["ts"]) - origin) / 1e3, (float(e["ts"]) - origin + e.get("dur", 0.0)) / 1e3)
+            for e in gpu
+            if str(e.get("args", {}).get("stream", e.get("tid"))) == key
+        )
+        merged: list[list[float]] = []
+        for start, end in spans:  # busy intervals, gaps under 0.1 ms closed
+            if merged and start - merged[-1][1] < 0.1:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        entry["busy_intervals_ms"] = [[round(a, 3), round(b, 3)] for a, b in merged[:40]]
         top = sorted(entry["names"].items(), key=lambda item: -item[1])[:8]
         entry["names"] = {name: round(ms, 3) for name, ms in top}
         for key in ("first_ms", "last_ms", "busy_ms"):

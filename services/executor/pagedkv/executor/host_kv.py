@@ -195,6 +195,15 @@ class _Chunk(NamedTuple):
     uniform: bool  # every cache of one shape: the backend's one-launch moves apply
 
 
+class _Pending(NamedTuple):
+    """A load not enqueued yet: its host ids (ascending), its blocks, and
+    the offload still writing some of those host rows, if any."""
+
+    host_ids: np.ndarray
+    block_ids: np.ndarray
+    after: torch.cuda.Event | None
+
+
 class _Landing(NamedTuple):
     """One chunk of a load on its way: scattered into ``block_ids``' blocks
     once the compute stream has waited for ``copied``."""
@@ -250,7 +259,9 @@ class HostKVPool:
     ``gather_blocks``) on the compute stream itself, in its order: it reads
     the blocks after every earlier write and before every later one, so
     nothing later waits for it. The offload stream then copies the staging
-    rows to host memory without blocking the host. A load copies host rows
+    rows to host memory without blocking the host. A load (enqueued when
+    the compute stream first asks for a chunk, after the step's inputs have
+    gone to the device) copies host rows
     into staging, chunk after chunk, on the load stream without waiting for
     the compute stream (staging is fresh memory), after the offloads still
     writing those host rows; an event follows each chunk's copy. The chunk
@@ -295,6 +306,7 @@ class HostKVPool:
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
+        self._pending: deque[_Pending] = deque()  # loads whose copies are not enqueued yet
         self._landing: deque[_Landing] = deque()  # loaded chunks not scattered yet
         self._timed: list[_Timed] = []  # calls whose copy time is not summed yet
         self._seconds = [0.0, 0.0]  # offloads, loads
@@ -381,33 +393,48 @@ class HostKVPool:
         offload has read its device blocks on the compute stream)."""
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
-        """See ``BlockStore.load``."""
+        """See ``BlockStore.load``. The copies are enqueued when the compute
+        stream first needs a chunk (``before_layer`` or ``finish_loads``):
+        by then the step's own small copies to the device (its inputs) are
+        enqueued, and they do not queue behind the load's on the device's
+        copy engine (on the H200 a graph's inputs waited for a whole 510 MiB
+        load that way, and its forward with them)."""
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
-        index = to_device(block_ids, self.device)
-        runs = _runs(host_ids)
-        stream = self._load_stream
-        if stream is not None and self._offloads:
+        after = None
+        if self._load_stream is not None and self._offloads:
             _prune(self._offloads)
-            event = _latest(self._offloads, host_ids)
-            if event is not None:  # an offload still writes some of these host rows
-                stream.wait_event(event)
-        with self._timed_on(stream, 1):
-            for chunk in self._chunks:
-                staging = torch.empty(
-                    (len(host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
-                )
-                for i, host_id, n in runs:
-                    staging[i : i + n].copy_(chunk.host[host_id : host_id + n], non_blocking=True)
-                copied = None
-                if stream is not None:
-                    copied = torch.cuda.Event()
-                    copied.record(stream)
-                self._landing.append(_Landing(chunk, index, staging, copied))
+            after = _latest(self._offloads, host_ids)  # an offload still writing these rows
+        self._pending.append(_Pending(host_ids, block_ids, after))
+
+    def _issue(self) -> None:
+        """Enqueues the pending loads' copies, chunk after chunk."""
+        stream = self._load_stream
+        while self._pending:
+            host_ids, block_ids, after = self._pending.popleft()
+            index = to_device(block_ids, self.device)
+            runs = _runs(host_ids)
+            if stream is not None and after is not None:
+                stream.wait_event(after)
+            with self._timed_on(stream, 1):
+                for chunk in self._chunks:
+                    staging = torch.empty(
+                        (len(host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
+                    )
+                    for i, host_id, n in runs:
+                        staging[i : i + n].copy_(
+                            chunk.host[host_id : host_id + n], non_blocking=True
+                        )
+                    copied = None
+                    if stream is not None:
+                        copied = torch.cuda.Event()
+                        copied.record(stream)
+                    self._landing.append(_Landing(chunk, index, staging, copied))
 
     def before_layer(self, layer: int) -> None:
         """See ``BlockStore.before_layer``."""
+        self._issue()
         if not self._landing:
             return
         later: deque[_Landing] = deque()
@@ -420,6 +447,7 @@ class HostKVPool:
 
     def finish_loads(self) -> None:
         """See ``BlockStore.finish_loads``."""
+        self._issue()
         while self._landing:
             self._land(self._landing.popleft())
 
