@@ -12,7 +12,10 @@ dummy bf16 weights) each repetition times, as a step message would ask:
   tokens are computed;
 - *host hit*: those blocks offloaded to the host tier first (a step of
   offloads alone, timed on its own), then a request whose fresh blocks are
-  loaded from the host in the same step message that computes the rest.
+  loaded from the host in the same step message that computes the rest;
+- *host hit, evicting*: the same, its message also offloading as many other
+  blocks to other host blocks (what the evictions that made room for it
+  would send).
 
 Each is the wall time of ``Executor.step`` until its sampled token is on the
 host, i.e. the executor's share of TTFT. Then decode steps of ``--batch``
@@ -94,10 +97,18 @@ class Bench:
         self.last_tokens = list(response.sampled_token_ids)
         return seconds
 
-    def first_token(self, blocks: list[int], num_computed: int, loads: list[int]) -> float:
+    def first_token(
+        self,
+        blocks: list[int],
+        num_computed: int,
+        loads: list[int],
+        evicted: tuple[list[int], list[int]] = ([], []),
+    ) -> float:
         """A new request in row 0 over ``blocks``, its first ``num_computed``
         tokens cached (``loads``: the host blocks the first of them come
-        from, loaded in the first message); seconds to its first token."""
+        from, loaded in the first message, which also offloads ``evicted``:
+        blocks and their host blocks, as evictions for room would); seconds
+        to its first token."""
         from pagedkv.v1 import common_pb2
 
         seconds = 0.0
@@ -119,6 +130,8 @@ class Bench:
                 message.new_block_ids.extend(blocks)
                 message.load_host_block_ids.extend(loads)
                 message.load_block_ids.extend(blocks[: len(loads)])
+                message.offload_block_ids.extend(evicted[0])
+                message.offload_host_block_ids.extend(evicted[1])
             else:
                 message.rows.append(0)
                 message.block_table_starts.append(len(blocks))
@@ -152,17 +165,20 @@ def time_first_tokens(bench: Bench, repeat: int) -> dict[str, Any]:
     gpu_blocks = list(range(1, 1 + n))
     fresh = list(range(1 + n, 1 + 2 * n))
     host_ids = list(range(hits))
-    times: dict[str, list[float]] = {"recompute": [], "gpu_hit": [], "host_hit": [], "offload": []}
+    keys = ("recompute", "gpu_hit", "offload", "host_hit", "host_hit_evicting")
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    # The prompt's blocks again, to other host blocks: the evictions that
+    # made room for a host hit, offloaded in its message.
+    evicted = (gpu_blocks[:hits], list(range(hits, 2 * hits)))
     for round_ in range(repeat + 1):
         recompute = bench.first_token(gpu_blocks, 0, [])
         gpu_hit = bench.first_token(gpu_blocks, hits * bench.block_size, [])
         offload = bench.offload(gpu_blocks[:hits], host_ids)
         host_hit = bench.first_token(fresh, hits * bench.block_size, host_ids)
+        evicting = bench.first_token(fresh, hits * bench.block_size, host_ids, evicted)
         if round_:
             for key, value in zip(
-                ("recompute", "gpu_hit", "offload", "host_hit"),
-                (recompute, gpu_hit, offload, host_hit),
-                strict=True,
+                keys, (recompute, gpu_hit, offload, host_hit, evicting), strict=True
             ):
                 times[key].append(value)
     medians = {key: statistics.median(values) * 1e3 for key, values in times.items()}
@@ -338,6 +354,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| GPU hit | {ms['gpu_hit']:.2f} | {ms['gpu_hit'] / ms['recompute']:.2f} |",
             f"| host hit (loads in the same message) | {ms['host_hit']:.2f} | "
             f"{first['host_hit_over_recompute']:.2f} |",
+            f"| host hit whose message also offloads {results['hit_blocks']} evicted blocks | "
+            f"{ms['host_hit_evicting']:.2f} | {ms['host_hit_evicting'] / ms['recompute']:.2f} |",
             "",
             f"Host hit / GPU hit: {first['host_hit_over_gpu_hit']:.2f}x. Every run sampled "
             f"the same first token (greedy): {first['same_first_token']}. The offload of the "
