@@ -196,19 +196,12 @@ class _Chunk(NamedTuple):
 
 
 class _Pending(NamedTuple):
-    """A load not enqueued yet: its host ids (ascending) and its blocks."""
+    """A load whose chunks after the first are not enqueued yet: its host
+    ids (ascending), its blocks (on the device) and runs of host ids."""
 
     host_ids: np.ndarray
-    block_ids: np.ndarray
-
-
-class _Offload(NamedTuple):
-    """An offload whose copy to host memory is not enqueued yet: its host
-    ids, its staged rows per chunk, and the event after its gathers."""
-
-    host_ids: np.ndarray
-    staged: list[torch.Tensor]
-    gathered: torch.cuda.Event | None
+    index: torch.Tensor
+    runs: list[tuple[int, int, int]]
 
 
 class _Landing(NamedTuple):
@@ -266,12 +259,9 @@ class HostKVPool:
     ``gather_blocks``) on the compute stream itself, in its order: it reads
     the blocks after every earlier write and before every later one, so
     nothing later waits for it. The offload stream then copies the staging
-    rows to host memory without blocking the host, enqueued with the step's
-    loads and after their copies (a step's evictions would otherwise share
-    the link with the loads its forward waits for), or before them when one
-    of its loads reads the host rows an offload writes. A load (enqueued when
-    the compute stream first asks for a chunk, after the step's inputs have
-    gone to the device) copies host rows
+    rows to host memory without blocking the host. A load (its first chunk
+    at once, the others when the compute stream first asks for a chunk,
+    after the step's inputs have gone to the device) copies host rows
     into staging, chunk after chunk, on the load stream without waiting for
     the compute stream (staging is fresh memory), after the offloads still
     writing those host rows; an event follows each chunk's copy. The chunk
@@ -283,8 +273,8 @@ class HostKVPool:
     layers of the step's own forward before the chunk's, and device blocks
     are read and written only in the compute stream's order. An offload's
     host rows are never read by a load still copying (the offload's copy
-    waits for its gathers on the compute stream, which waited for every
-    earlier step's load copies by the end of that step). Each copy records an event; finished
+    waits for the compute stream, which waited for every earlier load's
+    copy by the end of its step). Each copy records an event; finished
     offloads are dropped as later calls look. The host never waits. On the
     CPU the same code runs on plain memory, each copy at once. A call's
     staging holds its n blocks (``n * bytes_per_block`` device bytes) until
@@ -317,7 +307,6 @@ class HostKVPool:
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
         self._pending: deque[_Pending] = deque()  # loads whose copies are not enqueued yet
-        self._pending_offloads: deque[_Offload] = deque()  # likewise, offloads
         self._landing: deque[_Landing] = deque()  # loaded chunks not scattered yet
         self._timed: list[_Timed] = []  # calls whose copy time is not summed yet
         self._seconds = [0.0, 0.0]  # offloads, loads
@@ -377,8 +366,7 @@ class HostKVPool:
         return self.blocks.numel() * self.blocks.element_size()
 
     def offload(self, block_ids: np.ndarray, host_ids: np.ndarray) -> None:
-        """See ``BlockStore.offload``. The copies to host memory are
-        enqueued with the step's loads (``_issue``), after them."""
+        """See ``BlockStore.offload``."""
         if not len(block_ids):
             return
         block_ids, host_ids = _by_host_id(block_ids, host_ids)
@@ -387,92 +375,65 @@ class HostKVPool:
         # nothing that follows waits for the copy to host memory.
         index = to_device(block_ids, self.device)
         staged = [self._gather(chunk, index) for chunk in self._chunks]
-        gathered = None
-        if self._offload_stream is not None:
-            gathered = torch.cuda.Event()
-            gathered.record(torch.cuda.current_stream(self.device))
-        self._pending_offloads.append(_Offload(host_ids.copy(), staged, gathered))
-
-    def _copy_offloads(self, after: torch.cuda.Event | None) -> None:
-        """Enqueues the pending offloads' copies to host memory, each after
-        its gathers and after ``after``."""
         stream = self._offload_stream
-        while self._pending_offloads:
-            host_ids, staged, gathered = self._pending_offloads.popleft()
-            if stream is not None:
-                for event in (gathered, after):
-                    if event is not None:
-                        stream.wait_event(event)
-                for staging in staged:
-                    staging.record_stream(stream)  # the copies below read it there
-            runs = _runs(host_ids)
-            with self._timed_on(stream, 0) as copied:
-                for chunk, staging in zip(self._chunks, staged, strict=True):
-                    for i, host_id, n in runs:
-                        chunk.host[host_id : host_id + n].copy_(
-                            staging[i : i + n], non_blocking=True
-                        )
-            if copied is not None:
-                self._offloads.append(_InFlight(copied, host_ids))
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for staging in staged:
+                staging.record_stream(stream)  # the copies below read it there
+        runs = _runs(host_ids)
+        with self._timed_on(stream, 0) as copied:
+            for chunk, staging in zip(self._chunks, staged, strict=True):
+                for i, host_id, n in runs:
+                    chunk.host[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+        if copied is not None:
+            self._offloads.append(_InFlight(copied, host_ids.copy()))
 
     def before_writes(self, block_ids: np.ndarray) -> None:
         """See ``BlockStore.before_writes``: nothing to wait for here (an
         offload has read its device blocks on the compute stream)."""
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
-        """See ``BlockStore.load``. The copies are enqueued when the compute
-        stream first needs a chunk (``before_layer`` or ``finish_loads``):
-        by then the step's own small copies to the device (its inputs) are
-        enqueued, and they do not queue behind the load's on the device's
-        copy engine (on the H200 a graph's inputs waited for a whole 510 MiB
-        load that way, and its forward with them)."""
+        """See ``BlockStore.load``. The first chunk's copy is enqueued now,
+        the others' when the compute stream first needs a chunk
+        (``before_layer`` or ``finish_loads``): by then the step's own small
+        copies to the device (its inputs) are enqueued, and they queue on
+        the device's copy engine behind the first chunk only, which the
+        forward waits for anyway (on the H200 a graph's inputs waited for a
+        whole 510 MiB load that way, and its forward with them)."""
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
-        self._pending.append(_Pending(host_ids, block_ids))
+        stream = self._load_stream
+        if stream is not None and self._offloads:
+            _prune(self._offloads)
+            event = _latest(self._offloads, host_ids)
+            if event is not None:  # an offload still writes some of these host rows
+                stream.wait_event(event)
+        pending = _Pending(host_ids, to_device(block_ids, self.device), _runs(host_ids))
+        self._copy(pending, self._chunks[:1])
+        self._pending.append(pending)
 
     def _issue(self) -> None:
-        """Enqueues the pending copies: the loads' (chunk after chunk), then
-        the offloads', which wait for the loads' copies (a step's evictions
-        would otherwise share the link with the loads its forward waits for);
-        the offloads first when a load reads host rows they write."""
-        offloads = self._pending_offloads
-        if offloads and self._pending:
-            written = np.concatenate([o.host_ids for o in offloads])
-            if any(np.isin(p.host_ids, written).any() for p in self._pending):
-                self._copy_offloads(None)
-        last = self._copy_loads()
-        self._copy_offloads(last)
-
-    def _copy_loads(self) -> torch.cuda.Event | None:
-        """Enqueues the pending loads' copies; the last copy's event."""
-        stream = self._load_stream
-        last = None
+        """Enqueues the copies of the pending loads' other chunks."""
         while self._pending:
-            host_ids, block_ids = self._pending.popleft()
-            index = to_device(block_ids, self.device)
-            runs = _runs(host_ids)
-            if stream is not None and self._offloads:
-                _prune(self._offloads)
-                after = _latest(self._offloads, host_ids)  # an offload still writing these rows
-                if after is not None:
-                    stream.wait_event(after)
-            with self._timed_on(stream, 1):
-                for chunk in self._chunks:
-                    staging = torch.empty(
-                        (len(host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
-                    )
-                    for i, host_id, n in runs:
-                        staging[i : i + n].copy_(
-                            chunk.host[host_id : host_id + n], non_blocking=True
-                        )
-                    copied = None
-                    if stream is not None:
-                        copied = torch.cuda.Event()
-                        copied.record(stream)
-                        last = copied
-                    self._landing.append(_Landing(chunk, index, staging, copied))
-        return last
+            self._copy(self._pending.popleft(), self._chunks[1:])
+
+    def _copy(self, load: _Pending, chunks: list[_Chunk]) -> None:
+        """Copies ``chunks`` of ``load``'s host rows into staging, each
+        followed by an event, and queues them to land."""
+        stream = self._load_stream
+        with self._timed_on(stream, 1):
+            for chunk in chunks:
+                staging = torch.empty(
+                    (len(load.host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
+                )
+                for i, host_id, n in load.runs:
+                    staging[i : i + n].copy_(chunk.host[host_id : host_id + n], non_blocking=True)
+                copied = None
+                if stream is not None:
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                self._landing.append(_Landing(chunk, load.index, staging, copied))
 
     def before_layer(self, layer: int) -> None:
         """See ``BlockStore.before_layer``."""
