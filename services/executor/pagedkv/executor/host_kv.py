@@ -196,12 +196,12 @@ class _Chunk(NamedTuple):
 
 
 class _Pending(NamedTuple):
-    """A load whose chunks after the first are not enqueued yet: its host
-    ids (ascending), its blocks (on the device) and runs of host ids."""
+    """A load not enqueued yet: its host ids (ascending), its blocks, and
+    the offload still writing some of those host rows, if any."""
 
     host_ids: np.ndarray
-    index: torch.Tensor
-    runs: list[tuple[int, int, int]]
+    block_ids: np.ndarray
+    after: torch.cuda.Event | None
 
 
 class _Landing(NamedTuple):
@@ -259,9 +259,9 @@ class HostKVPool:
     ``gather_blocks``) on the compute stream itself, in its order: it reads
     the blocks after every earlier write and before every later one, so
     nothing later waits for it. The offload stream then copies the staging
-    rows to host memory without blocking the host. A load (its first chunk
-    at once, the others when the compute stream first asks for a chunk,
-    after the step's inputs have gone to the device) copies host rows
+    rows to host memory without blocking the host. A load (enqueued when
+    the compute stream first asks for a chunk, after the step's inputs have
+    gone to the device) copies host rows
     into staging, chunk after chunk, on the load stream without waiting for
     the compute stream (staging is fresh memory), after the offloads still
     writing those host rows; an event follows each chunk's copy. The chunk
@@ -393,47 +393,44 @@ class HostKVPool:
         offload has read its device blocks on the compute stream)."""
 
     def load(self, host_ids: np.ndarray, block_ids: np.ndarray) -> None:
-        """See ``BlockStore.load``. The first chunk's copy is enqueued now,
-        the others' when the compute stream first needs a chunk
-        (``before_layer`` or ``finish_loads``): by then the step's own small
-        copies to the device (its inputs) are enqueued, and they queue on
-        the device's copy engine behind the first chunk only, which the
-        forward waits for anyway (on the H200 a graph's inputs waited for a
-        whole 510 MiB load that way, and its forward with them)."""
+        """See ``BlockStore.load``. The copies are enqueued when the compute
+        stream first needs a chunk (``before_layer`` or ``finish_loads``):
+        by then the step's own small copies to the device (its inputs) are
+        enqueued, and they do not queue behind the load's on the device's
+        copy engine (on the H200 a graph's inputs waited for a whole 510 MiB
+        load that way, and its forward with them)."""
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
-        stream = self._load_stream
-        if stream is not None and self._offloads:
+        after = None
+        if self._load_stream is not None and self._offloads:
             _prune(self._offloads)
-            event = _latest(self._offloads, host_ids)
-            if event is not None:  # an offload still writes some of these host rows
-                stream.wait_event(event)
-        pending = _Pending(host_ids, to_device(block_ids, self.device), _runs(host_ids))
-        self._copy(pending, self._chunks[:1])
-        self._pending.append(pending)
+            after = _latest(self._offloads, host_ids)  # an offload still writing these rows
+        self._pending.append(_Pending(host_ids, block_ids, after))
 
     def _issue(self) -> None:
-        """Enqueues the copies of the pending loads' other chunks."""
-        while self._pending:
-            self._copy(self._pending.popleft(), self._chunks[1:])
-
-    def _copy(self, load: _Pending, chunks: list[_Chunk]) -> None:
-        """Copies ``chunks`` of ``load``'s host rows into staging, each
-        followed by an event, and queues them to land."""
+        """Enqueues the pending loads' copies, chunk after chunk."""
         stream = self._load_stream
-        with self._timed_on(stream, 1):
-            for chunk in chunks:
-                staging = torch.empty(
-                    (len(load.host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
-                )
-                for i, host_id, n in load.runs:
-                    staging[i : i + n].copy_(chunk.host[host_id : host_id + n], non_blocking=True)
-                copied = None
-                if stream is not None:
-                    copied = torch.cuda.Event()
-                    copied.record(stream)
-                self._landing.append(_Landing(chunk, load.index, staging, copied))
+        while self._pending:
+            host_ids, block_ids, after = self._pending.popleft()
+            index = to_device(block_ids, self.device)
+            runs = _runs(host_ids)
+            if stream is not None and after is not None:
+                stream.wait_event(after)
+            with self._timed_on(stream, 1):
+                for chunk in self._chunks:
+                    staging = torch.empty(
+                        (len(host_ids), chunk.host.shape[1]), dtype=self.dtype, device=self.device
+                    )
+                    for i, host_id, n in runs:
+                        staging[i : i + n].copy_(
+                            chunk.host[host_id : host_id + n], non_blocking=True
+                        )
+                    copied = None
+                    if stream is not None:
+                        copied = torch.cuda.Event()
+                        copied.record(stream)
+                    self._landing.append(_Landing(chunk, index, staging, copied))
 
     def before_layer(self, layer: int) -> None:
         """See ``BlockStore.before_layer``."""
