@@ -48,9 +48,9 @@ from pagedkv.common.errors import FailedPrecondition, InvalidArgument
 from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
+from pagedkv.executor.block_store import move_blocks
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing, tag_offloads
 from pagedkv.executor.host_costs import HostCosts
-from pagedkv.executor.host_kv import move_blocks
 from pagedkv.executor.launched import (
     DeviceOrigin,
     HostSamples,

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from pagedkv.executor.host_kv import BlockStore
+from pagedkv.executor.block_store import BlockStore
 from pagedkv.executor.warm_up import WarmUpRunner, WarmUpStep, run_forwards
 
 PREFILL_TOKENS = 512

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from pagedkv.executor import attention
+from pagedkv.executor.block_store import BlockStore, num_host_blocks
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.host_costs import HostCosts, measure_host_costs
-from pagedkv.executor.host_kv import BlockStore, HostKVPool, num_host_blocks
+from pagedkv.executor.host_kv import HostKVPool
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model

@@ -45,8 +45,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from pagedkv.common.logging import get_logger
     from pagedkv.common.ports import ListenError, check_free
+    from pagedkv.executor.block_store import HostTierTooSmall
     from pagedkv.executor.engine import Executor
-    from pagedkv.executor.host_kv import HostTierTooSmall
     from pagedkv.executor.metrics import ExecutorMetrics
     from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
     from pagedkv.executor.servicer import build_server
