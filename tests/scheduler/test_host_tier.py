@@ -123,6 +123,19 @@ def test_the_audit_finds_a_leaked_host_block() -> None:
     assert any("leaked" in error for error in tier.check_integrity())
 
 
+def test_the_audit_names_a_host_block_both_free_and_indexed_and_one_out_of_range() -> None:
+    tier = HostTier(3)
+    tier.offload(BlockId(1), h("h1"))
+    assert tier.check_integrity() == []
+    host_id = tier._index[h("h1")]
+    tier._free.append(host_id)  # indexed and free at once
+    errors = tier.check_integrity()
+    assert any(f"host block {host_id}: free and hash" in error for error in errors)
+    tier._free.remove(host_id)
+    tier._free[0] = 7  # a free block beyond the tier
+    assert any("out of range" in error for error in tier.check_integrity())
+
+
 def test_without_one_full_attention_group_or_caching_there_is_no_tier() -> None:
     hybrid = KVCacheManager([full_spec(), window_spec(8)], 9, num_host_blocks=4)
     assert hybrid.host is None
