@@ -260,42 +260,40 @@ def time_decodes_with_offloads(
 def stream_spans(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Each stream's GPU work in a Chrome trace's ``events``: its first
     start and last end (ms from the first GPU work), its busy ms, its
-    number of events, and the busiest names."""
+    number of events, its busy intervals (gaps under 0.1 ms closed) and
+    the busiest names."""
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
         return {}
     origin = min(float(e["ts"]) for e in gpu)
-    streams: dict[str, Any] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    names: dict[str, dict[str, float]] = {}
     for event in gpu:
         key = str(event.get("args", {}).get("stream", event.get("tid")))
-        entry = streams.setdefault(
-            key, {"first_ms": 1e30, "last_ms": 0.0, "busy_ms": 0.0, "events": 0, "names": {}}
-        )
         start = (float(event["ts"]) - origin) / 1e3
         duration = float(event.get("dur", 0.0)) / 1e3
-        entry["first_ms"] = min(entry["first_ms"], start)
-        entry["last_ms"] = max(entry["last_ms"], start + duration)
-        entry["busy_ms"] += duration
-        entry["events"] += 1
+        spans.setdefault(key, []).append((start, start + duration))
+        by_name = names.setdefault(key, {})
         name = str(event.get("name", ""))[:60]
-        entry["names"][name] = entry["names"].get(name, 0.0) + duration
-    for key, entry in streams.items():
-        spans = sorted(
-            ((float(e["ts"]) - origin) / 1e3, (float(e["ts"]) - origin + e.get("dur", 0.0)) / 1e3)
-            for e in gpu
-            if str(e.get("args", {}).get("stream", e.get("tid"))) == key
-        )
+        by_name[name] = by_name.get(name, 0.0) + duration
+    streams: dict[str, Any] = {}
+    for key, intervals in spans.items():
+        intervals.sort()
         merged: list[list[float]] = []
-        for start, end in spans:  # busy intervals, gaps under 0.1 ms closed
+        for start, end in intervals:
             if merged and start - merged[-1][1] < 0.1:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
-        entry["busy_intervals_ms"] = [[round(a, 3), round(b, 3)] for a, b in merged[:40]]
-        top = sorted(entry["names"].items(), key=lambda item: -item[1])[:8]
-        entry["names"] = {name: round(ms, 3) for name, ms in top}
-        for key in ("first_ms", "last_ms", "busy_ms"):
-            entry[key] = round(entry[key], 3)
+        top = sorted(names[key].items(), key=lambda item: -item[1])[:8]
+        streams[key] = {
+            "first_ms": round(intervals[0][0], 3),
+            "last_ms": round(max(end for _, end in intervals), 3),
+            "busy_ms": round(sum(end - start for start, end in intervals), 3),
+            "events": len(intervals),
+            "busy_intervals_ms": [[round(a, 3), round(b, 3)] for a, b in merged[:40]],
+            "names": {name: round(ms, 3) for name, ms in top},
+        }
     return streams
 
 
