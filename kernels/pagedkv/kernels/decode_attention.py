@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.attend import MASKED, attend
+from pagedkv.kernels.attend import MASKED, attend_span
 
 
 @triton.jit
@@ -135,41 +135,13 @@ def _decode_split_kernel(
     full_end = start
     if not USE_WINDOW:
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    m_i, l_i, acc = attend(
+    m_i, l_i, acc = attend_span(
         q,
         q_pos_rows,
         m_i,
         l_i,
         acc,
         start,
-        full_end,
-        seq,
-        kv_head,
-        key_cache_ptr,
-        value_cache_ptr,
-        block_table_ptr,
-        cache_stride_b,
-        cache_stride_s,
-        cache_stride_h,
-        block_table_stride,
-        scale,
-        softcap,
-        sliding_window,
-        dims,
-        dim_valid,
-        USE_WINDOW,
-        USE_SOFTCAP,
-        BLOCK_SIZE,
-        BLOCK_N,
-        EVEN_D,
-        False,
-    )
-    m_i, l_i, acc = attend(
-        q,
-        q_pos_rows,
-        m_i,
-        l_i,
-        acc,
         full_end,
         end,
         seq,
@@ -191,7 +163,6 @@ def _decode_split_kernel(
         BLOCK_SIZE,
         BLOCK_N,
         EVEN_D,
-        True,
     )
 
     if SPLIT:

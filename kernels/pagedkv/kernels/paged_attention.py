@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.attend import MASKED, attend
+from pagedkv.kernels.attend import MASKED, attend_span
 from pagedkv.kernels.checks import check_attention_args, check_rotary_args
 from pagedkv.kernels.decode_attention import Rotary, decode
 
@@ -99,41 +99,13 @@ def _paged_attention_kernel(
             if USE_WINDOW:
                 g_start = (tl.maximum(context - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
                 g_diagonal = g_start
-            g_m, g_l, g_acc = attend(
+            g_m, g_l, g_acc = attend_span(
                 q,
                 g_pos,
                 g_m,
                 g_l,
                 g_acc,
                 g_start,
-                g_diagonal,
-                seq,
-                kv_head,
-                key_cache_ptr,
-                value_cache_ptr,
-                block_table_ptr,
-                cache_stride_b,
-                cache_stride_s,
-                cache_stride_h,
-                block_table_stride,
-                scale,
-                softcap,
-                sliding_window,
-                dims,
-                dim_valid,
-                USE_WINDOW,
-                USE_SOFTCAP,
-                BLOCK_SIZE,
-                BLOCK_N,
-                EVEN_D,
-                False,
-            )
-            g_m, g_l, g_acc = attend(
-                q,
-                g_pos,
-                g_m,
-                g_l,
-                g_acc,
                 g_diagonal,
                 seq_len,
                 seq,
@@ -155,7 +127,6 @@ def _paged_attention_kernel(
                 BLOCK_SIZE,
                 BLOCK_N,
                 EVEN_D,
-                True,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
             out_offsets = q_start * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
@@ -191,41 +162,13 @@ def _paged_attention_kernel(
         diagonal = kv_start
         if not USE_WINDOW:
             diagonal = tl.minimum(((context + tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
-        m_i, l_i, acc = attend(
+        m_i, l_i, acc = attend_span(
             q,
             q_pos,
             m_i,
             l_i,
             acc,
             kv_start,
-            diagonal,
-            seq,
-            kv_head,
-            key_cache_ptr,
-            value_cache_ptr,
-            block_table_ptr,
-            cache_stride_b,
-            cache_stride_s,
-            cache_stride_h,
-            block_table_stride,
-            scale,
-            softcap,
-            sliding_window,
-            dims,
-            dim_valid,
-            USE_WINDOW,
-            USE_SOFTCAP,
-            BLOCK_SIZE,
-            BLOCK_N,
-            EVEN_D,
-            False,
-        )
-        m_i, l_i, acc = attend(
-            q,
-            q_pos,
-            m_i,
-            l_i,
-            acc,
             diagonal,
             kv_end,
             seq,
@@ -247,7 +190,6 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             EVEN_D,
-            True,
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
