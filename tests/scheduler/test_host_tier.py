@@ -104,6 +104,24 @@ def test_the_least_recently_used_host_block_is_reused_first_but_never_a_pinned_o
     assert tier.stats.num_evicted == 1
 
 
+def test_a_full_tier_whose_oldest_blocks_are_pinned_offloads_into_the_next_oldest() -> None:
+    tier = HostTier(6)
+    tier.offload_all((BlockId(i), h(f"h{i}")) for i in range(1, 7))  # h1 oldest
+    tier.take_copies()
+    hits = tier.find([h("h1"), h("h2"), h("h3")], 0, 3)
+    tier.pin(hits)  # the three oldest: an eviction must pass them
+    tier.offload_all([(BlockId(4), h("h4")), (BlockId(7), h("h7")), (BlockId(8), h("h8"))])
+    # h4 offloaded again only becomes the most recently used; h5 and h6 go.
+    assert [h(f"h{i}") in tier for i in range(1, 9)] == [True] * 4 + [False] * 2 + [True] * 2
+    tier.load(hits, [BlockId(11), BlockId(12), BlockId(13)])
+    order = [block_hash for block_hash, _ in tier.cached()]
+    assert order == [h("h4"), h("h7"), h("h8"), h("h1"), h("h2"), h("h3")]
+    offloads, loads = tier.take_copies()
+    assert offloads == [copy(7, 4), copy(8, 5)]
+    assert loads == [copy(11, 0), copy(12, 1), copy(13, 2)]
+    assert tier.stats.num_evicted == 2 and tier.check_integrity() == []
+
+
 def test_a_block_cached_in_the_step_not_yet_sent_is_not_offloaded() -> None:
     kv = tiered(num_blocks=5, num_host_blocks=8)
     request = kv.make_request("a", range(100, 113))

@@ -262,7 +262,7 @@ def test_a_window_group_miss_shortens_the_hit_of_every_group() -> None:
     # Evict only the window group's block for tokens 8..11 (block 7).
     block = kv.pool.blocks[7]
     kv.pool.free_block_queue.remove(block)
-    kv.pool._evict(block)
+    kv.pool._evict_all((block,))
     kv.pool.free_block_queue.append(block)
     computed = kv.get_computed_blocks(kv.make_request("b", range(13)))
     # The window group can end a hit at 8 (block 6 holds keys 4..7), not at 12.

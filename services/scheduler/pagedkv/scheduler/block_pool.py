@@ -17,7 +17,7 @@ block is popped for reuse (lazy eviction).
 Host tier: with a ``HostTier`` in ``host``, the blocks entered into the
 index are listed in ``fresh`` (the manager writes them through to the host
 once their step has been sent), and a cached block evicted for reuse whose
-hash the host lacks is offloaded then (host_tier.py), unless it entered the
+hash the host lacks is offloaded then (host_tier.py, ``_evict_all``), unless it entered the
 index in the step not yet sent (``step`` counts the steps sent: the manager
 advances it as it drains a step's copies).
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash
+from pagedkv.common.ids import NULL_BLOCK_ID, BlockHash, BlockId
 from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.scheduler.host_tier import HostTier
 from pagedkv.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -107,10 +107,13 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        cached = []
         for block in blocks:
             block.ref_cnt = 1
             if block.block_hash is not None:
-                self._evict(block)
+                cached.append(block)
+        if cached:
+            self._evict_all(cached)
         return blocks
 
     def get_new_block(self) -> KVCacheBlock:
@@ -119,7 +122,7 @@ class BlockPool:
             raise ValueError("cannot get a block: none is free")
         block = self.free_block_queue.popleft()
         if block.block_hash is not None:
-            self._evict(block)
+            self._evict_all((block,))
         block.ref_cnt = 1
         return block
 
@@ -197,17 +200,25 @@ class BlockPool:
                         CacheEvent(CacheEventKind.STORED, block.block_id, block_hash, group_id)
                     )
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        assert block_hash is not None
-        del self.cached_blocks[block.group_id][block_hash]
-        block.block_hash = None
-        if self.host is not None and block.cached_step != self.step:
-            self.host.offload(block.block_id, block_hash)
-        if self.events is not None:
-            self.events.append(
-                CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, block.group_id)
-            )
+    def _evict_all(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drops each cached block's hash from its index, in order; with a host
+        tier the ones not entered in the step not yet sent are offloaded, in
+        one call (``HostTier.offload_all``)."""
+        indexes, step, events, host = self.cached_blocks, self.step, self.events, self.host
+        offloads: list[tuple[BlockId, BlockHash]] = []
+        for block in blocks:
+            block_hash = block.block_hash
+            assert block_hash is not None
+            del indexes[block.group_id][block_hash]
+            block.block_hash = None
+            if host is not None and block.cached_step != step:
+                offloads.append((block.block_id, block_hash))
+            if events is not None:
+                events.append(
+                    CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, block.group_id)
+                )
+        if host is not None and offloads:
+            host.offload_all(offloads)
 
     def take_events(self) -> list[CacheEvent]:
         """Drains the cache events logged since the last call, in order

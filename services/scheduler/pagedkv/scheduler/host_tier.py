@@ -201,9 +201,14 @@ class HostTier:
     def pin(self, hits: Sequence[HostHit]) -> None:
         """Keeps the hits' host blocks from being overwritten by an offload of
         the step not yet sent (call before allocating their GPU blocks, which
-        may evict and offload)."""
+        may evict and offload). Their hashes become the most recently used
+        now, as ``load`` would make them, so a full tier's offloads find the
+        least recently used unpinned block first instead of passing every
+        pinned one."""
+        index, pinned = self._index, self._pinned
         for hit in hits:
-            self._pinned.add(hit.host_id)
+            pinned.add(hit.host_id)
+            index.move_to_end(hit.block_hash)
 
     def load(self, hits: Sequence[HostHit], block_ids: Sequence[BlockId]) -> None:
         """Queues the copy of each (pinned) host hit into the GPU block of
@@ -216,36 +221,45 @@ class HostTier:
         self._num_loaded += len(hits)
 
     def offload(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        """A cached GPU block's KV goes to a host block (written through
-        once computed, or at its eviction), unless the hash is there already
-        (then it only becomes the most recently used). Without a host block
-        to take (every one pinned) it is dropped."""
-        index = self._index
-        if block_hash in index:
-            index.move_to_end(block_hash)
-            return
-        host_id = self._take()
-        if host_id is None:
-            return
-        index[block_hash] = host_id
-        self._offloads.append(HostCopy(block_id, host_id))
-        self._num_offloaded += 1
-        self.events.append(CacheEvent(CacheEventKind.STORED, BlockId(host_id), block_hash, 0))
+        """``offload_all`` of one block."""
+        self.offload_all(((block_id, block_hash),))
+
+    def offload_all(self, blocks: Iterable[tuple[BlockId, BlockHash]]) -> None:
+        """Each cached GPU block's KV, in order, goes to a host block (written
+        through once computed, or at its eviction), unless its hash is there
+        already (then it only becomes the most recently used). Without a host
+        block to take (every one pinned) it is dropped."""
+        index, offloads, events = self._index, self._offloads, self.events
+        free = self._free
+        num_offloaded = 0
+        for block_id, block_hash in blocks:
+            if block_hash in index:
+                index.move_to_end(block_hash)
+                continue
+            host_id = free.pop() if free else self._take()
+            if host_id is None:
+                continue
+            index[block_hash] = host_id
+            offloads.append(HostCopy(block_id, host_id))
+            events.append(CacheEvent(CacheEventKind.STORED, BlockId(host_id), block_hash, 0))
+            num_offloaded += 1
+        self._num_offloaded += num_offloaded
 
     def _take(self) -> int | None:
-        """A host block to write: a free one, else the least recently used
-        one that no load of the step reads (its hash leaves the index)."""
-        if self._free:
-            return self._free.pop()
-        pinned = self._pinned
-        for block_hash, host_id in self._index.items():
-            if host_id not in pinned:
-                del self._index[block_hash]
-                self._num_evicted += 1
-                self.events.append(
-                    CacheEvent(CacheEventKind.REMOVED, BlockId(host_id), block_hash, 0)
-                )
-                return host_id
+        """A host block to write in place of a full tier's least recently
+        used one that no load of the step reads (its hash leaves the index).
+        Pinned hashes were moved to the most recently used end (``pin``), so
+        the first one tried is nearly always taken; a pinned one met on the
+        way goes back to that end, which keeps the unpinned ones' order."""
+        index, pinned = self._index, self._pinned
+        for _ in range(len(index)):
+            block_hash, host_id = index.popitem(last=False)
+            if host_id in pinned:
+                index[block_hash] = host_id
+                continue
+            self._num_evicted += 1
+            self.events.append(CacheEvent(CacheEventKind.REMOVED, BlockId(host_id), block_hash, 0))
+            return host_id
         return None
 
     def take_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:

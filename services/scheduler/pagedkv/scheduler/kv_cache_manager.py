@@ -349,7 +349,7 @@ class KVCacheManager:
         the blocks the step before it entered into the index, computed by
         then, are written through to the host first, unless their hash is
         there already or they have been reused since; without, a cached block
-        goes to the host only when evicted (``BlockPool._evict``)."""
+        goes to the host only when evicted (``BlockPool._evict_all``)."""
         pool = self.pool
         pool.step += 1
         host = self.host
@@ -357,9 +357,11 @@ class KVCacheManager:
             return [], []
         if self._write_through:
             previous = pool.step - 2  # the step count while the step before was made
-            for block in self._written_through:
-                if block.block_hash is not None and block.cached_step == previous:
-                    host.offload(block.block_id, block.block_hash)
+            host.offload_all(
+                (block.block_id, block.block_hash)
+                for block in self._written_through
+                if block.block_hash is not None and block.cached_step == previous
+            )
             self._written_through, pool.fresh = pool.fresh, []
         else:
             pool.fresh.clear()
