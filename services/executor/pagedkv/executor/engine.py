@@ -22,9 +22,9 @@ before anything else of it; each layer of its forward waits for that
 layer's part of the loads (the model runner lands them), and for an
 offload only when it writes into that block (a table update, a copy's
 destination; an Allocate's and a CopyBlocks' blocks likewise). An
-offload's copy to host memory starts after the step's device work
-(``BlockStore.end_step``, once the step is enqueued). The pool keeps its
-blocks across resets.
+offload's copy to host memory runs beside the step's forward, or after
+the step's device work when the step also loads (``BlockStore.end_step``,
+called once the step is enqueued). The pool keeps its blocks across resets.
 
 Block tags (see block_tags.py): a step's untags, and the destinations of its
 loads and copies, lose their tags before the step changes anything else; its
@@ -351,7 +351,7 @@ class Executor:
                 if result is not None:
                     samples = HostSamples(result, self._num_logprobs(sampled_rows, result))
             finally:
-                if runner.host_kv is not None:  # its offloads copy after all of it
+                if runner.host_kv is not None:  # offloads held back copy after all of it
                     runner.host_kv.end_step()
             self._num_launched += 1
             launched = LaunchedStep(

@@ -175,13 +175,13 @@ class HostKVPool:
     buffer per chunk (one launch over its layers, the backend's
     ``gather_blocks``) on the compute stream itself, in its order: it reads
     the blocks after every earlier write and before every later one, so
-    nothing later waits for it. Once the step's own work is enqueued
-    (``end_step``: its forward and its samples' copy to the host), the
-    offload stream copies the staging rows to host memory after that work,
-    without blocking the host: so an offload does not share the link with
-    its step's loads, nor hold up its samples on the copy engine (a load
-    that reads a host row its step offloads enqueues the step's offloads
-    first). A load (enqueued when
+    nothing later waits for it. The offload stream then copies the staging
+    rows to host memory without blocking the host: beside the step's
+    forward when the step loads nothing, else after the step's work
+    (``end_step``: its forward and its samples' copy to the host), so that
+    an offload does not share the link with its step's loads nor hold up
+    its samples on the copy engine (a load that reads a host row its step
+    offloads enqueues the step's offloads first). A load (enqueued when
     the compute stream first asks for a chunk, after the step's inputs have
     gone to the device) copies host rows
     into staging, chunk after chunk, on the load stream without waiting for
@@ -228,6 +228,7 @@ class HostKVPool:
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         self._staged: deque[_Staged] = deque()  # offloads gathered, not copying yet
+        self._loading = False  # the step being enqueued loads: its offloads wait for end_step
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
         self._pending: deque[_Pending] = deque()  # loads whose copies are not enqueued yet
         self._landing: deque[_Landing] = deque()  # loaded chunks not scattered yet
@@ -292,8 +293,10 @@ class HostKVPool:
         """See ``BlockStore.offload``. The gathers run now, on the compute
         stream, in its order: they read the blocks after every earlier write
         and before every later one, so nothing that follows waits for the
-        copy to host memory, which ``end_step`` (or a load of the same host
-        rows) enqueues."""
+        copy to host memory. That copy is enqueued when the forward first
+        asks for a chunk (``before_layer``, ``finish_loads``) if the step
+        loads nothing, else at ``end_step``, after the step's work (or
+        before a load of the same host rows)."""
         if not len(block_ids):
             return
         block_ids, host_ids = _by_host_id(block_ids, host_ids)
@@ -302,14 +305,18 @@ class HostKVPool:
         self._staged.append(_Staged(staged, host_ids.copy()))
 
     def end_step(self) -> None:
-        """See ``BlockStore.end_step``: the offloads gathered so far copy to
+        """See ``BlockStore.end_step``: the offloads still staged copy to
         host memory once the compute stream's work enqueued until now is
-        done. On the H200 an 8B host hit of 255 blocks whose message also
-        offloaded the 255 blocks evicted for it took 15.6 ms with the
-        offloads' copies beside its loads' (against 13.5 ms without them:
-        host-tier-executor-8b-before-h200): the link's two directions slowed
-        each other, and the step waited for its last load."""
+        done. They are the offloads of a step that loads: on the H200 an 8B
+        host hit of 255 blocks whose message also offloaded the 255 blocks
+        evicted for it took 15.6 ms with the offloads' copies beside its
+        loads' (against 13.5 ms without them:
+        host-tier-executor-8b-before-h200), the link's two directions
+        slowing each other; a step that loads nothing keeps copying its
+        offloads beside its forward, so that the next step's loads do not
+        meet them."""
         self._send_offloads()
+        self._loading = False
 
     def _send_offloads(self) -> None:
         """Enqueues the staged offloads' copies to host memory, after the
@@ -345,6 +352,7 @@ class HostKVPool:
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
+        self._loading = True  # the step's offloads copy after its work
         if any(np.isin(staged.host_ids, host_ids).any() for staged in self._staged):
             self._send_offloads()  # a host row this step offloads, loaded back whole
         after = None
@@ -354,7 +362,10 @@ class HostKVPool:
         self._pending.append(_Pending(host_ids, block_ids, after))
 
     def _issue(self) -> None:
-        """Enqueues the pending loads' copies, chunk after chunk."""
+        """Enqueues the pending loads' copies, chunk after chunk (the staged
+        offloads' first when the step loads nothing)."""
+        if self._staged and not self._loading:
+            self._send_offloads()
         stream = self._load_stream
         while self._pending:
             host_ids, block_ids, after = self._pending.popleft()
