@@ -6,10 +6,8 @@ prompt's KV come back byte for byte, every layer's K and V, into other
 blocks, across a reset; a load reads what the same step's offloads wrote; a
 request continued on loaded blocks (in the step that loads them, a single
 step or a decode window) samples the tokens it samples without the round
-trip; an offload's copy to host memory runs beside its step's forward,
-or after a step that loads (before a load of the same host block); a
-host hit (a new request whose prefix its step loads) samples what the
-original request did, eager and through a mixed-step graph's forward;
+trip; a host hit (a new request whose prefix its step loads) samples what
+the original request did, eager and through a mixed-step graph's forward;
 load destinations lose their tags; every bad column is refused naming
 its field and moves nothing; GetInfo and ``--host-kv-gib`` size the pool.
 The same round trip on CUDA is marked ``gpu``.
@@ -354,36 +352,6 @@ def test_a_load_lands_layer_by_layer_as_a_forward_reaches_them(
         assert (
             kv.key_caches[layer][others][:, 0, 0, 0] == 100 * layer + torch.tensor(others)
         ).all()
-
-
-def test_an_offload_copies_beside_a_forward_or_after_a_step_that_loads() -> None:
-    kv = layered_kv([(BLOCK_SIZE, 2, 4)] * 4)
-    pool = HostKVPool(kv, 4, get_backend("torch"), chunks=2)
-    pool.blocks.fill_(-7)
-    rows = pool.blocks.view(-1, 4, pool.elements_per_block // 2)  # chunk, host block
-
-    def written(host_id: int) -> bool:
-        return bool((rows[:, host_id] != -7).all())
-
-    pool.offload(np.array([5]), np.array([2]))  # a step that loads nothing
-    kv.key_caches[0][5].fill_(0)  # a later write of the step: the gather read before it
-    assert not written(2)
-    pool.before_layer(0)  # its forward starts: the copy goes
-    assert written(2)
-    pool.end_step()
-    pool.offload(np.array([6]), np.array([3]))  # a step that loads too
-    pool.load(np.array([2]), np.array([9]))
-    pool.finish_loads()
-    assert not written(3)  # its copy waits for the step's end
-    assert (kv.key_caches[0][9] == 5).all() and (kv.value_caches[3][9] == -305).all()
-    pool.end_step()
-    assert written(3)
-    pool.offload(np.array([8]), np.array([1]))
-    pool.load(np.array([1]), np.array([10]))  # the step loads back what it offloads
-    assert written(1)
-    pool.finish_loads()
-    assert (kv.key_caches[1][10] == 108).all()
-    pool.end_step()
 
 
 def test_load_destinations_lose_their_tags_unless_the_step_tags_them(executor: Executor) -> None:

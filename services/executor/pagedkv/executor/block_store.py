@@ -33,9 +33,7 @@ class BlockStore(Protocol):
         Reads the device blocks after every earlier device write; later
         device work does not wait for it, except, for a store that reads
         them later, a write into one of those blocks (see
-        ``before_writes``). Mutates only the store blocks, at the latest
-        after the device work enqueued before the next ``end_step`` (and
-        before a later ``load`` of those store blocks reads them)."""
+        ``before_writes``). Mutates only the store blocks."""
         ...
 
     def before_writes(self, block_ids: np.ndarray) -> None:
@@ -70,13 +68,6 @@ class BlockStore(Protocol):
         this call."""
         ...
 
-    def end_step(self) -> None:
-        """Call once a step's device work is enqueued (its forward, its
-        samples' copy to the host), whatever became of it: a store may
-        hold the step's offloads back until then (host_kv.py does when the
-        step also loads)."""
-        ...
-
     def copy_seconds(self) -> tuple[float, float]:
         """Time spent copying so far, offloads then loads, in seconds, over
         the calls known finished (device time on a GPU)."""
@@ -106,8 +97,7 @@ def move_blocks(
     into (its table updates' blocks, its copies' destinations), whose
     pending offloads its device work waits for. The loads land layer by
     layer as the step's forward reaches them (``BlockStore.before_layer``;
-    the model runner finishes them); the engine calls ``BlockStore.end_step``
-    once the step's work is enqueued. No store: the host columns are empty
+    the model runner finishes them). No store: the host columns are empty
     (validated)."""
     if store is None:
         return

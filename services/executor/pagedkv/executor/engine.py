@@ -17,14 +17,12 @@ enqueues its device work, ``complete`` waits for it and makes the response,
 so a stream can launch step N + 1 while the device runs step N
 (step_pipeline.py). Launch and completion keep the steps' order.
 
-A step's host tier copies (host_kv.py: offloads, then loads) are applied
+A step's host tier copies (host_kv.py: offloads, then loads) are enqueued
 before anything else of it; each layer of its forward waits for that
 layer's part of the loads (the model runner lands them), and for an
 offload only when it writes into that block (a table update, a copy's
-destination; an Allocate's and a CopyBlocks' blocks likewise). An
-offload's copy to host memory runs beside the step's forward, or after
-the step's device work when the step also loads (``BlockStore.end_step``,
-called once the step is enqueued). The pool keeps its blocks across resets.
+destination; an Allocate's and a CopyBlocks' blocks likewise). The pool
+keeps its blocks across resets.
 
 Block tags (see block_tags.py): a step's untags, and the destinations of its
 loads and copies, lose their tags before the step changes anything else; its
@@ -341,18 +339,14 @@ class Executor:
                         tags.untag([BlockId(b) for b in written[:, 1].tolist()])
             self.runner.rows.apply(plan)
             applied = time.perf_counter()
-            try:
-                result = runner.run(plan)
-                ran = time.perf_counter()
-                samples = None
-                sampled_rows = plan.rows[plan.needs_sample]
-                if plan.num_steps > 1:  # a decode window: its steps' samples, in turn
-                    sampled_rows = np.tile(sampled_rows, plan.num_steps)
-                if result is not None:
-                    samples = HostSamples(result, self._num_logprobs(sampled_rows, result))
-            finally:
-                if runner.host_kv is not None:  # offloads held back copy after all of it
-                    runner.host_kv.end_step()
+            result = runner.run(plan)
+            ran = time.perf_counter()
+            samples = None
+            sampled_rows = plan.rows[plan.needs_sample]
+            if plan.num_steps > 1:  # a decode window: its steps' samples, in turn
+                sampled_rows = np.tile(sampled_rows, plan.num_steps)
+            if result is not None:
+                samples = HostSamples(result, self._num_logprobs(sampled_rows, result))
             self._num_launched += 1
             launched = LaunchedStep(
                 sequence=self._num_launched,

@@ -81,12 +81,8 @@ def measure_host_costs(runner: CostRunner, num_blocks: int) -> HostCosts | None:
     # The offloads' kernels are built here too, before ready: the first
     # offload while serving compiled them (on the H200, twice, 50-1,000 ms
     # each, every step behind them waiting).
-    def offload(count: int) -> None:
-        store.offload(block_ids[:count], host_ids[:count])
-        store.end_step()
-
     for n in (1, count):
-        timed(partial(offload, n))
+        timed(partial(store.offload, block_ids[:n], host_ids[:n]))
     one = timed(lambda: load(1))
     many = timed(lambda: load(count))
     per_block = max(0.0, (many - one) / (count - 1)) if count > 1 else one

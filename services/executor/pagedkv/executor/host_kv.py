@@ -104,14 +104,6 @@ class _Chunk(NamedTuple):
     uniform: bool  # every cache of one shape: the backend's one-launch moves apply
 
 
-class _Staged(NamedTuple):
-    """An offload gathered into staging (one buffer per chunk) on the
-    compute stream, its copy to host memory not enqueued yet."""
-
-    staged: list[torch.Tensor]
-    host_ids: np.ndarray
-
-
 class _Pending(NamedTuple):
     """A load not enqueued yet: its host ids (ascending), its blocks, and
     the offload still writing some of those host rows, if any."""
@@ -176,12 +168,7 @@ class HostKVPool:
     ``gather_blocks``) on the compute stream itself, in its order: it reads
     the blocks after every earlier write and before every later one, so
     nothing later waits for it. The offload stream then copies the staging
-    rows to host memory without blocking the host: beside the step's
-    forward when the step loads nothing, else after the step's work
-    (``end_step``: its forward and its samples' copy to the host), so that
-    an offload does not share the link with its step's loads nor hold up
-    its samples on the copy engine (a load that reads a host row its step
-    offloads enqueues the step's offloads first). A load (enqueued when
+    rows to host memory without blocking the host. A load (enqueued when
     the compute stream first asks for a chunk, after the step's inputs have
     gone to the device) copies host rows
     into staging, chunk after chunk, on the load stream without waiting for
@@ -227,8 +214,6 @@ class HostKVPool:
         self._num_blocks = num_blocks
         self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._staged: deque[_Staged] = deque()  # offloads gathered, not copying yet
-        self._loading = False  # the step being enqueued loads: its offloads wait for end_step
         self._offloads: deque[_InFlight] = deque()  # offload calls not known done
         self._pending: deque[_Pending] = deque()  # loads whose copies are not enqueued yet
         self._landing: deque[_Landing] = deque()  # loaded chunks not scattered yet
@@ -290,53 +275,27 @@ class HostKVPool:
         return self.blocks.numel() * self.blocks.element_size()
 
     def offload(self, block_ids: np.ndarray, host_ids: np.ndarray) -> None:
-        """See ``BlockStore.offload``. The gathers run now, on the compute
-        stream, in its order: they read the blocks after every earlier write
-        and before every later one, so nothing that follows waits for the
-        copy to host memory. That copy is enqueued when the forward first
-        asks for a chunk (``before_layer``, ``finish_loads``) if the step
-        loads nothing, else at ``end_step``, after the step's work (or
-        before a load of the same host rows)."""
+        """See ``BlockStore.offload``."""
         if not len(block_ids):
             return
         block_ids, host_ids = _by_host_id(block_ids, host_ids)
+        # The gathers run on the compute stream, in its order: they read the
+        # blocks after every earlier write and before every later one, so
+        # nothing that follows waits for the copy to host memory.
         index = to_device(block_ids, self.device)
         staged = [self._gather(chunk, index) for chunk in self._chunks]
-        self._staged.append(_Staged(staged, host_ids.copy()))
-
-    def end_step(self) -> None:
-        """See ``BlockStore.end_step``: the offloads still staged copy to
-        host memory once the compute stream's work enqueued until now is
-        done. They are the offloads of a step that loads: on the H200 an 8B
-        host hit of 255 blocks whose message also offloaded the 255 blocks
-        evicted for it took 15.6 ms with the offloads' copies beside its
-        loads' (against 13.5 ms without them:
-        host-tier-executor-8b-before-h200), the link's two directions
-        slowing each other; a step that loads nothing keeps copying its
-        offloads beside its forward, so that the next step's loads do not
-        meet them."""
-        self._send_offloads()
-        self._loading = False
-
-    def _send_offloads(self) -> None:
-        """Enqueues the staged offloads' copies to host memory, after the
-        compute stream's work so far."""
         stream = self._offload_stream
-        while self._staged:
-            staged, host_ids = self._staged.popleft()
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                for staging in staged:
-                    staging.record_stream(stream)  # the copies below read it there
-            runs = _runs(host_ids)
-            with self._timed_on(stream, 0) as copied:
-                for chunk, staging in zip(self._chunks, staged, strict=True):
-                    for i, host_id, n in runs:
-                        chunk.host[host_id : host_id + n].copy_(
-                            staging[i : i + n], non_blocking=True
-                        )
-            if copied is not None:
-                self._offloads.append(_InFlight(copied, host_ids))
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for staging in staged:
+                staging.record_stream(stream)  # the copies below read it there
+        runs = _runs(host_ids)
+        with self._timed_on(stream, 0) as copied:
+            for chunk, staging in zip(self._chunks, staged, strict=True):
+                for i, host_id, n in runs:
+                    chunk.host[host_id : host_id + n].copy_(staging[i : i + n], non_blocking=True)
+        if copied is not None:
+            self._offloads.append(_InFlight(copied, host_ids.copy()))
 
     def before_writes(self, block_ids: np.ndarray) -> None:
         """See ``BlockStore.before_writes``: nothing to wait for here (an
@@ -352,9 +311,6 @@ class HostKVPool:
         if not len(block_ids):
             return
         host_ids, block_ids = _by_host_id(host_ids, block_ids, first=True)
-        self._loading = True  # the step's offloads copy after its work
-        if any(np.isin(staged.host_ids, host_ids).any() for staged in self._staged):
-            self._send_offloads()  # a host row this step offloads, loaded back whole
         after = None
         if self._load_stream is not None and self._offloads:
             _prune(self._offloads)
@@ -362,10 +318,7 @@ class HostKVPool:
         self._pending.append(_Pending(host_ids, block_ids, after))
 
     def _issue(self) -> None:
-        """Enqueues the pending loads' copies, chunk after chunk (the staged
-        offloads' first when the step loads nothing)."""
-        if self._staged and not self._loading:
-            self._send_offloads()
+        """Enqueues the pending loads' copies, chunk after chunk."""
         stream = self._load_stream
         while self._pending:
             host_ids, block_ids, after = self._pending.popleft()
