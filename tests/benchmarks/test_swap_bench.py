@@ -59,6 +59,10 @@ def test_a_reduced_run_preempts_loads_back_and_finishes_every_request(tmp_path: 
         assert run["tokens_recomputed"] >= 0, mode
         # Greedy: KV loaded back is the KV computed, so every output is off's.
         assert run["num_outputs_as_off"] == 12, mode
+        # The step traces say where the steps' time went.
+        assert 0 < run["device_busy_fraction"] <= 1, mode
+        assert run["decode_device_s"] > 0 and run["prefill_device_s"] > 0, mode
+        assert run["executor_launch_cpu_us"] > 0, mode
     off, always = runs["off"], runs["always"]
     assert off["num_host_blocks"] == off["num_offloaded_blocks"] == off["num_loaded_blocks"] == 0
     assert always["num_loaded_blocks"] > 0 and always["host_loads_chosen"] > 0

@@ -169,6 +169,34 @@ async def _batch(
     return list(outcomes), start, seconds, before, after
 
 
+def _step_costs(folder: Path, since: float) -> dict[str, Any]:
+    """Where the batch's steps spent their time (``step_trace.analyze``):
+    the device's busy fraction, its seconds in decode steps and in steps
+    that computed prompt tokens, and the medians of a decode step's device
+    time and of the executor's CPU to launch a step (what a tier adds per
+    step shows there). Empty without the traces."""
+    try:
+        steps = step_trace.analyze(folder, since)
+    except (FileNotFoundError, ValueError):
+        return {}
+    kinds: dict[str, dict[str, float]] = steps["device_ms_by_kind"]
+
+    def seconds(prefix: str) -> float:
+        ms = sum(v["device_ms"] for k, v in kinds.items() if k.startswith(prefix))
+        return round(ms / 1e3, 3)
+
+    decode = kinds.get("decode")
+    return {
+        "device_busy_fraction": steps["device_busy_fraction"],
+        "decode_device_s": seconds("decode"),
+        "prefill_device_s": seconds("prefill"),
+        "decode_step_device_us": round(decode["device_ms"] / decode["steps"] * 1e3, 1)
+        if decode and decode["steps"]
+        else None,
+        "executor_launch_cpu_us": steps["median_us"]["executor_launch_cpu"],
+    }
+
+
 def _traced_steps(folder: Path, since: float) -> tuple[int | None, int | None]:
     """The scheduler's steps begun after ``since`` and the tokens they
     scheduled (None, None without its trace)."""
@@ -231,6 +259,7 @@ def run_mode(
         finally:
             stack.stop()
         num_steps, computed = _traced_steps(Path(traces), start)
+        costs = _step_costs(Path(traces), start)
     old, new = before.executors[0], after.executors[0]
     num_output = sum(len(o.token_ids) for o in outcomes)
     least = sum(len(p) + m - 1 for p, m in batch)  # each token's KV (or logits) once
@@ -251,6 +280,7 @@ def run_mode(
         "tokens_computed": computed,
         "tokens_recomputed": None if computed is None else computed - least,
         "integrity_ok": after.integrity.ok,
+        **costs,
     }
     log.info("mode done", mode=mode, seconds=result["seconds"])
     return result, outcomes

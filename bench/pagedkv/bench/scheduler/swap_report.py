@@ -73,6 +73,17 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("steps", _num("num_steps", "{:,}")),
     ("tokens computed (scheduled)", _num("tokens_computed", "{:,}")),
     ("tokens recomputed (beyond each token once)", _num("tokens_recomputed", "{:,}")),
+    ("device busy (fraction of the batch's steps' span)", _num("device_busy_fraction", "{:.3f}")),
+    (
+        "device time of decode / prompt steps (s)",
+        lambda r: (
+            "-"
+            if r.get("decode_device_s") is None
+            else f"{r['decode_device_s']:.3f} / {r['prefill_device_s']:.3f}"
+        ),
+    ),
+    ("a decode step's device time (us)", _num("decode_step_device_us", "{:,.1f}")),
+    ("executor CPU to launch a step, median (us)", _num("executor_launch_cpu_us", "{:,.1f}")),
     ("host blocks", _num("num_host_blocks", "{:,}")),
     ("measured prefill s/token; load s + s/block", _costs),
 )
