@@ -17,9 +17,9 @@ block is popped for reuse (lazy eviction).
 Host tier: with a ``HostTier`` in ``host``, the blocks entered into the
 index are listed in ``fresh`` (the manager writes them through to the host
 once their step has been sent), and a cached block evicted for reuse whose
-hash the host lacks is offloaded then (host_tier.py, ``_evict_all``), unless it entered the
-index in the step not yet sent (``step`` counts the steps sent: the manager
-advances it as it drains a step's copies).
+hash the host lacks is offloaded then (host_tier.py; ``_evict_all``),
+unless it entered the index in the step not yet sent (``step`` counts the
+steps sent: the manager advances it as it drains a step's copies).
 
 Cache events: with ``record_events``, every change to the index is logged in
 order as a ``CacheEvent`` (a block stored under a hash, or removed from the
