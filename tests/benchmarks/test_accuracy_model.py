@@ -1,0 +1,68 @@
+"""The accuracy model's recipe (pagedkv.bench.accuracy): its corpus is
+Python's own text, split the same way every time with no document in both
+splits, and a short CPU run of the tiny shape learns from it (the held-out
+loss falls well below a uniform guess) and saves a checkpoint that
+transformers loads back to the same held-out loss."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.bench.accuracy import corpus as corpus_module
+from pagedkv.bench.accuracy.corpus import SEPARATOR, load
+from pagedkv.bench.accuracy.train import _as_ids, held_out_loss, train
+from pagedkv.executor.tiny_model import VOCAB_SIZE
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> corpus_module.Corpus:
+    return load(max_bytes=300_000)
+
+
+def test_the_corpus_is_split_by_document_the_same_way_every_time(
+    small_corpus: corpus_module.Corpus,
+) -> None:
+    again = load(max_bytes=300_000)
+    assert again == small_corpus
+    docs = corpus_module.documents()[: small_corpus.num_documents]
+    held = set(docs[19::20])
+    assert held and small_corpus.held_out == b"".join(d + SEPARATOR for d in docs[19::20])
+    train_docs = [d for i, d in enumerate(docs) if i % 20 != 19]
+    assert small_corpus.train == b"".join(d + SEPARATOR for d in train_docs)
+    assert len(small_corpus.train) >= 300_000
+    assert small_corpus.describe()["sha256"] == small_corpus.sha256
+
+
+def test_a_short_cpu_run_learns_and_saves_a_model_that_loads_back(
+    small_corpus: corpus_module.Corpus, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report = train(
+        tmp_path,
+        shape="tiny",
+        steps=40,
+        minutes=5,
+        batch=8,
+        seq_len=64,
+        lr=3e-3,
+        warmup=5,
+        device="cpu",
+        corpus=small_corpus,
+        eval_windows=16,
+    )
+    held = report["held_out"]
+    assert report["steps"] == 40 and report["tokens_seen"] == 40 * 8 * 64
+    assert held["loss_before"] > math.log(VOCAB_SIZE) - 0.5  # an untrained guess
+    assert held["loss_after"] < held["loss_before"] - 1.0  # it learned the bytes
+    assert json.loads((tmp_path / "training.json").read_text()) == report
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    reloaded = held_out_loss(model, _as_ids(small_corpus.held_out), 64, 16, torch.device("cpu"))
+    assert reloaded == pytest.approx(held["loss_after"], abs=1e-3)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer("def f():").input_ids == list(b"def f():")
