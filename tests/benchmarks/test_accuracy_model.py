@@ -66,3 +66,17 @@ def test_a_short_cpu_run_learns_and_saves_a_model_that_loads_back(
     assert reloaded == pytest.approx(held["loss_after"], abs=1e-3)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer("def f():").input_ids == list(b"def f():")
+
+
+def test_the_command_offers_every_shape_and_the_recipes_defaults() -> None:
+    import argparse
+
+    from pagedkv.bench.accuracy.cli import add_arguments
+    from pagedkv.bench.accuracy.train import SHAPES
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shape = next(a for a in parser._actions if a.dest == "shape")
+    assert set(shape.choices or ()) == set(SHAPES)
+    args = parser.parse_args(["--out", "x"])
+    assert (args.shape, args.minutes, args.batch, args.seq_len) == ("small", 5.0, 32, 1024)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.bench.accuracy.cli import add_arguments
 from pagedkv.bench.accuracy.corpus import Corpus, load
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -229,21 +230,8 @@ def train(
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="the model's directory")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    parser.add_argument("--steps", type=int, default=20_000)
-    parser.add_argument("--minutes", type=float, default=5.0, help="stop after this long")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-corpus-bytes", type=int, default=None)
-    parser.add_argument("--report", type=Path, help="also copy training.json here")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = train(
         args.out,
         shape=args.shape,
@@ -253,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.seq_len,
         lr=args.lr,
         warmup=args.warmup,
-        device=args.device,
+        device=device,
         seed=args.seed,
         corpus=load(max_bytes=args.max_corpus_bytes),
     )
@@ -266,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{held['loss_after']} nats/byte"
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
