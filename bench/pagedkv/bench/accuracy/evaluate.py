@@ -1,0 +1,276 @@
+"""What fp8 KV blocks cost a model that has learned something, before any
+kernel: K and V stored as ``pagedkv.kernels.fp8_kv`` defines it, emulated
+inside transformers' attention.
+
+Each layer's keys and values go through ``fp8_kv.round_trip`` (stored in
+fp8 with scales calibrated on the first forward, over a window of the
+training split, then fixed) before the model's own scaled-dot-product
+attention; the reference keeps them in the model's dtype. Per format
+(e4m3, e5m2) and scale granularity (per tensor, per KV head), on the
+held-out split of the model's corpus (corpus.py):
+
+- perplexity (teacher-forced next-byte loss) and its relative increase;
+- top-1 agreement: positions whose argmax equals the reference's;
+- greedy continuations of ``--continue-tokens`` from held-out prompts: the
+  tokens equal to the reference's before the first difference, and the
+  share of equal positions;
+- the attention output's error on synthetic activations with outlier
+  channels (``outlier_errors``: a few key and value channels 20x the rest),
+  against attention over the unquantized K and V.
+
+    python -m pagedkv.bench.accuracy.evaluate --model DIR --output FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.bench.accuracy.corpus import load
+from pagedkv.kernels import fp8_kv
+
+ATTENTION_NAME = "pagedkv_kv_emulation"
+GRANULARITIES = ("per_tensor", "per_head")
+
+
+class KVEmulation:
+    """The attention function's state: the format (None: the model's
+    dtype), the granularity and each layer's K and V scales."""
+
+    def __init__(self) -> None:
+        self.dtype: torch.dtype | None = None
+        self.per_head = False
+        self.calibrating = False
+        self.scales: dict[tuple[int, int], torch.Tensor] = {}
+
+    def configure(self, dtype: torch.dtype | None, per_head: bool) -> None:
+        self.dtype, self.per_head, self.scales = dtype, per_head, {}
+
+    def store(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[batch, kv_heads, seq, head_size]`` as the cache would
+        give it back."""
+        if self.dtype is None:
+            return x
+        tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
+        slot = (layer, kind)
+        if self.calibrating:
+            scale = fp8_kv.calibrated_scale(tokens, self.dtype, self.per_head)
+            held = self.scales.get(slot)
+            self.scales[slot] = scale if held is None else torch.maximum(held, scale)
+        return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype).transpose(1, 2)
+
+    def attention(
+        self,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = module.layer_idx
+        key, value = self.store(layer, 0, key), self.store(layer, 1, value)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return out, None
+
+
+EMULATION = KVEmulation()
+
+
+def _register(model: Any) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, EMULATION.attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _windows(data: bytes, length: int, count: int) -> torch.Tensor:
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    count = min(count, len(ids) // length)
+    if count < 1:
+        raise ValueError("the held-out split is shorter than one window")
+    return ids[: count * length].view(count, length)
+
+
+@torch.no_grad()
+def _teacher_forced(model: Any, windows: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Per window: the loss and the argmax of every position."""
+    losses, argmaxes = [], []
+    for window in windows:
+        ids = window.to(device).unsqueeze(0)
+        logits = model(ids[:, :-1]).logits.float()[0]
+        losses.append(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+        argmaxes.append(logits.argmax(-1).cpu())
+    return {"losses": losses, "argmax": torch.stack(argmaxes)}
+
+
+@torch.no_grad()
+def _greedy(model: Any, prompts: torch.Tensor, new: int, device: torch.device) -> torch.Tensor:
+    out: torch.Tensor = model.generate(
+        prompts.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
+    return out[:, prompts.shape[1] :].cpu()
+
+
+@torch.no_grad()
+def outlier_errors(
+    dtype: torch.dtype,
+    per_head: bool,
+    *,
+    seq: int = 1024,
+    kv_heads: int = 4,
+    group: int = 2,
+    head_size: int = 128,
+    factor: float = 20.0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Attention over K and V stored in ``dtype`` against over K and V in
+    bf16 (the oracle's cache), for random activations whose channels 3, 40
+    and 77 of every head (K and V) are ``factor`` times the rest; the
+    attention itself in float32. The output's largest absolute error, its
+    error's RMS over the output's RMS, and the same RMS ratio for bf16
+    against float32 K and V (what bf16 itself costs, for scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, kv_heads * group, seq, head_size, generator=generator)
+    exact = [torch.randn(1, seq, kv_heads, head_size, generator=generator) for _ in range(2)]
+    for x in exact:
+        x[..., [3, 40, 77]] *= factor
+    cached = [x.to(torch.bfloat16) for x in exact]
+    scales = [fp8_kv.calibrated_scale(x, dtype, per_head) for x in cached]
+    stored = [fp8_kv.round_trip(x, s, dtype) for x, s in zip(cached, scales, strict=True)]
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True)
+
+    def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+        return round(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item(), 5)
+
+    want, got = attend(*cached), attend(*stored)
+    return {
+        "max_abs": round((got - want).abs().max().item(), 5),
+        "relative_rms": relative_rms(got, want),
+        "bf16_relative_rms": relative_rms(want, attend(*exact)),
+    }
+
+
+def evaluate(
+    model_dir: Path,
+    *,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    windows: int = 64,
+    window_len: int = 1024,
+    prompts: int = 8,
+    prompt_len: int = 512,
+    continue_tokens: int = 256,
+    max_corpus_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The report (see the module's docstring) for the model in ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    began = time.perf_counter()
+    where = torch.device(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to(where).eval()
+    _register(model)
+    corpus = load(max_bytes=max_corpus_bytes)
+    held = _windows(corpus.held_out, window_len + 1, windows)
+    starts = _windows(corpus.held_out, prompt_len, prompts)
+    calibration = _windows(corpus.train, window_len, 1).to(where)
+
+    EMULATION.configure(None, False)
+    reference = _teacher_forced(model, held, where)
+    reference_greedy = _greedy(model, starts, continue_tokens, where)
+    ref_loss = sum(reference["losses"]) / len(reference["losses"])
+    results: dict[str, Any] = {}
+    for name, fp8 in fp8_kv.KV_CACHE_DTYPES.items():
+        for granularity in GRANULARITIES:
+            EMULATION.configure(fp8, granularity == "per_head")
+            EMULATION.calibrating = True
+            with torch.no_grad():
+                model(calibration)  # the first forward: the scales
+            EMULATION.calibrating = False
+            run = _teacher_forced(model, held, where)
+            loss = sum(run["losses"]) / len(run["losses"])
+            greedy = _greedy(model, starts, continue_tokens, where)
+            same = greedy == reference_greedy
+            differs = (~same).int()
+            # Tokens before the first difference (all of them when none differs).
+            everything = torch.full_like(differs[:, 0], same.shape[1])
+            first = torch.where(differs.any(dim=1), differs.argmax(dim=1), everything)
+            results[f"{name}/{granularity}"] = {
+                "perplexity": round(math.exp(loss), 4),
+                "perplexity_increase": round(math.exp(loss - ref_loss) - 1, 5),
+                "top1_agreement": round(
+                    (run["argmax"] == reference["argmax"]).float().mean().item(), 5
+                ),
+                "greedy_equal_prefix_mean": round(first.float().mean().item(), 2),
+                "greedy_equal_share": round(same.float().mean().item(), 5),
+                "outlier_errors": outlier_errors(fp8, granularity == "per_head"),
+            }
+    EMULATION.configure(None, False)
+    return {
+        "model": str(model_dir.name),
+        "dtype": dtype,
+        "device": torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu",
+        "corpus": corpus.describe(),
+        "held_out_windows": len(held),
+        "window_len": window_len,
+        "prompts": len(starts),
+        "prompt_len": prompt_len,
+        "continue_tokens": continue_tokens,
+        "reference": {"perplexity": round(math.exp(ref_loss), 4)},
+        "fp8": results,
+        "seconds": round(time.perf_counter() - began, 1),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--device", default=None, help="default: cuda when there is one")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--window-len", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--continue-tokens", type=int, default=256)
+    parser.add_argument("--max-corpus-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    report = evaluate(
+        args.model,
+        device=device,
+        dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+        windows=args.windows,
+        window_len=args.window_len,
+        prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        continue_tokens=args.continue_tokens,
+        max_corpus_bytes=args.max_corpus_bytes,
+    )
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    for name, row in report["fp8"].items():
+        print(
+            f"{name}: perplexity +{row['perplexity_increase']:.3%}, top-1 "
+            f"{row['top1_agreement']:.4f}, greedy equal {row['greedy_equal_share']:.4f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
