@@ -10,7 +10,8 @@ parameters, a few minutes on one H200 at bf16. ``tiny`` is the CPU tests'.
 
 Training: random windows of ``seq_len`` bytes of the training split,
 AdamW (betas 0.9, 0.95, weight decay 0.1), the learning rate warmed up
-linearly then cosine-decayed to a tenth, gradients clipped at 1; bf16
+linearly then cosine-decayed to a tenth over the steps or the minutes,
+whichever ends the run, gradients clipped at 1; bf16
 autocast on CUDA. It stops after ``steps`` steps or ``minutes``, whichever
 comes first. Reported (``training.json`` beside the weights): the corpus,
 the shape, the steps, tokens seen, the loss curve, the held-out loss and
@@ -86,11 +87,12 @@ def _as_ids(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
 
 
-def _learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+def _learning_rate(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Warmed up linearly over ``warmup`` steps, then cosine-decayed to a
+    tenth of ``peak`` as ``progress`` (the share of the run done) goes to 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 @torch.no_grad()
@@ -170,8 +172,11 @@ def train(
     trained = time.perf_counter()
     step = 0
     while step < steps and time.perf_counter() < deadline:
+        # The share done: of the steps, or of the minutes when those end it first.
+        elapsed = (time.perf_counter() - trained) / (minutes * 60)
+        progress = max((step - warmup) / max(1, steps - warmup), elapsed)
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, steps, lr, warmup)
+            group["lr"] = _learning_rate(step, progress, lr, warmup)
         window = _windows(data, batch, seq_len, generator).to(where, non_blocking=True)
         with _autocast(where):
             logits = model(window[:, :-1]).logits
