@@ -33,8 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--device", default=None, help="default: cuda when there is one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-corpus-bytes", type=int, default=None)
-    parser.add_argument("--report", type=Path, help="also copy training.json here")
+    parser.add_argument(
+        "--max-corpus-bytes",
+        type=int,
+        default=None,
+        help="stop reading the corpus once its training split holds this many bytes "
+        "(default: all of it)",
+    )
+    parser.add_argument(
+        "--report", type=Path, help="also copy training.json here (without it, only into --out)"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
