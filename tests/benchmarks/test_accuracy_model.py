@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.bench.accuracy import corpus as corpus_module
 from pagedkv.bench.accuracy.corpus import SEPARATOR, load
-from pagedkv.bench.accuracy.train import _as_ids, held_out_loss, train
+from pagedkv.bench.accuracy.train import as_ids, held_out_loss, train
 from pagedkv.executor.tiny_model import VOCAB_SIZE
 
 
@@ -76,7 +76,7 @@ def test_a_short_cpu_run_learns_and_saves_a_model_that_loads_back(
     assert held["loss_after"] < held["loss_before"] - 1.0  # it learned the bytes
     assert json.loads((tmp_path / "training.json").read_text()) == report
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    reloaded = held_out_loss(model, _as_ids(small_corpus.held_out), 64, 16, torch.device("cpu"))
+    reloaded = held_out_loss(model, as_ids(small_corpus.held_out), 64, 16, torch.device("cpu"))
     assert reloaded == pytest.approx(held["loss_after"], abs=1e-3)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer("def f():").input_ids == list(b"def f():")

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from pagedkv.bench.accuracy.corpus import load
+from pagedkv.bench.accuracy.train import as_ids
 from pagedkv.kernels import fp8_kv
 
 ATTENTION_NAME = "pagedkv_kv_emulation"
@@ -95,7 +96,8 @@ def _register(model: Any) -> None:
 
 
 def _windows(data: bytes, length: int, count: int) -> torch.Tensor:
-    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    """``[count, length]``: the first ``count`` consecutive windows of ``data``."""
+    ids = as_ids(data)
     count = min(count, len(ids) // length)
     if count < 1:
         raise ValueError("the held-out split is shorter than one window")

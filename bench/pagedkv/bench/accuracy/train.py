@@ -83,7 +83,8 @@ def _windows(
     return torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
 
 
-def _as_ids(raw: bytes) -> torch.Tensor:
+def as_ids(raw: bytes) -> torch.Tensor:
+    """Bytes as token ids (the byte-level tokenizer's: id = byte value)."""
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
 
 
@@ -151,7 +152,7 @@ def train(
 
     began = time.perf_counter()
     corpus = corpus if corpus is not None else load()
-    data, held_out = _as_ids(corpus.train), _as_ids(corpus.held_out)
+    data, held_out = as_ids(corpus.train), as_ids(corpus.held_out)
     where = torch.device(device)
     torch.manual_seed(seed)
     config = llama_config(shape)
@@ -168,12 +169,13 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     initial = held_out_loss(model, held_out, seq_len, eval_windows, where)
     losses: list[list[float]] = []  # [step, loss]
-    deadline = time.perf_counter() + minutes * 60
     trained = time.perf_counter()
     step = 0
-    while step < steps and time.perf_counter() < deadline:
+    while step < steps:
         # The share done: of the steps, or of the minutes when those end it first.
         elapsed = (time.perf_counter() - trained) / (minutes * 60)
+        if elapsed >= 1:
+            break
         progress = max((step - warmup) / max(1, steps - warmup), elapsed)
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, progress, lr, warmup)
