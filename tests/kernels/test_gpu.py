@@ -158,3 +158,50 @@ def test_bf16_greedy_sample_and_skinny_linear_at_a_decode_steps_shapes() -> None
     for split_k in (1, 4):
         got = skinny_linear(x, weight, LinearTile(64, 32, 128, 4, 4, split_k))
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_caches_at_real_shapes_match_the_oracle(fp8: torch.dtype, per_head: bool) -> None:
+    # Long decodes (flash decoding), a prefill and a chunk over cached context,
+    # bf16 queries over fp8 K/V; then the write kernels' bytes against torch's
+    # rounding on this device.
+    from pagedkv.kernels import fp8_kv
+
+    batch = build_batch(
+        [2047, 4095, 0, 1000],
+        [1, 1, 700, 300],
+        num_q_heads=32,
+        num_kv_heads=8,
+        dtype=torch.bfloat16,
+        head_size=128,
+    )
+    kv = {}
+    for name, cache in (("k_scale", "key_cache"), ("v_scale", "value_cache")):
+        tensor = batch[cache]
+        assert isinstance(tensor, torch.Tensor)
+        kv[name] = fp8_kv.calibrated_scale(tensor, fp8, per_head)
+        batch[cache] = fp8_kv.quantize(tensor, kv[name], fp8)
+    batch = on_gpu(batch)
+    kv = {name: scale.cuda() for name, scale in kv.items()}
+    args = [batch[name] for name in NAMES]
+    for lens in (None, "decodes"):
+        if lens == "decodes":  # the two decodes alone take the flash-decoding kernel
+            args = [*args[:4], args[4][:2], torch.arange(3, dtype=torch.int32, device="cuda")]
+            args[0] = args[0][:2]
+        want = reference.paged_attention(*args, 128**-0.5, **kv)  # type: ignore[arg-type]
+        got = paged_attention.paged_attention(*args, 128**-0.5, **kv)  # type: ignore[arg-type]
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    key = torch.randn(4096, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16) * 4
+    value = torch.randn(4096, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    slots = torch.randperm(4096, device="cuda", generator=gen)
+    caches = [torch.zeros(256, 16, 8, 128, dtype=fp8, device="cuda") for _ in range(2)]
+    cache_ops.reshape_and_cache(key, value, *caches, slots, **kv)
+    want_caches = [torch.zeros_like(c) for c in caches]
+    block, offset = slots // 16, slots % 16
+    for cache, x, scale in zip(want_caches, (key, value), kv.values(), strict=True):
+        cache.view(torch.uint8)[block, offset] = fp8_kv.quantize(x, scale, fp8).view(torch.uint8)
+    for got_cache, want_cache in zip(caches, want_caches, strict=True):
+        assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))

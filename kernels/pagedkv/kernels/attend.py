@@ -62,6 +62,8 @@ def attend(
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
+    An fp8 cache's tiles are read as the query's dtype: ``scale`` includes
+    the key scale, and the caller multiplies the output by the value scale.
     ``MASK`` off promises full tiles that every row sees in whole (below the
     causal diagonal, no window): no load or score masks then. Scores are kept
     in base 2."""
@@ -79,7 +81,8 @@ def attend(
             + kv_head * cache_stride_h
         )
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
-        k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
+        # An fp8 tile is widened to the query's dtype (its scales are the caller's).
+        k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
         if USE_SOFTCAP:
             scores = qk * scale
@@ -95,8 +98,8 @@ def attend(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 

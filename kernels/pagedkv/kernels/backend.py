@@ -17,7 +17,10 @@ BACKEND_NAMES = ("triton", "torch")
 
 
 class ReshapeAndCache(Protocol):
-    """Writes each token's K and V at its slot; negative slots are skipped."""
+    """Writes each token's K and V at its slot; negative slots are skipped.
+    An fp8 cache takes its scales (``k_scale``, ``v_scale``: float32 ``[1]``
+    or ``[num_kv_heads]``, ``pagedkv.kernels.fp8_kv``); so do the other ops
+    that write or read a cache."""
 
     def __call__(
         self,
@@ -26,6 +29,9 @@ class ReshapeAndCache(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
 
@@ -59,6 +65,9 @@ class PagedAttention(Protocol):
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         tiles: torch.Tensor | None = None,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -116,6 +125,9 @@ class RotaryAndCache(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
 
@@ -139,6 +151,9 @@ class RotaryDecodeAttention(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         max_seq_len: int | None = None,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

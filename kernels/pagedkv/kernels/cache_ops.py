@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.checks import check_block_rows, check_cache, check_int_vector
+from pagedkv.kernels.checks import check_block_rows, check_cache, check_int_vector, check_kv_input
+from pagedkv.kernels.kv_quant import quantize, scale_args
 
 
 @triton.jit
@@ -24,6 +25,9 @@ def _reshape_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    v_scale_ptr,
+    scale_stride,
     key_stride_t,
     key_stride_h,
     value_stride_t,
@@ -34,6 +38,8 @@ def _reshape_and_cache_kernel(
     block_size,
     num_kv_heads,
     head_size,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -48,6 +54,13 @@ def _reshape_and_cache_kernel(
     mask = valid & (heads < num_kv_heads) & (dims < head_size)
     key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
     value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + heads * scale_stride, mask=heads < num_kv_heads, other=1.0)
+        v_scale = tl.load(v_scale_ptr + heads * scale_stride, mask=heads < num_kv_heads, other=1.0)
+    key = quantize(key, k_scale, FP8, FP8_MAX).to(key_cache_ptr.dtype.element_ty)
+    value = quantize(value, v_scale, FP8, FP8_MAX).to(value_cache_ptr.dtype.element_ty)
     dst = block * cache_stride_b + offset * cache_stride_s + heads * cache_stride_h + dims
     tl.store(key_cache_ptr + dst, key, mask=mask)
     tl.store(value_cache_ptr + dst, value, mask=mask)
@@ -59,8 +72,13 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes each token's K and V at its slot; negative slots are skipped."""
+    """Writes each token's K and V at its slot; negative slots are skipped.
+    An fp8 cache stores them quantized with ``k_scale`` / ``v_scale``
+    (``fp8_kv.quantize``)."""
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache, like=key_cache)
     num_tokens, num_kv_heads, head_size = key.shape
@@ -68,11 +86,13 @@ def reshape_and_cache(
         raise ValueError(
             f"key: {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
         )
-    if value.shape != key.shape or key.dtype != key_cache.dtype or value.dtype != key.dtype:
-        raise ValueError("value: must match key in shape, and both the cache dtype")
+    check_kv_input("key", key, key_cache)
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError("value: must match key in shape and dtype")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key, value: the last dimension must be contiguous")
     check_int_vector("slot_mapping", slot_mapping, num_tokens)
+    scales = scale_args(key_cache, k_scale, v_scale, slot_mapping)
     if not num_tokens:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -81,6 +101,9 @@ def reshape_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        scales.k_scale,
+        scales.v_scale,
+        scales.stride,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -91,6 +114,8 @@ def reshape_and_cache(
         key_cache.shape[1],
         num_kv_heads,
         head_size,
+        FP8=scales.fp8,
+        FP8_MAX=scales.fp8_max,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
     )

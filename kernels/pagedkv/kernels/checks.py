@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -14,14 +16,60 @@ def check_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None
     """A KV cache tensor: ``[num_blocks, block_size, num_kv_heads, head_size]``."""
     if cache.ndim != 4:
         raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_size]")
-    if cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype {cache.dtype} is not one of {FLOAT_DTYPES}")
+    if cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"{name}: dtype {cache.dtype} is not one of {CACHE_DTYPES}")
     if cache.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous")
     if like is not None and (
         cache.shape != like.shape or cache.dtype != like.dtype or cache.stride() != like.stride()
     ):
         raise ValueError(f"{name}: must match the key cache in shape, dtype and strides")
+
+
+def check_kv_scales(
+    key_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> int:
+    """The scales of an fp8 cache (``pagedkv.kernels.fp8_kv``): float32,
+    contiguous, on the cache's device, ``[1]`` (per tensor) or
+    ``[num_kv_heads]`` (per KV head), both of one shape; a cache in a float
+    dtype takes none. Returns the scales' stride over KV heads: 0 or 1
+    (0 too without scales)."""
+    if key_cache.dtype not in FP8_DTYPES:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale, v_scale: only an fp8 cache has scales, not {key_cache.dtype}"
+            )
+        return 0
+    num_kv_heads = key_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"{name}: an fp8 cache ({key_cache.dtype}) needs its scales")
+        if (
+            scale.ndim != 1
+            or len(scale) not in (1, num_kv_heads)
+            or scale.dtype != torch.float32
+            or not scale.is_contiguous()
+            or scale.device != key_cache.device
+        ):
+            raise ValueError(
+                f"{name}: expected a contiguous float32 [1] or [{num_kv_heads}] tensor on "
+                f"{key_cache.device}"
+            )
+    assert k_scale is not None and v_scale is not None
+    if k_scale.shape != v_scale.shape:
+        raise ValueError("v_scale: must have k_scale's shape")
+    return int(len(k_scale) > 1)
+
+
+def check_kv_input(name: str, tensor: torch.Tensor, cache: torch.Tensor) -> None:
+    """New K or V (or a query) for ``cache``: of the cache's dtype, or of any
+    float dtype when the cache holds fp8."""
+    if tensor.dtype not in FLOAT_DTYPES or (
+        cache.dtype not in FP8_DTYPES and tensor.dtype != cache.dtype
+    ):
+        raise ValueError(f"{name}: dtype {tensor.dtype}, the cache holds {cache.dtype}")
 
 
 def check_int_vector(name: str, tensor: torch.Tensor, length: int | None = None) -> None:
@@ -56,8 +104,7 @@ def check_attention_args(
         raise ValueError(f"query: head size {head_size}, the cache has {key_cache.shape[3]}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query: {num_q_heads} heads is not a multiple of {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query: dtype {query.dtype}, the cache has {key_cache.dtype}")
+    check_kv_input("query", query, key_cache)
     check_int_vector("seq_lens", seq_lens)
     if query_start_loc is not None:
         check_int_vector("query_start_loc", query_start_loc, len(seq_lens) + 1)
@@ -86,11 +133,11 @@ def check_rotary_args(
     """The arguments of ``rotary_and_cache``, as every backend needs them."""
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache, like=key_cache)
-    if query.ndim != 3 or query.dtype != key_cache.dtype or query.stride(-1) != 1:
+    if query.ndim != 3 or query.stride(-1) != 1:
         raise ValueError(
-            "query: expected [num_tokens, num_q_heads, head_size] in the cache dtype, "
-            "last dim contiguous"
+            "query: expected [num_tokens, num_q_heads, head_size], last dim contiguous"
         )
+    check_kv_input("query", query, key_cache)
     num_tokens, _, head_size = query.shape
     kv_shape = (num_tokens, *key_cache.shape[2:])
     for name, tensor in (("key", key), ("value", value)):

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
+from pagedkv.kernels.kv_quant import ScaleArgs, quantize
 
 
 @triton.jit
@@ -54,6 +55,9 @@ def _decode_split_kernel(
     key_stride_h,
     value_stride_t,
     value_stride_h,
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    v_scale_ptr,
+    scale_stride,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -63,6 +67,8 @@ def _decode_split_kernel(
     EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -72,10 +78,16 @@ def _decode_split_kernel(
     the query is rotated here (left as it is in memory), and the program
     whose split holds the new token rotates its key and writes it and its
     value at its slot before it reads the cache, as ``rotary_and_cache``
-    would have (the same float32 rotation, rounded once)."""
+    would have (the same float32 rotation, rounded once to the query's
+    dtype). An fp8 cache is written quantized and read through its scales."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head * scale_stride)
+        v_scale = tl.load(v_scale_ptr + kv_head * scale_stride)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     q_pos = seq_len - 1
 
@@ -118,7 +130,10 @@ def _decode_split_kernel(
             + kv_head * cache_stride_h
             + dims
         )
-        key_out = (k * cos + k_pair * sin).to(key_cache_ptr.dtype.element_ty)
+        cache_dtype = key_cache_ptr.dtype.element_ty
+        key_out = (k * cos + k_pair * sin).to(query_ptr.dtype.element_ty)
+        key_out = quantize(key_out, k_scale, FP8, FP8_MAX).to(cache_dtype)
+        v = quantize(v, v_scale, FP8, FP8_MAX).to(cache_dtype)
         tl.store(key_cache_ptr + dst, key_out, mask=kv_mask)
         tl.store(value_cache_ptr + dst, v, mask=kv_mask)
         tl.debug_barrier()  # the new key and value are read below, by other threads
@@ -153,7 +168,7 @@ def _decode_split_kernel(
         cache_stride_s,
         cache_stride_h,
         block_table_stride,
-        scale,
+        scale * k_scale,
         softcap,
         sliding_window,
         dims,
@@ -169,6 +184,8 @@ def _decode_split_kernel(
         # An empty split (past the sequence, or before its window) has l_i == 0.
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        if FP8:
+            out = out * v_scale
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), MASKED)  # base 2
         row = (seq * num_q_heads + heads) * num_splits + split
         tl.store(
@@ -179,6 +196,8 @@ def _decode_split_kernel(
         tl.store(partial_lse_ptr + row, lse, mask=group_valid)
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if FP8:
+            out = out * v_scale
         tl.store(
             out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -298,6 +317,7 @@ def decode(
     sliding_window: int | None,
     softcap: float | None,
     max_seq_len: int,
+    scales: ScaleArgs,
     rotary: Rotary | None = None,
 ) -> None:
     """Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` for a batch of
@@ -342,6 +362,9 @@ def decode(
         num_queries_per_kv,
         num_splits,
         *(rotary or _no_rotary(query)).arguments(),
+        scales.k_scale,
+        scales.v_scale,
+        scales.stride,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_SIZE=key_cache.shape[1],
@@ -351,6 +374,8 @@ def decode(
         EVEN_D=block_d == head_size,
         SPLIT=split,
         ROTARY=rotary is not None,
+        FP8=scales.fp8,
+        FP8_MAX=scales.fp8_max,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -19,6 +19,7 @@ import triton.language as tl
 from pagedkv.kernels.attend import MASKED, attend_span
 from pagedkv.kernels.checks import check_attention_args, check_rotary_args
 from pagedkv.kernels.decode_attention import Rotary, decode
+from pagedkv.kernels.kv_quant import scale_args
 
 
 @triton.jit
@@ -45,6 +46,9 @@ def _paged_attention_kernel(
     head_size,
     num_queries_per_kv,
     num_tiles,
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    v_scale_ptr,
+    scale_stride,
     TILED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -54,6 +58,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     GROUP: tl.constexpr,  # rows of a decode entry's tile: the query heads of a KV head, padded
+    FP8: tl.constexpr,
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -69,6 +74,11 @@ def _paged_attention_kernel(
         tile = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64)
         seq = tl.program_id(2).to(tl.int64)
     kv_head = head // num_queries_per_kv
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:  # the cache's values times these scales (kv_quant)
+        k_scale = tl.load(k_scale_ptr + kv_head * scale_stride)
+        v_scale = tl.load(v_scale_ptr + kv_head * scale_stride)
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
@@ -117,7 +127,7 @@ def _paged_attention_kernel(
                 cache_stride_s,
                 cache_stride_h,
                 block_table_stride,
-                scale,
+                scale * k_scale,
                 softcap,
                 sliding_window,
                 dims,
@@ -129,6 +139,8 @@ def _paged_attention_kernel(
                 EVEN_D,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
+            if FP8:
+                g_out = g_out * v_scale
             out_offsets = q_start * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
             tl.store(
                 out_ptr + out_offsets,
@@ -180,7 +192,7 @@ def _paged_attention_kernel(
             cache_stride_s,
             cache_stride_h,
             block_table_stride,
-            scale,
+            scale * k_scale,
             softcap,
             sliding_window,
             dims,
@@ -193,6 +205,8 @@ def _paged_attention_kernel(
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
+        if FP8:
+            out = out * v_scale
         out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
         tl.store(
             out_ptr + out_offsets,
@@ -236,6 +250,9 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     tiles: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -251,7 +268,8 @@ def paged_attention(
     query heads that share it, and a second pass merges the splits. Other
     batches take the tiled prefill kernel. ``max_query_len`` and
     ``max_seq_len`` size the launch; they are computed, with a device sync,
-    when not given.
+    when not given. An fp8 cache is read through ``k_scale`` and ``v_scale``
+    (``kv_quant``).
     """
     check_attention_args(
         query,
@@ -263,6 +281,7 @@ def paged_attention(
         sliding_window,
         softcap,
     )
+    scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     # A schedule's batch may carry padding tokens: zeros there, not whatever
@@ -286,6 +305,7 @@ def paged_attention(
             sliding_window,
             softcap,
             max_seq_len,
+            scales,
         )
         return out
     block_m, block_n, num_warps, num_stages = prefill_tiling(max_query_len, head_size)
@@ -320,6 +340,9 @@ def paged_attention(
         head_size,
         num_q_heads // num_kv_heads,
         tiles.shape[1] if tiles is not None else 0,
+        scales.k_scale,
+        scales.v_scale,
+        scales.stride,
         TILED=tiles is not None,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
@@ -329,6 +352,7 @@ def paged_attention(
         BLOCK_D=block_d,
         EVEN_D=block_d == head_size,
         GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
+        FP8=scales.fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -350,6 +374,9 @@ def rotary_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """For a batch of one-token decodes, what ``rotary_and_cache`` and then
     ``paged_attention`` give, in one launch (the flash-decoding kernel rotates
@@ -359,6 +386,7 @@ def rotary_decode_attention(
     check_attention_args(
         query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap
     )
+    scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
     out = torch.empty_like(query)
     if not len(query):
         return out
@@ -376,6 +404,7 @@ def rotary_decode_attention(
         sliding_window,
         softcap,
         max_seq_len,
+        scales,
         rotary,
     )
     return out

@@ -19,7 +19,20 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.kernels import fp8_kv
 from pagedkv.kernels.backend import DecodeInputs
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (``[..., num_kv_heads, head_size]``) as ``cache`` stores it:
+    quantized with ``scale`` for an fp8 cache (``fp8_kv.quantize``), else as it is."""
+    return x if scale is None else fp8_kv.quantize(x, scale, cache.dtype)
+
+
+def from_cache(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """What a kernel reads from a cache (``[..., num_kv_heads, head_size]``),
+    in ``dtype``: fp8 values times their ``scale``, else the values."""
+    return x.to(dtype) if scale is None else fp8_kv.dequantize(x, scale, dtype)
 
 
 def reshape_and_cache(
@@ -28,15 +41,19 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int
+    *,
+    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes each token's K and V at its slot; negative slots are skipped."""
+    """Writes each token's K and V at its slot; negative slots are skipped.
+    An fp8 cache stores them quantized with their scales (``to_cache``)."""
     block_size = key_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        key_cache[block, offset] = key[token]
-        value_cache[block, offset] = value[token]
+        key_cache[block, offset] = to_cache(key[token], key_cache, k_scale)
+        value_cache[block, offset] = to_cache(value[token], value_cache, v_scale)
 
 
 def compute_slot_mapping(
@@ -66,6 +83,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -73,7 +93,7 @@ def paged_attention(
     is at position ``p = seq_len - q_len + j`` and reads keys ``0 .. p``, or
     only ``p - sliding_window + 1 .. p`` with a window. Scores are
     ``scale * q·k``, soft-capped as ``softcap * tanh(score / softcap)`` when
-    given. Computed in float32.
+    given. Computed in float32, over what the cache reads as (``from_cache``).
     """
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -89,8 +109,9 @@ def paged_attention(
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[seq, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len].float()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len]
+        k, v = from_cache(k, k_scale, torch.float32), from_cache(v, v_scale, torch.float32)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -204,12 +225,18 @@ def rotary_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Rotates ``query`` in place; writes the rotated key and the value at
-    each token's slot (negative slots are skipped)."""
+    """Rotates ``query`` in place; writes the rotated key (rounded to its
+    dtype, then quantized for an fp8 cache) and the value at each token's
+    slot (negative slots are skipped)."""
     query.copy_(rotary_embedding(query, cos_sin, positions))
     rotated = rotary_embedding(key, cos_sin, positions)
-    reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(
+        rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def rotary_decode_attention(
@@ -226,11 +253,25 @@ def rotary_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
     of one new token per sequence."""
     rotated = query.clone()
-    rotary_and_cache(rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    rotary_and_cache(
+        rotated,
+        key,
+        value,
+        cos_sin,
+        positions,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
     return paged_attention(
         rotated,
@@ -242,6 +283,8 @@ def rotary_decode_attention(
         scale,
         sliding_window=sliding_window,
         softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.checks import check_rotary_args
+from pagedkv.kernels.kv_quant import quantize, scale_args
 
 
 @triton.jit
@@ -37,6 +38,9 @@ def _rotary_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    v_scale_ptr,
+    scale_stride,
     query_stride_t,
     query_stride_h,
     key_stride_t,
@@ -50,6 +54,8 @@ def _rotary_and_cache_kernel(
     num_q_heads,
     num_kv_heads,
     half,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -83,15 +89,26 @@ def _rotary_and_cache_kernel(
         + kv_heads * cache_stride_h
         + dims
     )
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        head_valid = kv_heads < num_kv_heads
+        k_scale = tl.load(k_scale_ptr + kv_heads * scale_stride, mask=head_valid, other=1.0)
+        v_scale = tl.load(v_scale_ptr + kv_heads * scale_stride, mask=head_valid, other=1.0)
+    cache_dtype = key_cache_ptr.dtype.element_ty
     k_ptrs = key_ptr + token * key_stride_t + kv_heads * key_stride_h + dims
     k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptrs + half, mask=kv_mask, other=0.0).to(tl.float32)
     k1, k2 = _rotate(k1, k2, cos, sin)
-    tl.store(key_cache_ptr + dst, k1.to(dtype), mask=kv_mask)
-    tl.store(key_cache_ptr + dst + half, k2.to(dtype), mask=kv_mask)
+    k1 = quantize(k1.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
+    k2 = quantize(k2.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
+    tl.store(key_cache_ptr + dst, k1, mask=kv_mask)
+    tl.store(key_cache_ptr + dst + half, k2, mask=kv_mask)
     v_ptrs = value_ptr + token * value_stride_t + kv_heads * value_stride_h + dims
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + half, mask=kv_mask, other=0.0)
+    v1 = quantize(v1, v_scale, FP8, FP8_MAX).to(cache_dtype)
+    v2 = quantize(v2, v_scale, FP8, FP8_MAX).to(cache_dtype)
     tl.store(value_cache_ptr + dst, v1, mask=kv_mask)
     tl.store(value_cache_ptr + dst + half, v2, mask=kv_mask)
 
@@ -105,11 +122,16 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Rotates ``query`` in place; writes the rotated key and the value of
-    each token at its slot (negative slots are skipped). ``positions`` must
-    be below ``len(cos_sin)`` (not checked: that would wait for the device)."""
+    """Rotates ``query`` in place; writes the rotated key (rounded to the
+    query's dtype, then quantized for an fp8 cache) and the value of each
+    token at its slot (negative slots are skipped). ``positions`` must be
+    below ``len(cos_sin)`` (not checked: that would wait for the device)."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    scales = scale_args(key_cache, k_scale, v_scale, slot_mapping)
     num_tokens, num_q_heads, head_size = query.shape
     if not num_tokens:
         return
@@ -123,6 +145,9 @@ def rotary_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        scales.k_scale,
+        scales.v_scale,
+        scales.stride,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -136,6 +161,8 @@ def rotary_and_cache(
         num_q_heads,
         num_kv_heads,
         head_size // 2,
+        FP8=scales.fp8,
+        FP8_MAX=scales.fp8_max,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_size // 2),

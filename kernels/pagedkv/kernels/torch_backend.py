@@ -20,12 +20,21 @@ import torch.nn.functional as F
 from pagedkv.kernels import reference
 from pagedkv.kernels.backend import DecodeInputs
 from pagedkv.kernels.checks import (
+    FP8_DTYPES,
     check_attention_args,
     check_block_rows,
     check_cache,
     check_int_vector,
+    check_kv_input,
+    check_kv_scales,
     check_rotary_args,
 )
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 as its bytes (torch indexes and copies those on every device),
+    anything else as it is."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
 
 
 def _check_block_table(block_table: torch.Tensor, num_seqs: int) -> None:
@@ -51,8 +60,12 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int
+    *,
+    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes each token's K and V at its slot; negative slots are skipped.
+    """Writes each token's K and V at its slot; negative slots are skipped;
+    an fp8 cache stores them quantized (``reference.to_cache``).
 
     Mutates ``key_cache`` and ``value_cache`` at the given slots only. Dropping
     the negative slots is a boolean-mask select: one device sync on a GPU.
@@ -63,17 +76,21 @@ def reshape_and_cache(
         raise ValueError(
             f"key: {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
         )
-    if value.shape != key.shape or key.dtype != key_cache.dtype or value.dtype != key.dtype:
-        raise ValueError("value: must match key in shape, and both the cache dtype")
+    check_kv_input("key", key, key_cache)
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError("value: must match key in shape and dtype")
     check_int_vector("slot_mapping", slot_mapping, key.shape[0])
+    check_kv_scales(key_cache, k_scale, v_scale)
     if not key.shape[0]:
         return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].to(torch.int64)
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[valid]
-    value_cache[blocks, offsets] = value[valid]
+    _raw(key_cache)[blocks, offsets] = _raw(reference.to_cache(key[valid], key_cache, k_scale))
+    _raw(value_cache)[blocks, offsets] = _raw(
+        reference.to_cache(value[valid], value_cache, v_scale)
+    )
 
 
 def compute_slot_mapping(
@@ -111,8 +128,10 @@ def _gather_context(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
     key_valid: torch.Tensor,  # [num_seqs, max_seq_len], bool
     dtype: torch.dtype,
+    scale: torch.Tensor | None,  # an fp8 cache's
 ) -> torch.Tensor:  # [num_seqs, num_kv_heads, max_seq_len, head_size]
-    """Each sequence's K or V in position order; zeros past its ``seq_len``.
+    """Each sequence's K or V in position order, as read (``reference.from_cache``);
+    zeros past its ``seq_len``.
 
     Table entries past a sequence's blocks may be anything: they are clamped
     into range, and what they point at is zeroed (stale or never written
@@ -122,8 +141,9 @@ def _gather_context(
     block_size = cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
     blocks = block_table[:num_seqs, :num_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
-    context = cache[blocks].flatten(1, 2)[:, :max_seq_len]  # [S, L, Hkv, D]
-    context = torch.where(key_valid[:, :, None, None], context, 0).to(dtype)
+    context = _raw(cache)[blocks].flatten(1, 2)[:, :max_seq_len]  # [S, L, Hkv, D]
+    context = reference.from_cache(context.view(cache.dtype), scale, dtype)
+    context = torch.where(key_valid[:, :, None, None], context, 0)
     return context.transpose(1, 2)
 
 
@@ -140,6 +160,9 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     tiles: torch.Tensor | None = None,  # the Triton kernel's schedule: nothing here
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -161,6 +184,7 @@ def paged_attention(
         sliding_window,
         softcap,
     )
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_size = query.shape
     num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -194,8 +218,8 @@ def paged_attention(
     q = query[token_ids].to(compute_dtype)  # [S, Q, Hq, D]
     q = q.view(num_seqs, max_query_len, num_kv_heads, group, head_size)
     q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, -1, head_size)
-    k = _gather_context(key_cache, block_table, key_valid, compute_dtype)  # [S, Hkv, L, D]
-    v = _gather_context(value_cache, block_table, key_valid, compute_dtype)
+    k = _gather_context(key_cache, block_table, key_valid, compute_dtype, k_scale)  # [S, Hkv, L, D]
+    v = _gather_context(value_cache, block_table, key_valid, compute_dtype, v_scale)
     mask = allowed[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G*Q, L]
 
     if softcap is None:
@@ -241,7 +265,7 @@ def copy_blocks(
         check_cache(f"caches[{i}]", cache)
     if not len(src_dst):
         return
-    for cache in caches:
+    for cache in map(_raw, caches):
         pairs = src_dst.to(device=cache.device, dtype=torch.int64)
         cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
@@ -277,13 +301,18 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotates ``query`` in place; writes the rotated key and the value at
-    each token's slot (negative slots are skipped)."""
+    each token's slot (negative slots are skipped; an fp8 cache quantized)."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
     query.copy_(reference.rotary_embedding(query, cos_sin, positions))
     rotated = reference.rotary_embedding(key, cos_sin, positions)
-    reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(
+        rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def rotary_decode_attention(
@@ -301,11 +330,17 @@ def rotary_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
     of one new token per sequence (the two ops of this backend)."""
     rotated = query.clone()
-    rotary_and_cache(rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    rotary_and_cache(
+        rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping, **scales
+    )
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
     return paged_attention(
         rotated,
@@ -319,6 +354,7 @@ def rotary_decode_attention(
         softcap,
         max_query_len=1,
         max_seq_len=max_seq_len,
+        **scales,
     )
 
 
@@ -348,8 +384,9 @@ def gather_blocks(
 ) -> None:
     """See ``reference.gather_blocks``: one ``index_select`` per cache."""
     numel = check_block_rows("out", caches, block_ids, out)
+    out = _raw(out)
     for j, cache in enumerate(caches):
-        layer = cache.view(cache.shape[0], -1)
+        layer = _raw(cache).view(cache.shape[0], -1)
         torch.index_select(layer, 0, block_ids, out=out[:, j * numel : (j + 1) * numel])
 
 
@@ -360,6 +397,7 @@ def scatter_blocks(
 ) -> None:
     """See ``reference.scatter_blocks``: one ``index_copy_`` per cache."""
     numel = check_block_rows("rows", caches, block_ids, rows)
+    rows = _raw(rows)
     for j, cache in enumerate(caches):
-        layer = cache.view(cache.shape[0], -1)
+        layer = _raw(cache).view(cache.shape[0], -1)
         layer.index_copy_(0, block_ids, rows[:, j * numel : (j + 1) * numel])

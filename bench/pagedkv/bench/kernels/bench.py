@@ -7,7 +7,10 @@ same K/V laid out contiguously, and small-batch decode latency under CUDA
 graph replay. Times are medians of CUDA-event timings with the L2 flushed
 before each call, by a read (clean lines) and, in extra columns, by a write
 (dirty lines; see ``time_us``). Writes a JSON file of rows and a markdown
-summary.
+summary. With ``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) the paged
+K/V are stored in fp8 with per-tensor scales (``pagedkv.kernels.fp8_kv``):
+bandwidth counts fp8 bytes, SDPA still reads bf16, and the error against it
+includes the quantization's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from pagedkv.kernels import fp8_kv
 from pagedkv.kernels.paged_attention import paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -79,7 +83,12 @@ class Case:
     """One batch: paged K/V behind shuffled block tables, and the same K/V contiguous."""
 
     def __init__(
-        self, batch: int, context: int, new_tokens: int, head_size: int = HEAD_SIZE
+        self,
+        batch: int,
+        context: int,
+        new_tokens: int,
+        head_size: int = HEAD_SIZE,
+        kv_dtype: torch.dtype = DTYPE,
     ) -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.batch, self.context, self.new_tokens = batch, context, new_tokens
@@ -109,6 +118,13 @@ class Case:
         self.k, self.v = contiguous(self.key_cache), contiguous(self.value_cache)
         self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, head_size).transpose(1, 2)
         self.scale = head_size**-0.5
+        self.kv_scales: dict[str, torch.Tensor] = {}
+        if kv_dtype != DTYPE:  # fp8: the paged copies quantized, SDPA's kept
+            for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
+                scale = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
+                self.kv_scales[f"{name}_scale"] = scale
+                quantized = fp8_kv.quantize(cache, scale, kv_dtype)
+                setattr(self, f"{'key' if name == 'k' else 'value'}_cache", quantized)
 
     def ours(self) -> torch.Tensor:
         return paged_attention(
@@ -121,6 +137,8 @@ class Case:
             self.scale,
             max_query_len=self.new_tokens,
             max_seq_len=self.context + self.new_tokens,
+            k_scale=self.kv_scales.get("k_scale"),
+            v_scale=self.kv_scales.get("v_scale"),
         )
 
     def sdpa(self, backend: SDPBackend) -> torch.Tensor:
@@ -150,7 +168,7 @@ class Case:
 
     def kv_bytes(self) -> int:
         tokens = self.batch * (self.context + self.new_tokens)
-        return 2 * tokens * NUM_KV_HEADS * self.head_size * 2
+        return 2 * tokens * NUM_KV_HEADS * self.head_size * self.key_cache.element_size()
 
     def flops(self) -> float:
         q, ctx = self.new_tokens, self.context
@@ -185,9 +203,9 @@ def measure(case: Case, kind: str, ceiling: float) -> dict[str, Any]:
     return row
 
 
-def graph_latency_us(batch: int, context: int) -> float:
+def graph_latency_us(batch: int, context: int, kv_dtype: torch.dtype = DTYPE) -> float:
     """Decode latency replaying a captured CUDA graph (L2 warm: back-to-back steps)."""
-    case = Case(batch, context, 1)
+    case = Case(batch, context, 1, kv_dtype=kv_dtype)
     case.ours()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -206,10 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fused-only", action="store_true", help="only the fused layer ops (bench_fused)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES),
+        default="bfloat16",
+        help="the paged K/V's dtype (default bfloat16); fp8 runs leave the fused ops out",
+    )
     args = parser.parse_args(argv)
     from pagedkv.bench.kernels import bench_fused
 
-    fused_rows = bench_fused.run(args.quick)
+    kv_dtype = fp8_kv.KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
+    fused_rows = bench_fused.run(args.quick) if kv_dtype == DTYPE else []
     if args.fused_only:
         results = _environment() | {"fused_ops": fused_rows}
         return _write(args.output, results, bench_fused.summary(fused_rows), "Fused layer ops")
@@ -218,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     batches, contexts = ((1, 32), (1024,)) if args.quick else ((1, 32, 128), (1024, 8192, 32768))
     for batch in batches:
         for context in contexts:
-            rows.append(measure(Case(batch, context, 1), "decode", ceiling))
+            rows.append(measure(Case(batch, context, 1, kv_dtype=kv_dtype), "decode", ceiling))
             torch.cuda.empty_cache()
     prefill = [(8, 0, 2048), (8, 4096, 512)] if not args.quick else [(2, 0, 256)]
     for batch, context, new_tokens in prefill:
-        rows.append(measure(Case(batch, context, new_tokens), "prefill", ceiling))
+        case = Case(batch, context, new_tokens, kv_dtype=kv_dtype)
+        rows.append(measure(case, "prefill", ceiling))
         torch.cuda.empty_cache()
-    graphs = [{"batch": b, "context": 1024, "us": graph_latency_us(b, 1024)} for b in (1, 8)]
+    graphs = [
+        {"batch": b, "context": 1024, "us": graph_latency_us(b, 1024, kv_dtype)} for b in (1, 8)
+    ]
     results = _environment() | {
         "copy_ceiling_gbps": ceiling,
         "l2_flush": "read (a 256 MB buffer); *_write_flush: a zero-fill of it",
@@ -234,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "head_size": HEAD_SIZE,
             "block_size": BLOCK_SIZE,
             "dtype": "bfloat16",
+            "kv_cache_dtype": args.kv_cache_dtype,
         },
         "rows": rows,
         "cuda_graph_decode": graphs,

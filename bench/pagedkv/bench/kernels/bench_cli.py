@@ -19,6 +19,11 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--output", default="kernels-h200.json")
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--fused-only", action="store_true", help="only the fused layer ops")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="bfloat16",
+        help="bfloat16 (the default), fp8_e4m3 or fp8_e5m2: the paged K/V's dtype",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -27,4 +32,5 @@ def _run(args: argparse.Namespace) -> int:
 
     argv = ["--output", args.output] + (["--quick"] if args.quick else [])
     argv += ["--fused-only"] if args.fused_only else []
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     return main(argv)
