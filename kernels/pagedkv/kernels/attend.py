@@ -62,8 +62,9 @@ def attend(
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
-    An fp8 cache's tiles are read as the query's dtype: ``scale`` includes
-    the key scale, and the caller multiplies the output by the value scale.
+    An fp8 cache's tiles are read as the query's dtype (float16, from the
+    caller: ``kv_quant``): ``scale`` includes the key scale, and the caller
+    multiplies the output by the value scale.
     ``MASK`` off promises full tiles that every row sees in whole (below the
     causal diagonal, no window): no load or score masks then. Scores are kept
     in base 2."""

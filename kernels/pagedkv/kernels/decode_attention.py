@@ -137,6 +137,8 @@ def _decode_split_kernel(
         tl.store(key_cache_ptr + dst, key_out, mask=kv_mask)
         tl.store(value_cache_ptr + dst, v, mask=kv_mask)
         tl.debug_barrier()  # the new key and value are read below, by other threads
+    if FP8:
+        q = q.to(tl.float16)  # the tiles' dtype too (kv_quant)
     if USE_WINDOW:
         first = tl.maximum(q_pos - sliding_window + 1, 0)
         start = tl.maximum(start, (first // BLOCK_N) * BLOCK_N)

@@ -1,7 +1,9 @@
 """fp8 KV caches in the Triton kernels: what every cache kernel shares.
 
 A kernel that writes an fp8 cache stores ``quantize(x, scale)`` cast to the
-cache's dtype; one that reads it converts each tile to the query's dtype and
+cache's dtype; one that reads it converts the query and each tile to
+float16 (exact for both fp8 formats, and on the GPU a cheaper conversion
+than to bfloat16, whose conversions bound the decode kernel otherwise) and
 folds the scales into the softmax scale (K) and the output (V). Scales are
 float32, ``[1]`` or ``[num_kv_heads]`` (``pagedkv.kernels.fp8_kv``); a
 kernel reads its KV head's at ``kv_head * scale_stride``. The semantics
@@ -28,7 +30,7 @@ def quantize(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     dtype: divided by ``scale`` in float32 and saturated (``FP8``); else
     ``x`` itself."""
     if FP8:
-        x = x.to(tl.float32) / scale
+        x = tl.math.div_rn(x.to(tl.float32), scale)  # rounded as torch divides
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     return x
 

@@ -100,6 +100,8 @@ def _paged_attention_kernel(
             q = tl.load(
                 query_ptr + offsets, mask=head_valid[:, None] & dim_valid[None, :], other=0.0
             )
+            if FP8:
+                q = q.to(tl.float16)  # the tiles' dtype too (kv_quant)
             g_pos = tl.zeros([GROUP], dtype=tl.int64) + context
             g_m = tl.full([GROUP], MASKED, dtype=tl.float32)
             g_l = tl.zeros([GROUP], dtype=tl.float32)
@@ -155,6 +157,8 @@ def _paged_attention_kernel(
             (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
         )
         q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        if FP8:
+            q = q.to(tl.float16)
 
         # Keys this tile reads: up to its last query's position, from the first
         # key its first query's window reaches (a multiple of BLOCK_N).

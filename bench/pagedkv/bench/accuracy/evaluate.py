@@ -18,6 +18,10 @@ held-out split of the model's corpus (corpus.py):
   channels (``outlier_errors``: a few key and value channels 20x the rest),
   against attention over the unquantized K and V.
 
+For scale, ``reference_noise`` gives the same measures for the model run in
+float32 against the reference (the model's dtype, bf16 on the GPU): how far
+two correct computations already disagree, with no fp8 anywhere.
+
     python -m pagedkv.bench.accuracy.evaluate --model DIR --output FILE.json
 """
 
@@ -124,6 +128,30 @@ def _greedy(model: Any, prompts: torch.Tensor, new: int, device: torch.device) -
     return out[:, prompts.shape[1] :].cpu()
 
 
+def _agreement(
+    run: dict[str, Any],
+    reference: dict[str, Any],
+    ref_loss: float,
+    greedy: torch.Tensor,
+    reference_greedy: torch.Tensor,
+) -> dict[str, Any]:
+    """Perplexity, its increase, top-1 and greedy agreement of ``run``
+    against the reference."""
+    loss = sum(run["losses"]) / len(run["losses"])
+    same = greedy == reference_greedy
+    differs = (~same).int()
+    # Tokens before the first difference (all of them when none differs).
+    everything = torch.full_like(differs[:, 0], same.shape[1])
+    first = torch.where(differs.any(dim=1), differs.argmax(dim=1), everything)
+    return {
+        "perplexity": round(math.exp(loss), 4),
+        "perplexity_increase": round(math.exp(loss - ref_loss) - 1, 5),
+        "top1_agreement": round((run["argmax"] == reference["argmax"]).float().mean().item(), 5),
+        "greedy_equal_prefix_mean": round(first.float().mean().item(), 2),
+        "greedy_equal_share": round(same.float().mean().item(), 5),
+    }
+
+
 @torch.no_grad()
 def outlier_errors(
     dtype: torch.dtype,
@@ -205,24 +233,25 @@ def evaluate(
                 model(calibration)  # the first forward: the scales
             EMULATION.calibrating = False
             run = _teacher_forced(model, held, where)
-            loss = sum(run["losses"]) / len(run["losses"])
             greedy = _greedy(model, starts, continue_tokens, where)
-            same = greedy == reference_greedy
-            differs = (~same).int()
-            # Tokens before the first difference (all of them when none differs).
-            everything = torch.full_like(differs[:, 0], same.shape[1])
-            first = torch.where(differs.any(dim=1), differs.argmax(dim=1), everything)
-            results[f"{name}/{granularity}"] = {
-                "perplexity": round(math.exp(loss), 4),
-                "perplexity_increase": round(math.exp(loss - ref_loss) - 1, 5),
-                "top1_agreement": round(
-                    (run["argmax"] == reference["argmax"]).float().mean().item(), 5
-                ),
-                "greedy_equal_prefix_mean": round(first.float().mean().item(), 2),
-                "greedy_equal_share": round(same.float().mean().item(), 5),
-                "outlier_errors": outlier_errors(fp8, granularity == "per_head"),
-            }
+            results[f"{name}/{granularity}"] = _agreement(
+                run, reference, ref_loss, greedy, reference_greedy
+            ) | {"outlier_errors": outlier_errors(fp8, granularity == "per_head")}
     EMULATION.configure(None, False)
+    noise = None
+    if dtype != "float32":
+        del model
+        exact: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        exact = exact.to(where).eval()
+        _register(exact)
+        run = _teacher_forced(exact, held, where)
+        noise = _agreement(
+            run,
+            reference,
+            ref_loss,
+            _greedy(exact, starts, continue_tokens, where),
+            reference_greedy,
+        )
     return {
         "model": str(model_dir.name),
         "dtype": dtype,
@@ -234,6 +263,7 @@ def evaluate(
         "prompt_len": prompt_len,
         "continue_tokens": continue_tokens,
         "reference": {"perplexity": round(math.exp(ref_loss), 4)},
+        "reference_noise": noise,
         "fp8": results,
         "seconds": round(time.perf_counter() - began, 1),
         "machine": {"python": platform.python_version(), "torch": torch.__version__},
@@ -266,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         max_corpus_bytes=args.max_corpus_bytes,
     )
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    for name, row in report["fp8"].items():
+    rows = dict(report["fp8"])
+    if report["reference_noise"] is not None:
+        rows["float32 model (no fp8)"] = report["reference_noise"]
+    for name, row in rows.items():
         print(
             f"{name}: perplexity +{row['perplexity_increase']:.3%}, top-1 "
             f"{row['top1_agreement']:.4f}, greedy equal {row['greedy_equal_share']:.4f}"
