@@ -32,12 +32,18 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def make_runner(
-    model_dir: Path, backend: str, fused: bool, device: str = "cpu", dtype: str = "auto"
+    model_dir: Path,
+    backend: str,
+    fused: bool,
+    device: str = "cpu",
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     config = RunnerConfig(
         model=str(model_dir),
         device=device,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         kernel_backend=backend,
         num_blocks=1 + 2 * BLOCKS_PER_ROW,
         max_num_rows=2,

@@ -256,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print a profile of one step")
     parser.add_argument("--batch", type=int, default=BATCH, help="decoding rows (default 64)")
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV blocks' dtype (default auto: bf16, the model's), e.g. fp8_e4m3",
+    )
+    parser.add_argument(
         "--decode-constants",
         type=json.loads,
         default={},
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_rows=args.batch,
             max_num_batched_tokens=PREFILL_CHUNK,
             fused_ops=args.fused_ops == "on",
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         start = time.perf_counter()
         runner = ModelRunner(config)
@@ -315,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernel_backend": args.kernel_backend,
         "decode_constants": decode_constants,
         "num_blocks": runner.limits.num_blocks,
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+        "bytes_per_block": runner.bytes_per_block,
         "load_and_warm_up_s": load_s,
         "logits_vs_hf_sdpa": logits,
         "decode_step": decode,
@@ -324,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"{results['gpu']}, torch {results['torch']}, triton {results['triton']}, "
         f"transformers {results['transformers']}; ~1.1B llama, bf16, dummy weights; "
-        f"{args.kernel_backend} kernels; {runner.limits.num_blocks} KV blocks",
+        f"{args.kernel_backend} kernels; {runner.limits.num_blocks} KV blocks of "
+        f"{results['kv_cache_dtype']}",
         "decode attention constants: "
         + ", ".join(f"{k.removeprefix('DECODE_')} {v}" for k, v in decode_constants.items()),
         f"logits vs HF sdpa in float32 ({logits['sequences']} x {logits['prompt_tokens']} "

@@ -46,6 +46,19 @@ class AttentionMetadata:
     # The prefill kernel's schedule, on the device (``paged_attention``'s
     # ``tiles``): a CUDA graph's fixed launch over any mix of entries.
     tiles: torch.Tensor | None = None
+    # An fp8 memory's scales, per layer (kv_memory.py); None for a float one.
+    k_scales: tuple[torch.Tensor, ...] | None = None
+    v_scales: tuple[torch.Tensor, ...] | None = None
+    # Called with a layer's index and its new K and V (the key before or
+    # after the rotary embedding: either does) before they are cached: sets
+    # the layer's fp8 scales, on the executor's first forward only.
+    calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The cache kernels' ``k_scale`` and ``v_scale`` for ``layer``, if any."""
+        if self.k_scales is None or self.v_scales is None:
+            return {}
+        return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
 
 def paged_attention_forward(
@@ -68,7 +81,12 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D], last dim contiguous
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    meta.backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mappings[group])
+    if meta.calibrate is not None:
+        meta.calibrate(layer, k, v)
+    scales = meta.scales(layer)
+    meta.backend.reshape_and_cache(
+        k, v, key_cache, value_cache, meta.slot_mappings[group], **scales
+    )
     out = meta.backend.paged_attention(
         q if q.stride(-1) == 1 else q.contiguous(),
         key_cache,
@@ -82,6 +100,7 @@ def paged_attention_forward(
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
         tiles=meta.tiles,
+        **scales,
     )
     return out[None], None  # [1, T, Hq, D]
 

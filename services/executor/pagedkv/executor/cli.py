@@ -39,6 +39,13 @@ def register(subparsers: Any, name: str) -> None:
         choices=("auto", "float32", "float16", "bfloat16"),
         help="auto: the model's (float32 on cpu)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+        help="the KV blocks' dtype (default auto: the model's); fp8_e4m3 or fp8_e5m2 halve a "
+        "bf16 block's bytes, with per-KV-head scales calibrated at start",
+    )
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument(
         "--num-blocks",

@@ -163,6 +163,8 @@ class InputBuilder:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             softcap=self.softcap,
+            k_scales=self.kv.k_scales,
+            v_scales=self.kv.v_scales,
         )
 
     def prepare(

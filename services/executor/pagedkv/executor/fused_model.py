@@ -332,6 +332,9 @@ class FusedDecoder:
             meta.before_layer(layer.index)
         key_cache, value_cache = meta.key_caches[layer.index], meta.value_caches[layer.index]
         slot_mapping = meta.slot_mappings[group]
+        if meta.calibrate is not None:
+            meta.calibrate(layer.index, key, value)
+        scales = meta.scales(layer.index)
         if meta.tiles is None and meta.max_query_len == 1 and num_tokens == len(meta.seq_lens):
             out = self.backend.rotary_decode_attention(
                 query,
@@ -348,11 +351,20 @@ class FusedDecoder:
                 sliding_window=meta.group_windows[group],
                 softcap=meta.softcap,
                 max_seq_len=meta.max_seq_len,
+                **scales,
             )
             result: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
             return result
         self.backend.rotary_and_cache(
-            query, key, value, layer.cos_sin, positions, key_cache, value_cache, slot_mapping
+            query,
+            key,
+            value,
+            layer.cos_sin,
+            positions,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            **scales,
         )
         out = self.backend.paged_attention(
             query,
@@ -367,6 +379,7 @@ class FusedDecoder:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             tiles=meta.tiles,
+            **scales,
         )
         attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
         return attended

@@ -6,6 +6,12 @@ addresses index ``b`` of that group's layers' tensors. So one block id
 accounts for ``page_size_bytes`` in every layer of every group
 (``bytes_per_block``). Block 0 is the null block: never written by a real
 token (the scheduler never hands it out for one).
+
+An fp8 memory (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) also holds each
+layer's K and V scales, float32 ``[num_kv_heads]`` on the device
+(``pagedkv.kernels.fp8_kv``), ones until ``calibrate`` sets them, once, from
+the executor's first forward (kv_calibration.py). The tensors stay where
+they are, so CUDA graphs captured over them read the calibrated values.
 """
 
 from __future__ import annotations
@@ -14,6 +20,13 @@ import torch
 
 from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.kernels.backend import KernelBackend
+from pagedkv.kernels.checks import FP8_DTYPES
+from pagedkv.kernels.fp8_kv import MIN_SCALE
+
+# The calibration's largest magnitude lands at 1/HEADROOM of the format's
+# largest value: later activations up to twice as large still fit, and the
+# rest saturate instead of overflowing.
+CALIBRATION_HEADROOM = 2.0
 
 
 def bytes_per_block(groups: tuple[KVCacheGroup, ...]) -> int:
@@ -47,6 +60,44 @@ class KVMemory:
         assert all(k is not None for k in keys), "every layer belongs to a group"
         self.key_caches: tuple[torch.Tensor, ...] = tuple(k for k in keys if k is not None)
         self.value_caches: tuple[torch.Tensor, ...] = tuple(v for v in values if v is not None)
+        self.dtype = dtype
+        self.k_scales: tuple[torch.Tensor, ...] | None = None
+        self.v_scales: tuple[torch.Tensor, ...] | None = None
+        self.calibrated = dtype not in FP8_DTYPES
+        if not self.calibrated:
+            self.k_scales, self.v_scales = (
+                tuple(
+                    torch.ones(cache.shape[2], dtype=torch.float32, device=device)
+                    for cache in self.key_caches
+                )
+                for _ in range(2)
+            )
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Sets ``layer``'s scales from its K and V ``[num_tokens, num_kv_heads,
+        head_size]`` of a forward: per KV head, the largest magnitude times
+        ``CALIBRATION_HEADROOM`` over the format's largest value. The key's
+        magnitude is taken over the rotation's pairs (dims ``d`` and ``d +
+        head_size / 2``): the largest any rotation of them can reach, the same
+        before and after the rotary embedding, so the fused stack (which
+        rotates inside the cache write) and transformers' modules calibrate
+        alike."""
+        assert self.k_scales is not None and self.v_scales is not None
+        limit = torch.finfo(self.dtype).max
+        half = key.shape[-1] // 2
+        pairs = key[..., :half].float().square() + key[..., half:].float().square()
+        for scales, amax in (
+            (self.k_scales, pairs.amax(dim=(0, 2)).sqrt()),
+            (self.v_scales, value.float().abs().amax(dim=(0, 2))),
+        ):
+            scale = (amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
+            scales[layer].copy_(scale)
+
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The cache kernels' scale arguments for ``layer`` (none for a float memory)."""
+        if self.k_scales is None or self.v_scales is None:
+            return {}
+        return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
     @property
     def num_bytes(self) -> int:

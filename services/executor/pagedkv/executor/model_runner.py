@@ -25,6 +25,7 @@ from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.host_costs import HostCosts, measure_host_costs
 from pagedkv.executor.host_kv import HostKVPool
+from pagedkv.executor.kv_calibration import CALIBRATION_TOKENS, calibrate_kv
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
@@ -34,6 +35,7 @@ from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
+from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,9 @@ class RunnerConfig:
     mixed_graphs: bool = True  # and steps that compute prompts, up to 1,024 tokens
     fused_ops: bool = True  # the fused decoder stack, for the model types it supports
     host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
+    # The KV memory's dtype: auto (the model's), the model's by name, or
+    # fp8_e4m3 / fp8_e5m2 with scales calibrated at start (kv_calibration.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -71,9 +76,28 @@ class RunnerConfig:
             raise ValueError(f"load_format: {self.load_format!r} is not auto or dummy")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
+        kv_names = ("auto", *DTYPES, *KV_CACHE_DTYPES)
+        if self.kv_cache_dtype not in kv_names:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(kv_names)}"
+            )
         for name in ("max_num_rows", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+
+
+def _kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV memory's dtype for ``--kv-cache-dtype`` ``name``: a float cache
+    holds the model's dtype (the kernels read it as the query's), fp8 any."""
+    if name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name]
+    if name != "auto" and DTYPES[name] != model_dtype:
+        model = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype: {name} differs from the model's dtype {model} "
+            "(a float cache holds the model's dtype; fp8_e4m3 or fp8_e5m2 compress it)"
+        )
+    return model_dtype
 
 
 # CPU fallback when --num-blocks is not given (no device memory to measure).
@@ -109,7 +133,8 @@ class ModelRunner:
             if config.fused_ops
             else None
         )
-        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.kv_dtype = _kv_dtype(config.kv_cache_dtype, self.dtype)
+        dtype_name = str(self.kv_dtype).removeprefix("torch.")
         self.groups: tuple[KVCacheGroup, ...] = self.spec.kv_cache_groups(
             config.block_size, dtype_name
         )
@@ -144,6 +169,7 @@ class ModelRunner:
             eos_token_ids=self.spec.eos_token_ids,
             num_host_blocks=num_host,
         )
+        calibrate_kv(self, config.block_size)  # an fp8 memory's scales
 
     # -- sizing ---------------------------------------------------------------
 
@@ -179,7 +205,7 @@ class ModelRunner:
     def _attach_kv(self, num_blocks: int) -> None:
         """Allocates the KV memory of ``num_blocks`` blocks and the builder
         of forward inputs over it (the two always go together)."""
-        self.kv = KVMemory(self.groups, num_blocks, self.dtype, self.device)
+        self.kv = KVMemory(self.groups, num_blocks, self.kv_dtype, self.device)
         self.forward_inputs = InputBuilder(
             self.rows, self.kv, self.groups, self.backend, self.config.block_size, self.spec.softcap
         )
@@ -217,6 +243,12 @@ class ModelRunner:
                 self.mixed_graphs = MixedGraphs(
                     self, config.max_num_batched_tokens, config.max_num_rows, starts=starts
                 )
+
+    @property
+    def calibration_tokens(self) -> int:
+        """Tokens of the forward that calibrates an fp8 KV memory."""
+        limit = min(self.config.max_num_batched_tokens, self.spec.max_model_len)
+        return min(CALIBRATION_TOKENS, limit)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -288,13 +320,23 @@ class ModelRunner:
         num_computed: np.ndarray,
         num_scheduled: np.ndarray,
         needs_sample: np.ndarray,
+        calibrate: bool = False,
     ) -> SamplerOutput | None:
         """One packed forward over ``rows`` (tokens ``[c, c + s)`` of each,
         already in the rows' histories) and sampling where asked; the samples
         become the rows' last samples (on the device). Decodes replay a
         captured decode graph when there is one, other steps of up to 1,024
-        tokens a mixed-step graph (mixed_graphs.py)."""
-        if self.graphs is not None and self.graphs.fits(num_scheduled, needs_sample):
+        tokens a mixed-step graph (mixed_graphs.py). ``calibrate``: eager,
+        each layer setting its fp8 scales first (kv_calibration.py)."""
+        if calibrate:
+            inputs = self.forward_inputs.prepare(rows, num_computed, num_scheduled, needs_sample)
+            meta = replace(inputs.metadata, calibrate=self.kv.calibrate)
+            maybe_logits = self._model_logits(replace(inputs, metadata=meta))
+            if maybe_logits is None:
+                return None
+            logits, sampled_rows = maybe_logits, inputs.sampled_rows
+            sample_positions = inputs.sample_positions
+        elif self.graphs is not None and self.graphs.fits(num_scheduled, needs_sample):
             self._finish_loads()  # a graph has no layer hook
             logits, sampled_rows = self.graphs.run(rows, num_computed)
             sample_positions = num_computed + 1

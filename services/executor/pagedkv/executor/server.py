@@ -58,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -251,6 +251,12 @@ def register_serve(subparsers: Any, name: str) -> None:
         help="auto: the model's (float32 on cpu)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+        help="the executors' KV block dtype (default: theirs, auto: the model's); fp8 halves a "
+        "bf16 block (docs/memory.md)",
+    )
+    parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
     )
     parser.add_argument(

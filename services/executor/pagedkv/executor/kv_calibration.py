@@ -1,0 +1,85 @@
+"""The scales of an fp8 KV memory, from the executor's first forward.
+
+Before it serves, an executor whose KV memory holds fp8 runs one eager
+forward of ``CALIBRATION_TOKENS`` token ids (at most its largest step and
+its model's length) drawn uniformly from the vocabulary with a fixed seed,
+and every attention layer sets its K and V scales from that forward's K
+and V (``KVMemory.calibrate``) before caching them. The tokens are the same
+for every executor of a model, so executors of one model and configuration
+store the same bytes for the same K/V: blocks could move between them as
+they are. The scales never change after: a block written under one scale
+is never read under another.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pagedkv.executor.kv_memory import KVMemory
+from pagedkv.executor.model_spec import ModelSpec
+from pagedkv.executor.rows import Rows
+from pagedkv.executor.sampler import SamplerOutput
+
+CALIBRATION_TOKENS = 512
+CALIBRATION_SEED = 0
+
+
+class CalibratingRunner(Protocol):
+    """What the calibration needs of the model runner."""
+
+    kv: KVMemory
+    rows: Rows
+    spec: ModelSpec
+    generator: torch.Generator
+    max_blocks_per_row: int
+
+    @property
+    def calibration_tokens(self) -> int: ...
+
+    def forward(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+        calibrate: bool = False,
+    ) -> SamplerOutput | None: ...
+
+
+def calibrate_kv(runner: CalibratingRunner, block_size: int) -> int:
+    """Sets the scales of ``runner``'s fp8 KV memory (nothing for a float
+    one) from one forward over a scratch row whose table holds blocks 1,
+    2, ... (block 1 again past the memory's end), freed after, the sampling
+    generator's state restored; returns the tokens it ran (0: none)."""
+    kv = runner.kv
+    if kv.calibrated:
+        return 0
+    count = runner.calibration_tokens
+    tokens = torch.randint(
+        0,
+        runner.spec.vocab_size,
+        (count,),
+        generator=torch.Generator().manual_seed(CALIBRATION_SEED),
+    ).numpy()
+    needed = -(-count // block_size)
+    table = np.ones((1, runner.max_blocks_per_row), dtype=np.int64)
+    if needed < kv.num_blocks:
+        table[0, :needed] = np.arange(1, needed + 1)
+    state = runner.generator.get_state()
+    runner.rows.fill_tables(table)
+    runner.rows.write_tokens(np.zeros(count, np.int64), np.arange(count), tokens)
+    runner.forward(
+        np.zeros(1, np.int64),
+        np.zeros(1, np.int64),
+        np.full(1, count),
+        np.zeros(1, dtype=bool),
+        calibrate=True,
+    )
+    runner.rows.free([0])
+    runner.rows.clear_tables()
+    runner.generator.set_state(state)
+    kv.calibrated = True
+    return count
