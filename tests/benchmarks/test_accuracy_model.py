@@ -117,7 +117,7 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     assert set(rows) == {
         f"{name}/{granularity}"
         for name in ("fp8_e4m3", "fp8_e5m2")
-        for granularity in ("per_tensor", "per_head")
+        for granularity in ("per_tensor", "per_head", "executor")
     }
     for name, row in rows.items():
         assert row["top1_agreement"] >= 0.9, name

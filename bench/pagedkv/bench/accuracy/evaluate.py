@@ -3,11 +3,12 @@ kernel: K and V stored as ``pagedkv.kernels.fp8_kv`` defines it, emulated
 inside transformers' attention.
 
 Each layer's keys and values go through ``fp8_kv.round_trip`` (stored in
-fp8 with scales calibrated on the first forward, over a window of the
-training split, then fixed) before the model's own scaled-dot-product
-attention; the reference keeps them in the model's dtype. Per format
-(e4m3, e5m2) and scale granularity (per tensor, per KV head), on the
-held-out split of the model's corpus (corpus.py):
+fp8 with scales calibrated on a first forward, then fixed) before the
+model's own scaled-dot-product attention; the reference keeps them in the
+model's dtype. Per format (e4m3, e5m2) and calibration (``GRANULARITIES``:
+per tensor or per KV head on a window of the training split, or as the
+executor calibrates), on the held-out split of the model's corpus
+(corpus.py):
 
 - perplexity (teacher-forced next-byte loss) and its relative increase;
 - top-1 agreement: positions whose argmax equals the reference's;
@@ -40,10 +41,16 @@ import torch
 
 from pagedkv.bench.accuracy.corpus import load
 from pagedkv.bench.accuracy.train import as_ids
+from pagedkv.executor.kv_calibration import CALIBRATION_TOKENS, calibration_token_ids
+from pagedkv.executor.kv_memory import calibration_scales
 from pagedkv.kernels import fp8_kv
 
 ATTENTION_NAME = "pagedkv_kv_emulation"
-GRANULARITIES = ("per_tensor", "per_head")
+# Scales calibrated on a training window (the format's range reached by its
+# largest value), per tensor or per KV head; and as the executor calibrates
+# them (``executor``: per KV head, on its seeded random tokens, with its
+# headroom; pagedkv.executor.kv_calibration).
+GRANULARITIES = ("per_tensor", "per_head", "executor")
 
 
 class KVEmulation:
@@ -52,12 +59,12 @@ class KVEmulation:
 
     def __init__(self) -> None:
         self.dtype: torch.dtype | None = None
-        self.per_head = False
+        self.granularity = "per_tensor"
         self.calibrating = False
         self.scales: dict[tuple[int, int], torch.Tensor] = {}
 
-    def configure(self, dtype: torch.dtype | None, per_head: bool) -> None:
-        self.dtype, self.per_head, self.scales = dtype, per_head, {}
+    def configure(self, dtype: torch.dtype | None, granularity: str = "per_tensor") -> None:
+        self.dtype, self.granularity, self.scales = dtype, granularity, {}
 
     def store(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[batch, kv_heads, seq, head_size]`` as the cache would
@@ -67,7 +74,10 @@ class KVEmulation:
         tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
         slot = (layer, kind)
         if self.calibrating:
-            scale = fp8_kv.calibrated_scale(tokens, self.dtype, self.per_head)
+            if self.granularity == "executor":  # K's magnitude over rotation pairs, V's own
+                scale = calibration_scales(tokens, tokens, self.dtype)[kind]
+            else:
+                scale = fp8_kv.calibrated_scale(tokens, self.dtype, self.granularity == "per_head")
             held = self.scales.get(slot)
             self.scales[slot] = scale if held is None else torch.maximum(held, scale)
         return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype).transpose(1, 2)
@@ -219,25 +229,27 @@ def evaluate(
     held = _windows(corpus.held_out, window_len + 1, windows)
     starts = _windows(corpus.held_out, prompt_len, prompts)
     calibration = _windows(corpus.train, window_len, 1).to(where)
+    count = min(CALIBRATION_TOKENS, int(model.config.max_position_embeddings))
+    executor_calibration = calibration_token_ids(model.config.vocab_size, count)[None].to(where)
 
-    EMULATION.configure(None, False)
+    EMULATION.configure(None)
     reference = _teacher_forced(model, held, where)
     reference_greedy = _greedy(model, starts, continue_tokens, where)
     ref_loss = sum(reference["losses"]) / len(reference["losses"])
     results: dict[str, Any] = {}
     for name, fp8 in fp8_kv.KV_CACHE_DTYPES.items():
         for granularity in GRANULARITIES:
-            EMULATION.configure(fp8, granularity == "per_head")
+            EMULATION.configure(fp8, granularity)
             EMULATION.calibrating = True
-            with torch.no_grad():
-                model(calibration)  # the first forward: the scales
+            with torch.no_grad():  # the first forward: the scales
+                model(executor_calibration if granularity == "executor" else calibration)
             EMULATION.calibrating = False
             run = _teacher_forced(model, held, where)
             greedy = _greedy(model, starts, continue_tokens, where)
             results[f"{name}/{granularity}"] = _agreement(
                 run, reference, ref_loss, greedy, reference_greedy
-            ) | {"outlier_errors": outlier_errors(fp8, granularity == "per_head")}
-    EMULATION.configure(None, False)
+            ) | {"outlier_errors": outlier_errors(fp8, granularity != "per_tensor")}
+    EMULATION.configure(None)
     noise = None
     if dtype != "float32":
         del model

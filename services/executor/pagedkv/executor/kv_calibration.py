@@ -49,6 +49,12 @@ class CalibratingRunner(Protocol):
     ) -> SamplerOutput | None: ...
 
 
+def calibration_token_ids(vocab_size: int, count: int) -> torch.Tensor:
+    """The calibration forward's ``count`` token ids (int64, on the CPU)."""
+    generator = torch.Generator().manual_seed(CALIBRATION_SEED)
+    return torch.randint(0, vocab_size, (count,), generator=generator)
+
+
 def calibrate_kv(runner: CalibratingRunner, block_size: int) -> int:
     """Sets the scales of ``runner``'s fp8 KV memory (nothing for a float
     one) from one forward over a scratch row whose table holds blocks 1,
@@ -58,12 +64,7 @@ def calibrate_kv(runner: CalibratingRunner, block_size: int) -> int:
     if kv.calibrated:
         return 0
     count = runner.calibration_tokens
-    tokens = torch.randint(
-        0,
-        runner.spec.vocab_size,
-        (count,),
-        generator=torch.Generator().manual_seed(CALIBRATION_SEED),
-    ).numpy()
+    tokens = calibration_token_ids(runner.spec.vocab_size, count).numpy()
     needed = -(-count // block_size)
     table = np.ones((1, runner.max_blocks_per_row), dtype=np.int64)
     if needed < kv.num_blocks:

@@ -34,6 +34,27 @@ def bytes_per_block(groups: tuple[KVCacheGroup, ...]) -> int:
     return sum(group.spec.page_size_bytes * len(group.layer_indices) for group in groups)
 
 
+def calibration_scales(
+    key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[num_kv_heads]`` K and V scales for the fp8 ``dtype`` from K
+    and V ``[..., num_kv_heads, head_size]``: per KV head, the largest
+    magnitude times ``CALIBRATION_HEADROOM`` over the format's largest
+    value. The key's magnitude is taken over the rotation's pairs (dims
+    ``d`` and ``d + head_size / 2``): the largest any rotation of them can
+    reach, the same before and after the rotary embedding, so the fused
+    stack (which rotates inside the cache write) and transformers' modules
+    calibrate alike."""
+    limit = torch.finfo(dtype).max
+    half = key.shape[-1] // 2
+    pairs = key[..., :half].float().square() + key[..., half:].float().square()
+    k_amax = pairs.flatten(0, -3).amax(dim=(0, 2)).sqrt()
+    v_amax = value.float().abs().flatten(0, -3).amax(dim=(0, 2))
+    k_scale = (k_amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
+    v_scale = (v_amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
+    return k_scale, v_scale
+
+
 class KVMemory:
     """``num_blocks`` blocks for every layer of ``groups``, K and V, zeroed."""
 
@@ -74,24 +95,12 @@ class KVMemory:
             )
 
     def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Sets ``layer``'s scales from its K and V ``[num_tokens, num_kv_heads,
-        head_size]`` of a forward: per KV head, the largest magnitude times
-        ``CALIBRATION_HEADROOM`` over the format's largest value. The key's
-        magnitude is taken over the rotation's pairs (dims ``d`` and ``d +
-        head_size / 2``): the largest any rotation of them can reach, the same
-        before and after the rotary embedding, so the fused stack (which
-        rotates inside the cache write) and transformers' modules calibrate
-        alike."""
+        """Sets ``layer``'s scales from its K and V of a forward
+        (``calibration_scales``)."""
         assert self.k_scales is not None and self.v_scales is not None
-        limit = torch.finfo(self.dtype).max
-        half = key.shape[-1] // 2
-        pairs = key[..., :half].float().square() + key[..., half:].float().square()
-        for scales, amax in (
-            (self.k_scales, pairs.amax(dim=(0, 2)).sqrt()),
-            (self.v_scales, value.float().abs().amax(dim=(0, 2))),
-        ):
-            scale = (amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
-            scales[layer].copy_(scale)
+        k_scale, v_scale = calibration_scales(key, value, self.dtype)
+        self.k_scales[layer].copy_(k_scale)
+        self.v_scales[layer].copy_(v_scale)
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The cache kernels' scale arguments for ``layer`` (none for a float memory)."""
