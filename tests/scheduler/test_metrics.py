@@ -54,6 +54,10 @@ def test_gauges_hold_the_last_value_set(metrics: SchedulerMetrics) -> None:
     assert value(metrics, "pagedkv_num_waiting_requests") == 2
     assert value(metrics, "pagedkv_kv_cache_usage", executor="e0") == 0.5
     assert value(metrics, "pagedkv_kv_cache_usage", executor="e1") == 1.0
+    metrics.set_kv_blocks("e0", "float8_e4m3fn", 2048, 65536)
+    assert value(metrics, "pagedkv_kv_cache_blocks", executor="e0", dtype="float8_e4m3fn") == 2048
+    labels = {"executor": "e0", "dtype": "float8_e4m3fn"}
+    assert value(metrics, "pagedkv_kv_cache_block_bytes", **labels) == 65536
 
 
 def test_counters_add_up_per_label(metrics: SchedulerMetrics) -> None:

@@ -9,6 +9,9 @@ for Prometheus to scrape.
 Metric names (``_total`` on counters as exposed):
 
 * gauges: ``pagedkv_kv_cache_usage{executor}`` (fraction of KV blocks in use),
+  ``pagedkv_kv_cache_blocks{executor,dtype}`` and
+  ``pagedkv_kv_cache_block_bytes{executor,dtype}`` (the executor's blocks,
+  their dtype, and the device bytes of one over every layer),
   ``pagedkv_num_running_requests``, ``pagedkv_num_waiting_requests``;
 * counters: ``pagedkv_prefix_cache_queries_total{executor}`` and
   ``pagedkv_prefix_cache_hits_total{executor}`` (both in tokens),
@@ -169,6 +172,18 @@ class SchedulerMetrics:
             ["executor"],
             registry=r,
         )
+        self._kv_cache_blocks = Gauge(
+            "pagedkv_kv_cache_blocks",
+            "The executor's KV cache blocks (the null block included), by their dtype.",
+            ["executor", "dtype"],
+            registry=r,
+        )
+        self._kv_cache_block_bytes = Gauge(
+            "pagedkv_kv_cache_block_bytes",
+            "Device bytes of one of the executor's KV blocks over every layer, K and V.",
+            ["executor", "dtype"],
+            registry=r,
+        )
         self._placement_hints = Counter(
             "pagedkv_placement_hints",
             "Requests that named an executor (a router's hint), by outcome "
@@ -268,6 +283,11 @@ class SchedulerMetrics:
         """Set the fraction (0..1) of ``executor``'s KV blocks in use."""
         assert 0.0 <= fraction <= 1.0, fraction
         self._kv_cache_usage.labels(executor).set(fraction)
+
+    def set_kv_blocks(self, executor: str, dtype: str, num_blocks: int, block_bytes: int) -> None:
+        """Set ``executor``'s KV blocks: their count, dtype and bytes each."""
+        self._kv_cache_blocks.labels(executor, dtype).set(num_blocks)
+        self._kv_cache_block_bytes.labels(executor, dtype).set(block_bytes)
 
     # --- counters ----------------------------------------------------------------
 
