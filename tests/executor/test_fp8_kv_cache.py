@@ -6,7 +6,9 @@ transformers' modules alike."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,32 @@ def test_kv_cache_dtype_is_checked(llama: Path) -> None:
         RunnerConfig(model=str(llama), kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype: float16 differs from the model's"):
         ModelRunner(RunnerConfig(model=str(llama), kv_cache_dtype="float16", num_blocks=8))
+
+
+def test_scales_a_checkpoint_stores_are_taken_as_they_are(
+    llama: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    model = tmp_path / "llama"
+    shutil.copytree(llama, model)
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    stored = {}
+    for layer in range(layers):
+        stored[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.01 * (layer + 1))
+        stored[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([0.02, 0.03])
+    save_file(stored, str(model / "kv_scales.safetensors"))
+    runner = fp8_runner(model, "torch", fused=False)
+    kv = runner.kv
+    assert kv.calibrated and kv.k_scales is not None and kv.v_scales is not None
+    for layer in range(layers):
+        assert kv.k_scales[layer].tolist() == pytest.approx([0.01 * (layer + 1)] * 2)
+        assert kv.v_scales[layer].tolist() == pytest.approx([0.02, 0.03])
+    del stored[f"model.layers.{layers - 1}.self_attn.v_scale"]
+    save_file(stored, str(model / "kv_scales.safetensors"))
+    with pytest.raises(ValueError, match=f"not layers.{layers - 1}.self_attn.v_scale"):
+        fp8_runner(model, "torch", fused=False)
+    stored[f"model.layers.{layers - 1}.self_attn.v_scale"] = torch.tensor([0.0])
+    save_file(stored, str(model / "kv_scales.safetensors"))
+    with pytest.raises(ValueError, match="is not 1 or 2 positive finite values"):
+        fp8_runner(model, "torch", fused=False)

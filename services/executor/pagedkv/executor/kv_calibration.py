@@ -1,4 +1,11 @@
-"""The scales of an fp8 KV memory, from the executor's first forward.
+"""The scales of an fp8 KV memory: from the checkpoint when it stores
+them, else from the executor's first forward.
+
+A checkpoint quantized for an fp8 KV cache stores each attention layer's
+scales as ``model.layers.N.self_attn.k_scale`` and ``v_scale`` (a value is
+stored as ``x / scale``, as here), one per tensor or per KV head:
+``checkpoint_kv_scales`` reads them from its safetensors files, and the
+memory takes them as they are.
 
 Before it serves, an executor whose KV memory holds fp8 runs one eager
 forward of ``CALIBRATION_TOKENS`` token ids (at most its largest step and
@@ -13,6 +20,8 @@ is never read under another.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -49,19 +58,69 @@ class CalibratingRunner(Protocol):
     ) -> SamplerOutput | None: ...
 
 
+_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def checkpoint_kv_scales(
+    model_dir: Path, num_layers: int, num_kv_heads: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each layer's K and V scales (float32 ``[1]`` or ``[num_kv_heads]``)
+    as the checkpoint in ``model_dir`` stores them, or None when it stores
+    none. ValueError (naming ``kv_cache_dtype``) when it stores some layers'
+    and not others', or a scale that is not positive and finite or not of
+    one of those shapes."""
+    from safetensors import safe_open
+
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                match = _SCALE_KEY.search(key)
+                if match:
+                    found[int(match[1]), match[2]] = tensors.get_tensor(key).float().reshape(-1)
+    if not found:
+        return None
+    scales = []
+    for layer in range(num_layers):
+        pair = []
+        for kind in "kv":
+            scale = found.get((layer, kind))
+            name = f"layers.{layer}.self_attn.{kind}_scale"
+            if scale is None:
+                raise ValueError(f"kv_cache_dtype: the checkpoint stores K/V scales but not {name}")
+            if len(scale) not in (1, num_kv_heads) or not bool(
+                (scale > 0).all() and scale.isfinite().all()
+            ):
+                raise ValueError(
+                    f"kv_cache_dtype: the checkpoint's {name} is not 1 or {num_kv_heads} positive "
+                    "finite values"
+                )
+            pair.append(scale)
+        scales.append((pair[0], pair[1]))
+    return scales
+
+
 def calibration_token_ids(vocab_size: int, count: int) -> torch.Tensor:
     """The calibration forward's ``count`` token ids (int64, on the CPU)."""
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
     return torch.randint(0, vocab_size, (count,), generator=generator)
 
 
-def calibrate_kv(runner: CalibratingRunner, block_size: int) -> int:
+def calibrate_kv(
+    runner: CalibratingRunner,
+    block_size: int,
+    stored: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> int:
     """Sets the scales of ``runner``'s fp8 KV memory (nothing for a float
-    one) from one forward over a scratch row whose table holds blocks 1,
-    2, ... (block 1 again past the memory's end), freed after, the sampling
-    generator's state restored; returns the tokens it ran (0: none)."""
+    one): the checkpoint's (``stored``) when given, else from one forward
+    over a scratch row whose table holds blocks 1, 2, ... (block 1 again
+    past the memory's end), freed after, the sampling generator's state
+    restored; returns the tokens it ran (0: none)."""
     kv = runner.kv
     if kv.calibrated:
+        return 0
+    if stored is not None:
+        kv.set_scales(stored)
         return 0
     count = runner.calibration_tokens
     tokens = calibration_token_ids(runner.spec.vocab_size, count).numpy()

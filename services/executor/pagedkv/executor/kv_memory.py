@@ -102,6 +102,15 @@ class KVMemory:
         self.k_scales[layer].copy_(k_scale)
         self.v_scales[layer].copy_(v_scale)
 
+    def set_scales(self, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every layer's K and V scales as given (``[1]`` or ``[num_kv_heads]``
+        each), fixed from now on."""
+        assert self.k_scales is not None and self.v_scales is not None
+        for layer, (k_scale, v_scale) in enumerate(scales):
+            self.k_scales[layer].copy_(k_scale)
+            self.v_scales[layer].copy_(v_scale)
+        self.calibrated = True
+
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The cache kernels' scale arguments for ``layer`` (none for a float memory)."""
         if self.k_scales is None or self.v_scales is None:

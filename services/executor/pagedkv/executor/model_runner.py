@@ -19,13 +19,18 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagedkv.common.model_source import resolve_model
 from pagedkv.executor import attention
 from pagedkv.executor.block_store import BlockStore, num_host_blocks
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.host_costs import HostCosts, measure_host_costs
 from pagedkv.executor.host_kv import HostKVPool
-from pagedkv.executor.kv_calibration import CALIBRATION_TOKENS, calibrate_kv
+from pagedkv.executor.kv_calibration import (
+    CALIBRATION_TOKENS,
+    calibrate_kv,
+    checkpoint_kv_scales,
+)
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
@@ -169,7 +174,12 @@ class ModelRunner:
             eos_token_ids=self.spec.eos_token_ids,
             num_host_blocks=num_host,
         )
-        calibrate_kv(self, config.block_size)  # an fp8 memory's scales
+        stored = None
+        if not self.kv.calibrated and config.load_format != "dummy":
+            stored = checkpoint_kv_scales(
+                resolve_model(config.model), len(self.kv.key_caches), self.spec.num_kv_heads
+            )
+        calibrate_kv(self, config.block_size, stored)  # an fp8 memory's scales
 
     # -- sizing ---------------------------------------------------------------
 
