@@ -94,9 +94,7 @@ def test_kv_cache_dtype_is_checked(llama: Path) -> None:
         ModelRunner(RunnerConfig(model=str(llama), kv_cache_dtype="float16", num_blocks=8))
 
 
-def test_scales_a_checkpoint_stores_are_taken_as_they_are(
-    llama: Path, tmp_path: Path
-) -> None:
+def test_scales_a_checkpoint_stores_are_taken_as_they_are(llama: Path, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     model = tmp_path / "llama"
