@@ -45,6 +45,11 @@ class ExecutorStats:
     the cause: "transport:", "timeout:" or "fenced:"."""
     num_recoveries: int
     """Times it came back after being marked down."""
+    kv_cache_dtype: str = ""
+    """Its KV blocks' dtype ("bfloat16", "float8_e4m3fn", ...; ``pagedkv
+    executor --kv-cache-dtype``); empty from servers older than the field."""
+    bytes_per_block: int = 0
+    """Device bytes one block takes over every layer, K and V (0 likewise)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -147,6 +152,8 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
                 suspect=ex.suspect,
                 down_reason=ex.down_reason,
                 num_recoveries=ex.num_recoveries,
+                kv_cache_dtype=ex.kv_cache_dtype,
+                bytes_per_block=ex.bytes_per_block,
             )
             for ex in msg.executors
         ),

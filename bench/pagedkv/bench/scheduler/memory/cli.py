@@ -44,6 +44,12 @@ def register(subparsers: Any, name: str) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+        help="the executor's KV blocks (default auto: the model's dtype)",
+    )
+    parser.add_argument(
         "--output",
         help="write JSON here (and .md and .png plots beside it) (default: none, printed only)",
     )

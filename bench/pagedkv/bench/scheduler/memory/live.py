@@ -39,11 +39,15 @@ def tiny_model(path: Path, max_model_len: int) -> str:
     return str(path)
 
 
-def memory_stack(model: str, num_blocks: int, max_num_seqs: int) -> ServeStack:
-    """``pagedkv serve`` on one CPU executor of ``num_blocks`` blocks, single
-    decode steps (a decode window holds its slots ahead of its tokens, which
-    the blocks-held samples would count against the paging)."""
+def memory_stack(
+    model: str, num_blocks: int, max_num_seqs: int, kv_cache_dtype: str = "auto"
+) -> ServeStack:
+    """``pagedkv serve`` on one CPU executor of ``num_blocks`` blocks of
+    ``kv_cache_dtype``, single decode steps (a decode window holds its slots
+    ahead of its tokens, which the blocks-held samples would count against
+    the paging)."""
     options = ["--device", "cpu", "--num-blocks", str(num_blocks)]
+    options += ["--kv-cache-dtype", kv_cache_dtype]
     options += ["--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "8192"]
     options += ["--decode-window", "1"]
     return ServeStack(model, [*options, "--executor-timeout", "600"])

@@ -152,6 +152,12 @@ def markdown(report: Mapping[str, Any]) -> str:
         lines += [*_beams(report["beams"]), ""]
     server = report["server"]
     shown = {k: v for k, v in settings.items() if k != "num_blocks"}
+    if "kv_cache_dtype" in server:
+        lines += [
+            f"Blocks of {server['kv_cache_dtype']}, {server['bytes_per_block']:,} bytes each "
+            "over every layer, K and V (the executor's `--kv-cache-dtype`).",
+            "",
+        ]
     lines += [
         f"Preemptions: {server['num_preemptions']}; block-pool integrity: "
         f"{'ok' if server['integrity_ok'] else 'FAILED'}.",

@@ -38,6 +38,7 @@ SETTINGS = (
     "beam_tokens",
     "scenarios",
     "seed",
+    "kv_cache_dtype",
 )
 log = get_logger(__name__)
 
@@ -60,9 +61,12 @@ async def _scenarios(args: argparse.Namespace, target: str, names: list[str]) ->
             out[name]["seconds"] = round(time.perf_counter() - start, 1)
             log.info("scenario done", scenario=name, seconds=out[name]["seconds"])
         stats = await client.stats()
+        executor = stats.executors[0]
         out["server"] = {
             "num_preemptions": stats.num_preemptions,
             "integrity_ok": stats.integrity.ok,
+            "kv_cache_dtype": executor.kv_cache_dtype,
+            "bytes_per_block": executor.bytes_per_block,
         }
     return out
 
@@ -76,7 +80,9 @@ def main(args: argparse.Namespace) -> int:
     settings["num_blocks"] = pool_blocks(args)
     with tempfile.TemporaryDirectory(prefix="pagedkv-memory-") as root:
         model = tiny_model(Path(root), args.max_model_len)
-        stack = memory_stack(model, settings["num_blocks"], max_num_seqs=512)
+        stack = memory_stack(
+            model, settings["num_blocks"], max_num_seqs=512, kv_cache_dtype=args.kv_cache_dtype
+        )
         try:
             results = asyncio.run(_scenarios(args, stack.target, names))
         finally:
