@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  err {row['max_abs_error_vs_sdpa']:.3g}"
         )
     lines += [f"graph decode b={g['batch']} ctx={g['context']}: {g['us']:.1f} us" for g in graphs]
-    lines += bench_fused.summary(fused_rows)
+    lines += bench_fused.summary(fused_rows) if fused_rows else []
     return _write(args.output, results, lines, "Paged-attention and fused layer kernels")
 
 
