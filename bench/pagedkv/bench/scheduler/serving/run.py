@@ -203,6 +203,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "load_format",
         "kernel_backend",
         "num_blocks",
+        "kv_cache_dtype",
         "host_kv_gib",
         "host_offload",
         "max_num_seqs",

@@ -102,6 +102,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
         options += ["--num-blocks", str(args.num_blocks)]
     if getattr(args, "host_kv_gib", None) is not None:
         options += ["--host-kv-gib", str(args.host_kv_gib)]
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        options += ["--kv-cache-dtype", args.kv_cache_dtype]
     if getattr(args, "host_offload", None) is not None:
         options += ["--host-offload", args.host_offload]
     if args.enforce_eager:

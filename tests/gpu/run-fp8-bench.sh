@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# fp8 KV blocks on a GPU machine set up as for the GPU tests
+# (tests/gpu/run-gpu-tests.sh: the wheels of tests/gpu/device-wheels.sh in
+# .whl/, installed into SITE), each mode well within one ten-minute call:
+#
+#   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 kernel tests on the GPU (a minute)
+#   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks: decode
+#                                             # and prefill attention (a minute)
+#   bash tests/gpu/run-fp8-bench.sh executor  # bench executor (~1.1B) with bf16 blocks, then
+#                                             # fp8_e4m3: blocks at the same
+#                                             # --gpu-memory-utilization, decode step at
+#                                             # 64 x 768 (three minutes)
+#   bash tests/gpu/run-fp8-bench.sh serve-1b  # ~1.1B: 64 and 256 x (512 -> 256), bf16 then
+#                                             # fp8_e4m3 blocks (a few minutes)
+#   bash tests/gpu/run-fp8-bench.sh serve-8b  # 8B shape: 16 x (7,680 -> 256) and the long-
+#                                             # prompt Poisson mix (mean prompt 3,000, 60%
+#                                             # sharing one of two 2,048-token system
+#                                             # prompts), bf16 then fp8_e4m3 blocks
+#
+# Results go to OUT when set, else tests/benchmarks/results:
+# kernels-fp8-e4m3-NAME, executor-kv-{auto,fp8_e4m3}-NAME,
+# serve-kv-{auto,fp8_e4m3}-{1b,8b,8b-mix}-NAME (.json and .md), NAME being
+# DEVICE_NAME (h200). The accuracy side: tests/gpu/run-accuracy.sh.
+# A dry run of the serve modes on a machine without a GPU: DEVICE=cpu
+# PRESET=tiny FIXED=4x16x8 (the batches) MIX=8 MIX_PROMPT=48 MIX_OUTPUT=8
+# MIX_SYSTEM=32 (the mix's requests and lengths).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=tests/gpu/run-gpu-tests.sh
+source tests/gpu/run-gpu-tests.sh
+RESULTS=${OUT:-tests/benchmarks/results}
+NAME=${DEVICE_NAME:-h200}
+KV_DTYPES=(auto fp8_e4m3)
+
+bench() {
+  if [[ "${DEVICE:-cuda}" == cpu ]]; then
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cpu "$@"
+  else
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
+  fi
+}
+
+setup
+report
+mkdir -p "$RESULTS"
+case "${1:-tests}" in
+  tests)
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
+      tests/kernels/test_gpu.py -k "fp8 or cache"
+    ;;
+  kernels)
+    "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \
+      --output "$RESULTS/kernels-fp8-e4m3-$NAME.json"
+    ;;
+  executor)
+    for kv in "${KV_DTYPES[@]}"; do
+      "$PYTHON" -m pagedkv.bench.executor.bench --kv-cache-dtype "$kv" \
+        --output "$RESULTS/executor-kv-$kv-$NAME.json"
+    done
+    ;;
+  serve-1b)
+    for kv in "${KV_DTYPES[@]}"; do
+      bench --preset "${PRESET:-llama-1.1b}" --rates "" --no-hf \
+        --fixed-batch "${FIXED:-64x512x256,256x512x256}" --kv-cache-dtype "$kv" \
+        --output "$RESULTS/serve-kv-$kv-1b-$NAME.json"
+    done
+    ;;
+  serve-8b)
+    for kv in "${KV_DTYPES[@]}"; do
+      bench --preset "${PRESET:-llama-8b}" --rates "" --no-hf \
+        --fixed-batch "${FIXED:-16x7680x256}" --kv-cache-dtype "$kv" \
+        --output "$RESULTS/serve-kv-$kv-8b-$NAME.json"
+      bench --preset "${PRESET:-llama-8b}" --rates 1,4 --num-requests "${MIX:-64}" --no-hf \
+        --mean-prompt-len "${MIX_PROMPT:-3000}" --mean-output-len "${MIX_OUTPUT:-256}" \
+        --system-prompt-fraction 0.6 --num-system-prompts 2 \
+        --system-prompt-len "${MIX_SYSTEM:-2048}" --fixed-batch "" --kv-cache-dtype "$kv" \
+        --output "$RESULTS/serve-kv-$kv-8b-mix-$NAME.json"
+    done
+    ;;
+  *)
+    echo "run-fp8-bench: unknown mode ${1}" >&2
+    exit 2
+    ;;
+esac
