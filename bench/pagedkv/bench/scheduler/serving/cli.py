@@ -72,8 +72,7 @@ def register(subparsers: Any, name: str) -> None:
     model.add_argument("--num-blocks", type=int, help="KV blocks (default: as serve sizes them)")
     model.add_argument(
         "--kv-cache-dtype",
-        help="the executor's KV blocks, e.g. fp8_e4m3 (default: the executor's, the model's "
-        "dtype)",
+        help="the executor's KV blocks, e.g. fp8_e4m3 (default: the executor's, the model's dtype)",
     )
     model.add_argument(
         "--host-kv-gib",
