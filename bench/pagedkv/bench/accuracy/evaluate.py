@@ -7,7 +7,8 @@ fp8 with scales calibrated on a first forward, then fixed) before the
 model's own scaled-dot-product attention; the reference keeps them in the
 model's dtype. Per format (e4m3, e5m2) and calibration (``GRANULARITIES``:
 per tensor or per KV head on a window of the training split, or as the
-executor calibrates), on the held-out split of the model's corpus
+executor calibrates; and e4m3 so on K alone and on V alone, which says
+which of the two costs what), on the held-out split of the model's corpus
 (corpus.py):
 
 - perplexity (teacher-forced next-byte loss) and its relative increase;
@@ -60,16 +61,22 @@ class KVEmulation:
     def __init__(self) -> None:
         self.dtype: torch.dtype | None = None
         self.granularity = "per_tensor"
+        self.kinds: tuple[int, ...] = (0, 1)
         self.calibrating = False
         self.scales: dict[tuple[int, int], torch.Tensor] = {}
 
-    def configure(self, dtype: torch.dtype | None, granularity: str = "per_tensor") -> None:
+    def configure(
+        self, dtype: torch.dtype | None, granularity: str = "per_tensor", kinds: str = "kv"
+    ) -> None:
+        """The format (None: none), the calibration, and which of K and V
+        (``kinds``: "kv", "k" or "v") are stored in it."""
         self.dtype, self.granularity, self.scales = dtype, granularity, {}
+        self.kinds = {"k": (0,), "v": (1,), "kv": (0, 1)}[kinds]
 
     def store(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[batch, kv_heads, seq, head_size]`` as the cache would
         give it back."""
-        if self.dtype is None:
+        if self.dtype is None or kind not in self.kinds:
             return x
         tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
         slot = (layer, kind)
@@ -237,18 +244,29 @@ def evaluate(
     reference_greedy = _greedy(model, starts, continue_tokens, where)
     ref_loss = sum(reference["losses"]) / len(reference["losses"])
     results: dict[str, Any] = {}
-    for name, fp8 in fp8_kv.KV_CACHE_DTYPES.items():
-        for granularity in GRANULARITIES:
-            EMULATION.configure(fp8, granularity)
-            EMULATION.calibrating = True
-            with torch.no_grad():  # the first forward: the scales
-                model(executor_calibration if granularity == "executor" else calibration)
-            EMULATION.calibrating = False
-            run = _teacher_forced(model, held, where)
-            greedy = _greedy(model, starts, continue_tokens, where)
-            results[f"{name}/{granularity}"] = _agreement(
-                run, reference, ref_loss, greedy, reference_greedy
-            ) | {"outlier_errors": outlier_errors(fp8, granularity != "per_tensor")}
+    # Each format with each calibration, then e4m3 as the executor calibrates
+    # it on K alone and on V alone: which of the two costs what.
+    runs = [
+        (name, fp8, granularity, "kv")
+        for name, fp8 in fp8_kv.KV_CACHE_DTYPES.items()
+        for granularity in GRANULARITIES
+    ]
+    e4m3 = fp8_kv.KV_CACHE_DTYPES["fp8_e4m3"]
+    runs += [("fp8_e4m3", e4m3, "executor", kinds) for kinds in ("k", "v")]
+    for name, fp8, granularity, kinds in runs:
+        EMULATION.configure(fp8, granularity, kinds)
+        EMULATION.calibrating = True
+        with torch.no_grad():  # the first forward: the scales
+            model(executor_calibration if granularity == "executor" else calibration)
+        EMULATION.calibrating = False
+        run = _teacher_forced(model, held, where)
+        greedy = _greedy(model, starts, continue_tokens, where)
+        row = _agreement(run, reference, ref_loss, greedy, reference_greedy)
+        if kinds != "kv":
+            results[f"{name}/{granularity}/{kinds}-only"] = row
+            continue
+        row["outlier_errors"] = outlier_errors(fp8, granularity != "per_tensor")
+        results[f"{name}/{granularity}"] = row
     EMULATION.configure(None)
     noise = None
     if dtype != "float32":
