@@ -33,14 +33,6 @@ RESULTS=${OUT:-tests/benchmarks/results}
 NAME=${DEVICE_NAME:-h200}
 KV_DTYPES=(auto fp8_e4m3)
 
-bench() {
-  if [[ "${DEVICE:-cuda}" == cpu ]]; then
-    "$PYTHON" -m pagedkv.common.cli bench serve --device cpu "$@"
-  else
-    "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
-  fi
-}
-
 setup
 report
 mkdir -p "$RESULTS"

@@ -95,6 +95,16 @@ print("pagedkv.v1 imports")
 PY
 }
 
+# `pagedkv bench serve` on the GPU in bf16 (on the CPU, dtype auto, with
+# DEVICE=cpu: a dry run), for the scripts that source this one.
+bench() {
+  if [[ "${DEVICE:-cuda}" == cpu ]]; then
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cpu "$@"
+  else
+    "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
+  fi
+}
+
 main() {
   setup
   report

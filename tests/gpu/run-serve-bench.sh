@@ -70,14 +70,6 @@ source tests/gpu/run-gpu-tests.sh
 RESULTS=${OUT:-tests/benchmarks/results}
 NAME=${DEVICE_NAME:-h200}
 
-bench() {
-  if [[ "${DEVICE:-cuda}" == cpu ]]; then
-    "$PYTHON" -m pagedkv.common.cli bench serve --device cpu "$@"
-  else
-    "$PYTHON" -m pagedkv.common.cli bench serve --device cuda --dtype bfloat16 "$@"
-  fi
-}
-
 setup
 report
 mkdir -p "$RESULTS"
