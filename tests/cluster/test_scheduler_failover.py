@@ -111,13 +111,15 @@ def start(cluster: Cluster, num_schedulers: int = 2, num_executors: int = 3) -> 
 
 
 def generate_ids(
-    scheduler: SchedulerProcess, prompt: list[int], max_tokens: int
+    scheduler: SchedulerProcess, prompt: list[int], max_tokens: int, executor: str = ""
 ) -> tuple[list[int], int]:
-    """One greedy request straight to ``scheduler``: its tokens and
-    ``usage.cached_prompt_tokens``."""
+    """One greedy request straight to ``scheduler`` (placed on ``executor``
+    when given): its tokens and ``usage.cached_prompt_tokens``."""
     tokens: list[int] = []
     cached = -1
-    for chunk in scheduler.stub.Generate(greedy(prompt, max_tokens), timeout=120):
+    request = greedy(prompt, max_tokens)
+    request.preferred_executor = executor
+    for chunk in scheduler.stub.Generate(request, timeout=120):
         for out in chunk.outputs:
             tokens.extend(out.token_ids)
         if chunk.HasField("usage"):
@@ -242,11 +244,16 @@ def test_a_killed_scheduler_s_executors_are_adopted_with_their_cache_and_every_s
     victim, survivor = (first, second) if len(first.owned()) == 2 else (second, first)
     doomed = victim.owned()
     assert len(doomed) == 2 and len(survivor.owned()) == 1
-    # Cached on the victim's executors only: replayed there, then on the survivor.
+    # Cached on the victim's executors only, a family on each (placed there,
+    # so that each has cached blocks to be adopted with): replayed there,
+    # then on the survivor.
     replay = prompt_families(seed=1, num_families=2, per_family=4, prefix=64)
-    for prompt in replay:
-        assert generate_ids(victim, prompt, 4)[0] == hf(prompt, 4)
-    hits_before = sum(generate_ids(victim, prompt, 4)[1] for prompt in replay)
+    homes = [sorted(doomed)[i // 4] for i in range(len(replay))]
+    for prompt, home in zip(replay, homes, strict=True):
+        assert generate_ids(victim, prompt, 4, home)[0] == hf(prompt, 4)
+    hits_before = sum(
+        generate_ids(victim, prompt, 4, home)[1] for prompt, home in zip(replay, homes, strict=True)
+    )
     assert hits_before >= len(replay) * 48
 
     prompts = prompt_families(seed=2, num_families=4, per_family=12, prefix=48)
@@ -299,7 +306,10 @@ def test_a_killed_scheduler_s_executors_are_adopted_with_their_cache_and_every_s
 
     stats = survivor.stats()
     adopted = {e.address: e for e in stats.executors if e.address in doomed}
-    assert all(e.healthy and e.num_adopted_cached_blocks > 0 for e in adopted.values())
+    assert set(adopted) == doomed
+    assert all(e.healthy and e.num_adopted_cached_blocks > 0 for e in adopted.values()), [
+        (e.address, e.healthy, e.down_reason, e.num_adopted_cached_blocks) for e in adopted.values()
+    ]
     hits_after = 0
     for prompt in replay:
         tokens, cached = generate_ids(survivor, prompt, 4)
