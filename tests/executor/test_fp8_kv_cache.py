@@ -84,7 +84,7 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes(llama: Path) -> No
     fp8 = fp8_runner(llama, "torch", fused=False)
     assert exact.bytes_per_block == 4 * fp8.bytes_per_block
     assert [g.spec.dtype for g in fp8.groups] == ["float8_e4m3fn"] * len(fp8.groups)
-    assert exact.kv.k_scales is None and exact.kv.scales(0) == {}
+    assert exact.kv.k_scales is None and exact.kv.v_scales is None and exact.kv.calibrated
 
 
 def test_kv_cache_dtype_is_checked(llama: Path) -> None:

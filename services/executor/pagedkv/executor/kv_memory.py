@@ -9,9 +9,10 @@ token (the scheduler never hands it out for one).
 
 An fp8 memory (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) also holds each
 layer's K and V scales, float32 ``[num_kv_heads]`` on the device
-(``pagedkv.kernels.fp8_kv``), ones until ``calibrate`` sets them, once, from
-the executor's first forward (kv_calibration.py). The tensors stay where
-they are, so CUDA graphs captured over them read the calibrated values.
+(``pagedkv.kernels.fp8_kv``): ones until the checkpoint's (``set_scales``)
+or the executor's first forward (``calibrate``) sets them, once, before it
+serves (kv_calibration.py). The tensors stay where they are, so CUDA graphs
+captured over them read the values set.
 """
 
 from __future__ import annotations
@@ -110,12 +111,6 @@ class KVMemory:
             self.k_scales[layer].copy_(k_scale)
             self.v_scales[layer].copy_(v_scale)
         self.calibrated = True
-
-    def scales(self, layer: int) -> dict[str, torch.Tensor]:
-        """The cache kernels' scale arguments for ``layer`` (none for a float memory)."""
-        if self.k_scales is None or self.v_scales is None:
-            return {}
-        return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
     @property
     def num_bytes(self) -> int:
