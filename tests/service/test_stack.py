@@ -392,3 +392,5 @@ def test_metrics_are_served_for_prometheus(stack) -> None:
         "pagedkv_preemptions_total",
     ):
         assert name in body, name
+    # The executor's blocks, set once when it was taken over (float32 on the CPU).
+    assert re.search(r'pagedkv_kv_cache_blocks\{dtype="float32",executor="[^"]+"\} \d', body)

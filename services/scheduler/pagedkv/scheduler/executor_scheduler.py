@@ -98,6 +98,8 @@ class ExecutorScheduler:
         self.num_groups = len(info.kv_cache_groups)
         self._entries = EntryWriter(self.kv, self.num_groups)
         self.max_model_len = info.max_model_len
+        # The blocks' dtype, as GetStats and the metrics name it (all groups share it).
+        self.kv_cache_dtype = info.kv_cache_groups[0].dtype if info.kv_cache_groups else ""
         # The most tokens one sequence's blocks can hold with the whole pool
         # to itself: a sequence ends there (FINISH_REASON_LENGTH, as at
         # max_model_len) instead of outgrowing the pool, after which it could

@@ -179,6 +179,10 @@ class Executors:
             host_offload=self.config.host_offload,
         )
         self.schedulers[address] = scheduler
+        if self.metrics is not None:  # fixed for the incarnation: set once, not per step
+            self.metrics.set_kv_blocks(
+                address, scheduler.kv_cache_dtype, info.num_blocks, info.bytes_per_block
+            )
         if self.cluster is not None:
             self.cluster.adopted(scheduler)
         self.down.pop(address, None)

@@ -297,8 +297,7 @@ class SchedulerService:
                 executor.offload_copy_seconds = host.offload_seconds
                 executor.load_copy_seconds = host.load_seconds
             executor.incarnation_id = scheduler.info.incarnation_id
-            if scheduler.info.kv_cache_groups:
-                executor.kv_cache_dtype = scheduler.info.kv_cache_groups[0].dtype
+            executor.kv_cache_dtype = scheduler.kv_cache_dtype
             executor.bytes_per_block = scheduler.info.bytes_per_block
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks

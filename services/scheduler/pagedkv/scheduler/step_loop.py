@@ -260,9 +260,6 @@ class StepLoops:
             stats = kv.prefix_cache_stats
             metrics.observe_step(address, seconds)
             metrics.set_kv_usage(address, kv.usage)
-            info = scheduler.info
-            dtype = info.kv_cache_groups[0].dtype if info.kv_cache_groups else ""
-            metrics.set_kv_blocks(address, dtype, info.num_blocks, info.bytes_per_block)
             metrics.set_prefix_cache(address, stats.queries, stats.hits)
             if kv.host is not None:
                 bytes_per_block = scheduler.info.bytes_per_block
