@@ -68,3 +68,24 @@ def test_a_value_beyond_the_calibration_saturates_and_zeros_give_a_usable_scale(
     zeros = fp8_kv.calibrated_scale(torch.zeros(2, 1, 4), dtype, per_head=True)
     assert (zeros > 0).all()
     assert (fp8_kv.round_trip(torch.zeros(2, 1, 4), zeros, dtype) == 0).all()
+
+
+def test_headroom_and_rotation_pairs_widen_the_scale_as_a_rotation_can() -> None:
+    x = kv()
+    dtype = torch.float8_e4m3fn
+    plain = fp8_kv.calibrated_scale(x, dtype, per_head=True)
+    assert torch.allclose(fp8_kv.calibrated_scale(x, dtype, True, headroom=2.0), 2 * plain)
+    # Rotating each pair (d, d + half) by any angle leaves the pairs' scale as
+    # it is, and no rotated value exceeds it.
+    pairs = fp8_kv.calibrated_scale(x, dtype, True, rotation_pairs=True)
+    half = x.shape[-1] // 2
+    angle = torch.rand(half) * 6.28
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat(
+        [x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1
+    )
+    torch.testing.assert_close(
+        fp8_kv.calibrated_scale(rotated, dtype, True, rotation_pairs=True), pairs
+    )
+    assert bool((fp8_kv.calibrated_scale(rotated, dtype, True) <= pairs * (1 + 1e-6)).all())
+    assert bool((plain <= pairs).all())

@@ -24,13 +24,27 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 MIN_SCALE = 1e-12  # an all-zero calibration still gives a usable scale
 
 
-def calibrated_scale(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> torch.Tensor:
+def calibrated_scale(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    per_head: bool,
+    headroom: float = 1.0,
+    rotation_pairs: bool = False,
+) -> torch.Tensor:
     """float32 ``[num_kv_heads]`` (``per_head``) or ``[1]``: the scale that
     maps the largest magnitude of ``x`` (``[..., num_kv_heads, head_size]``)
-    onto ``dtype``'s largest finite value."""
-    amax = x.detach().abs().float()
+    times ``headroom`` onto ``dtype``'s largest finite value. With
+    ``rotation_pairs`` a magnitude is that of a pair of dims ``d`` and ``d +
+    head_size / 2``: the largest any rotation of them (the rotary embedding)
+    can reach, the same before and after it."""
+    x = x.detach().float()
+    if rotation_pairs:
+        half = x.shape[-1] // 2
+        amax = (x[..., :half].square() + x[..., half:].square()).sqrt()
+    else:
+        amax = x.abs()
     amax = amax.flatten(0, -3).amax(dim=(0, 2)) if per_head else amax.amax().reshape(1)
-    return (amax / torch.finfo(dtype).max).clamp_min(MIN_SCALE)
+    return (amax * headroom / torch.finfo(dtype).max).clamp_min(MIN_SCALE)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -81,7 +81,7 @@ class KVEmulation:
         tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
         slot = (layer, kind)
         if self.calibrating:
-            if self.granularity == "executor":  # K's magnitude over rotation pairs, V's own
+            if self.granularity == "executor":  # K's over rotation pairs, V's own
                 scale = calibration_scales(tokens, tokens, self.dtype)[kind]
             else:
                 scale = fp8_kv.calibrated_scale(tokens, self.dtype, self.granularity == "per_head")

@@ -22,7 +22,7 @@ import torch
 from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.kernels.backend import KernelBackend
 from pagedkv.kernels.checks import FP8_DTYPES
-from pagedkv.kernels.fp8_kv import MIN_SCALE
+from pagedkv.kernels.fp8_kv import calibrated_scale
 
 # The calibration's largest magnitude lands at 1/HEADROOM of the format's
 # largest value: later activations up to twice as large still fit, and the
@@ -39,20 +39,13 @@ def calibration_scales(
     key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``[num_kv_heads]`` K and V scales for the fp8 ``dtype`` from K
-    and V ``[..., num_kv_heads, head_size]``: per KV head, the largest
-    magnitude times ``CALIBRATION_HEADROOM`` over the format's largest
-    value. The key's magnitude is taken over the rotation's pairs (dims
-    ``d`` and ``d + head_size / 2``): the largest any rotation of them can
-    reach, the same before and after the rotary embedding, so the fused
-    stack (which rotates inside the cache write) and transformers' modules
-    calibrate alike."""
-    limit = torch.finfo(dtype).max
-    half = key.shape[-1] // 2
-    pairs = key[..., :half].float().square() + key[..., half:].float().square()
-    k_amax = pairs.flatten(0, -3).amax(dim=(0, 2)).sqrt()
-    v_amax = value.float().abs().flatten(0, -3).amax(dim=(0, 2))
-    k_scale = (k_amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
-    v_scale = (v_amax * CALIBRATION_HEADROOM / limit).clamp_min(MIN_SCALE)
+    and V ``[..., num_kv_heads, head_size]`` (``fp8_kv.calibrated_scale`` per
+    KV head, with ``CALIBRATION_HEADROOM``). The key's magnitude is taken
+    over the rotation's pairs, the same before and after the rotary
+    embedding, so the fused stack (which rotates inside the cache write) and
+    transformers' modules calibrate alike."""
+    k_scale = calibrated_scale(key, dtype, True, CALIBRATION_HEADROOM, rotation_pairs=True)
+    v_scale = calibrated_scale(value, dtype, True, CALIBRATION_HEADROOM)
     return k_scale, v_scale
 
 
