@@ -110,18 +110,18 @@ def calibrate_kv(
     runner: CalibratingRunner,
     block_size: int,
     stored: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> int:
+) -> None:
     """Sets the scales of ``runner``'s fp8 KV memory (nothing for a float
     one): the checkpoint's (``stored``) when given, else from one forward
     over a scratch row whose table holds blocks 1, 2, ... (block 1 again
     past the memory's end), freed after, the sampling generator's state
-    restored; returns the tokens it ran (0: none)."""
+    restored."""
     kv = runner.kv
     if kv.calibrated:
-        return 0
+        return
     if stored is not None:
         kv.set_scales(stored)
-        return 0
+        return
     count = runner.calibration_tokens
     tokens = calibration_token_ids(runner.spec.vocab_size, count).numpy()
     needed = -(-count // block_size)
@@ -142,4 +142,3 @@ def calibrate_kv(
     runner.rows.clear_tables()
     runner.generator.set_state(state)
     kv.calibrated = True
-    return count

@@ -12,6 +12,7 @@ this module.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -29,11 +30,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class LoadedModel(NamedTuple):
-    """A model on its device, in eval mode, with its spec and dtype."""
+    """A model on its device, in eval mode, with its spec, dtype and the
+    directory it came from."""
 
     spec: ModelSpec
     dtype: torch.dtype
     model: Any  # transformers' model for causal LM
+    model_dir: Path
 
 
 def load_model(
@@ -59,7 +62,7 @@ def load_model(
             model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    return LoadedModel(spec, torch_dtype, model.to(device).eval())
+    return LoadedModel(spec, torch_dtype, model.to(device).eval(), model_dir)
 
 
 def _resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:

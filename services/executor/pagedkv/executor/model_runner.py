@@ -19,7 +19,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedkv.common.model_source import resolve_model
 from pagedkv.executor import attention
 from pagedkv.executor.block_store import BlockStore, num_host_blocks
 from pagedkv.executor.cuda_graphs import DecodeGraphs
@@ -133,6 +132,7 @@ class ModelRunner:
         self.spec: ModelSpec = loaded.spec
         self.dtype = loaded.dtype
         self.model = loaded.model
+        self.model_dir = loaded.model_dir
         self.fused = (
             fused_decoder(self.model, self.backend, self.spec.max_model_len)
             if config.fused_ops
@@ -177,7 +177,7 @@ class ModelRunner:
         stored = None
         if not self.kv.calibrated and config.load_format != "dummy":
             stored = checkpoint_kv_scales(
-                resolve_model(config.model), len(self.kv.key_caches), self.spec.num_kv_heads
+                self.model_dir, len(self.kv.key_caches), self.spec.num_kv_heads
             )
         calibrate_kv(self, config.block_size, stored)  # an fp8 memory's scales
 
