@@ -151,10 +151,14 @@ case "${1:-1b}" in
     # Llama-3-8B's shape: a 4,096-token prompt's TTFT end to end, recomputed,
     # from a GPU hit and from a host hit (five rounds after a warm-up; a
     # minute or two). RUN numbers the file; GRAPHS=decode: CUDA graphs for
-    # decode steps only (--cuda-graphs).
+    # decode steps only (--cuda-graphs); IDLE: the scheduler's
+    # --host-idle-offload-blocks (0: the host hit's step offloads the blocks
+    # it evicts, as before idle offloads).
+    idle=()
+    [[ -n ${IDLE:-} ]] && idle=(--host-idle-offload-blocks "$IDLE")
     "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
       --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 --cuda-graphs "${GRAPHS:-all}" \
-      --output "$RESULTS/host-ttft-8b-${RUN:-1}-$NAME.json"
+      "${idle[@]}" --output "$RESULTS/host-ttft-8b-${RUN:-1}-$NAME.json"
     ;;
   host-tier)
     # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's

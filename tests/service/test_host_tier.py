@@ -40,6 +40,22 @@ def stack(model_dirs: dict[str, Path]):
         yield process
 
 
+def test_an_idle_executor_copies_its_next_blocks_out_before_anything_evicts_them(stack) -> None:
+    """(First in this module: the stack's pool holds nothing cached yet.)
+    With nothing else to do, the executor is sent a step that offloads the
+    cached blocks its pool hands out next (``--host-idle-offload-blocks``,
+    on by default), so a later eviction of them copies nothing."""
+    prompt = churn_prompts(1, 69, seed=5)[0]  # with 4 outputs: 72 tokens, 4 full blocks
+    collect(stack.stub, greedy_request(prompt, 4))  # 5 of the 11 blocks: nothing is evicted
+    deadline = time.monotonic() + 30
+    while True:
+        stats = assert_nothing_held(stack.stub).executors[0]
+        if stats.num_offloaded_blocks >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert stats.num_offloaded_blocks == stats.num_cached_host_blocks == 4
+
+
 def test_an_evicted_prefix_comes_back_from_the_host_tier(stack, model_dirs) -> None:
     prompt = PROMPTS[2]  # 61 tokens: three full blocks
     expected = hf_greedy(model_dirs["llama"], prompt, 8)

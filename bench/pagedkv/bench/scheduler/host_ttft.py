@@ -173,8 +173,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"Model: {settings['model']}; a {settings['prompt_len']}-token prompt, one output "
         f"token, over `pagedkv serve`'s gRPC API; GPU pool {settings['num_blocks']} blocks, "
         f"host tier {settings['host_kv_gib']} GiB; CUDA graphs: "
-        f"{settings.get('cuda_graphs', 'decode')} steps; {settings['rounds']} rounds after one "
-        "warm-up round.",
+        f"{settings.get('cuda_graphs', 'decode')} steps; offloads ahead of eviction while "
+        f"idle: {_idle(settings.get('host_idle_offload_blocks'))}; {settings['rounds']} rounds "
+        "after one warm-up round.",
         "",
         "| tier | TTFT median (ms) |",
         "|---|---|",
@@ -218,6 +219,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _idle(blocks: int | None) -> str:
+    if blocks is None:
+        return "the scheduler's default depth"
+    return f"{blocks} blocks deep" if blocks else "off"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", choices=("tiny", *LLAMA_SHAPES))
@@ -231,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         choices=("all", "decode"),
         help="the executor's steps replayed from CUDA graphs (pagedkv serve's --cuda-graphs)",
+    )
+    parser.add_argument(
+        "--host-idle-offload-blocks",
+        type=int,
+        help="the scheduler's --host-idle-offload-blocks (default: its own; 0: offloads only "
+        "at eviction, in the host hit's step)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -250,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         options += ["--max-model-len", str(args.prompt_len + 16)]
         options += ["--max-num-batched-tokens", str(max(8192, args.prompt_len))]
         options += ["--cuda-graphs", args.cuda_graphs]
+        if args.host_idle_offload_blocks is not None:
+            options += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
         with tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
             with step_trace.tracing(traces):
                 stack = ServeStack(model, options)
@@ -266,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_blocks": num_blocks,
         "host_kv_gib": args.host_kv_gib,
         "cuda_graphs": args.cuda_graphs,
+        "host_idle_offload_blocks": args.host_idle_offload_blocks,
         "rounds": args.rounds,
         "seed": args.seed,
     }

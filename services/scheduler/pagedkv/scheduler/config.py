@@ -44,5 +44,9 @@ class SchedulerConfig:
     # after the one that computed it, or only when the GPU pool evicts it
     # (host_tier.py, HOST_OFFLOADS).
     host_offload: str = "eviction"
+    # While an executor is idle, its pool's next blocks this many deep go to
+    # the host tier ahead of their eviction (ExecutorScheduler.idle_step;
+    # None: one max_model_len request's blocks; 0: off).
+    host_idle_offload_blocks: int | None = None
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

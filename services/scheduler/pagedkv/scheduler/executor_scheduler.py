@@ -61,12 +61,14 @@ class ExecutorScheduler:
         decode_window: int = ONE_STEP,
         host_loads: str = "auto",
         host_offload: str = "eviction",
+        host_idle_offload_blocks: int | None = None,
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
         prefix-cache index (blocks that cannot be adopted are untagged in
         the first step). ``host_cached``: its host tier's, likewise, for the
-        host index."""
+        host index. ``host_idle_offload_blocks``: see ``idle_step`` (None:
+        the blocks of one request of ``max_model_len`` tokens)."""
         self.address = address
         self.decode_window = decode_window  # most decode steps in one message (windows.py)
         self.info = info
@@ -88,6 +90,9 @@ class ExecutorScheduler:
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         if self.kv.host is not None:
             self.kv.host.adopt(host_cached)
+        if host_idle_offload_blocks is None:
+            host_idle_offload_blocks = -(-info.max_model_len // info.block_size)
+        self.host_idle_offload_blocks = host_idle_offload_blocks
         self.draining = False  # being given up: nothing new is admitted here
         self.released = False  # given up: the step loop ends once no step is in flight
         self.stopped = asyncio.Event()  # set when the step loop has ended
@@ -358,6 +363,23 @@ class ExecutorScheduler:
         plan, sampled = self._plan(window.decisions, num_steps)
         before, message = encode_step(self.owner, plan)
         return ScheduledStep(message, plan.num_scheduled_tokens, sampled * num_steps, before)
+
+    def idle_step(self) -> ScheduledStep | None:
+        """A step with no entries for an executor with nothing else to do (no
+        request here, no step in flight: the step loop asks): it offloads to
+        the host tier the cached blocks among the next
+        ``host_idle_offload_blocks`` that the pool hands out, ahead of their
+        eviction (``KVCacheManager.offload_ahead``). An admission that
+        evicts them later then sends no offloads: their copies ran while the
+        executor was idle, not in the step that waits for its first token.
+        None when there is nothing to offload."""
+        if self.running or self.waiting or self.draining or self.released:
+            return None
+        if not self.kv.offload_ahead(self.host_idle_offload_blocks):
+            return None
+        plan, _ = self._plan([])
+        before, message = encode_step(self.owner, plan)
+        return ScheduledStep(message, before=before)
 
     def _allocate_decodes(self, decodes: list[Sequence], decisions: list[Decision]) -> bool:
         """Gives each of ``decodes`` (running in this order, each with one

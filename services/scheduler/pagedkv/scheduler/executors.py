@@ -177,6 +177,7 @@ class Executors:
             decode_window=self.config.decode_window,
             host_loads=self.config.host_loads,
             host_offload=self.config.host_offload,
+            host_idle_offload_blocks=self.config.host_idle_offload_blocks,
         )
         self.schedulers[address] = scheduler
         if self.metrics is not None:  # fixed for the incarnation: set once, not per step

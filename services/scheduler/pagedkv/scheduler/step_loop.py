@@ -157,6 +157,8 @@ class StepLoops:
             if len(inflight) < depth:
                 t0 = clock()
                 step = scheduler.schedule()
+                if step is None and not inflight:  # idle: the host tier's offloads ahead
+                    step = scheduler.idle_step()
                 if step is not None:
                     t1 = clock()
                     sent_at = time.monotonic()

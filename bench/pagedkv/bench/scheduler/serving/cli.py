@@ -84,6 +84,11 @@ def register(subparsers: Any, name: str) -> None:
         choices=("write-through", "eviction"),
         help="with --host-kv-gib: the scheduler's --host-offload (default: its own)",
     )
+    model.add_argument(
+        "--host-idle-offload-blocks",
+        type=int,
+        help="with --host-kv-gib: the scheduler's --host-idle-offload-blocks (default: its own)",
+    )
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=8192)
     model.add_argument(

@@ -206,6 +206,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "kv_cache_dtype",
         "host_kv_gib",
         "host_offload",
+        "host_idle_offload_blocks",
         "max_num_seqs",
         "max_num_batched_tokens",
         "decode_window",

@@ -106,6 +106,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
         options += ["--kv-cache-dtype", args.kv_cache_dtype]
     if getattr(args, "host_offload", None) is not None:
         options += ["--host-offload", args.host_offload]
+    if getattr(args, "host_idle_offload_blocks", None) is not None:
+        options += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
     if args.enforce_eager:
         options.append("--enforce-eager")
     if getattr(args, "cuda_graphs", "all") != "all":

@@ -177,13 +177,16 @@ def _device_by_kind(
 ) -> dict[str, dict[str, float]]:
     """Device ms, steps, tokens and loaded blocks of each kind of step: ``prefill`` or
     ``decode`` (a step whose tokens exceed its entries times its decode
-    steps computed prompt tokens), ``+loads`` when it loaded host blocks."""
+    steps computed prompt tokens), ``+loads`` when it loaded host blocks;
+    ``copies`` for a step with no entries (an idle executor's offloads)."""
     kinds: dict[str, dict[str, float]] = {}
     for r in executor:
         step = sent[int(r["step_id"])]
         prefill = step["tokens"] > step["entries"] * max(1, step["num_steps"])
         loads = int(r.get("loads", 0))
         kind = ("prefill" if prefill else "decode") + ("+loads" if loads else "")
+        if not step["entries"]:
+            kind = "copies"
         row = kinds.setdefault(
             kind, {"steps": 0, "tokens": 0, "device_ms": 0.0, "loaded_blocks": 0}
         )
