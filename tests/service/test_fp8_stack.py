@@ -2,7 +2,9 @@
 the CPU, real executor and scheduler processes. Requests finish with every
 block given back, streams that preempt one another included, and the
 scheduler's stats show the blocks' dtype and their bytes (a quarter of the
-float32 model's)."""
+float32 model's). A scheduler that takes an fp8 executor over reads the
+blocks it adopts, on the GPU and in the host tier, with the executor's
+scales."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import json
 import threading
 from pathlib import Path
 
+from tests.executor.driver import ExecutorProcess
 from tests.executor.test_generation import PROMPTS, model_dirs
-from tests.service.stack import serve
+from tests.service.stack import Process, serve
 from tests.service.test_stack import assert_nothing_held, collect, greedy_request
 
 __all__ = ["model_dirs"]
@@ -43,3 +46,32 @@ def test_fp8_blocks_serve_requests_and_show_in_the_stats(model_dirs: dict[str, P
         executor = stats.executors[0]
         assert executor.kv_cache_dtype == "float8_e4m3fn"
         assert executor.bytes_per_block == 2 * 16 * kv_heads * head_size * layers
+
+
+def test_a_scheduler_taking_an_fp8_executor_over_reads_its_blocks_with_their_scales(
+    model_dirs: dict[str, Path],
+) -> None:
+    """The scales belong to the executor: a scheduler that takes it over
+    (its cache kept) hits the fp8 blocks the first scheduler left, on the
+    GPU pool and in the host tier, and its requests sample what they did
+    when those blocks were computed."""
+    model = model_dirs["llama"]
+    prompt = PROMPTS[2]  # 61 tokens: three full blocks
+    churn = [(7 * i) % 250 + 1 for i in range(150)]  # with 8 outputs it takes all 11 blocks
+    extra = ("--kv-cache-dtype", "fp8_e4m3", "--host-kv-gib", "0.01")
+    with ExecutorProcess(model, num_blocks=NUM_BLOCKS, extra_args=extra) as executor:
+        args = ["scheduler", "--executor", executor.target, "--port", "0", "--model", str(model)]
+        with Process(args) as first:
+            expected, _ = collect(first.stub, greedy_request(prompt, 8))
+            expected_churn, _ = collect(first.stub, greedy_request(churn, 8))
+            stats = assert_nothing_held(first.stub).executors[0]
+            assert stats.num_cached_host_blocks >= 3
+        with Process(args) as second:  # takes the executor over, its cache kept
+            for request, before in ((prompt, expected), (churn, expected_churn)):
+                tokens, chunks = collect(second.stub, greedy_request(request, 8))
+                assert tokens[0] == before[0]
+                assert chunks[-1].usage.cached_prompt_tokens >= 48
+            stats = assert_nothing_held(second.stub).executors[0]
+            assert stats.kv_cache_dtype == "float8_e4m3fn"
+            assert stats.num_adopted_cached_blocks > 0  # the churn's, on the GPU pool
+            assert stats.prefix_cache_host_hits >= 48  # the prompt's, from the host tier
