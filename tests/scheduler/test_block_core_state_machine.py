@@ -294,6 +294,23 @@ class BlockCoreMachine(RuleBasedStateMachine):
         self.kv.take_host_copies()  # the takeover's first step: nothing to copy
         self._seen("taken_over")
 
+    @precondition(lambda self: self.host_tier)
+    @rule(data=st.data())
+    def offload_ahead(self, data: st.DataObject) -> None:
+        """An idle executor's step (``ExecutorScheduler.idle_step``): the
+        cached blocks among the pool's next ones go to the host ahead of
+        their eviction. Between two steps here every cached block's tokens
+        are written, as on an executor with no step in flight."""
+        STEPS[type(self).__name__] += 1
+        depth = data.draw(st.integers(0, self.cfg.num_blocks), label="offload_ahead")
+        queued = self.kv.offload_ahead(depth)
+        offloads, loads = self.kv.take_host_copies()
+        assert not loads and len(offloads) >= queued
+        for copy in offloads:
+            self.shadow.offload(copy.block_id, copy.host_id, self.cfg.block_size)
+        if queued:
+            self._seen("offloaded_ahead")
+
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:
         """Refused, changing nothing, while any block is held."""
@@ -654,5 +671,5 @@ def test_block_core_invariants_hold_with_a_host_tier() -> None:
     assert STEPS[name] >= 5_000, STEPS[name]
     exercised = {event for (m, event), n in SEEN.items() if m == name and n}
     wanted = {"prefix_hit", "host_hit", "offloaded", "evicted", "preempted_to_fit", "fork"}
-    wanted.add("taken_over")
+    wanted |= {"taken_over", "offloaded_ahead"}
     assert wanted <= exercised, f"never exercised: {wanted - exercised}"
