@@ -20,6 +20,8 @@
 #   bash tests/gpu/run-serve-bench.sh host-ttft  # pagedkv.bench.scheduler.host_ttft: a 4,096-
 #                                            # token prompt's first token from each tier
 #                                            # through pagedkv serve, 8B shape
+#   bash tests/gpu/run-serve-bench.sh host-ttft-idle  # the same without, then with,
+#                                            # offloads ahead of eviction while idle
 #   bash tests/gpu/run-serve-bench.sh host-tier-serve  # ~1.1B: long shared prompts, 4x
 #                                            # the GPU pool, without and with a host tier
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
@@ -160,6 +162,18 @@ case "${1:-1b}" in
       --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 --cuda-graphs "${GRAPHS:-all}" \
       "${idle[@]}" --output "$RESULTS/host-ttft-8b-${RUN:-1}-$NAME.json"
     ;;
+  host-ttft-idle)
+    # host-ttft twice in one call: without offloads ahead of eviction while
+    # idle (the host hit's step offloads the blocks it evicts), then with the
+    # scheduler's default. Files: host-ttft-8b-idle{0,}-NAME.
+    for idle in 0 default; do
+      args=()
+      [[ $idle == 0 ]] && args=(--host-idle-offload-blocks 0)
+      "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
+        --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 --cuda-graphs "${GRAPHS:-all}" \
+        "${args[@]}" --output "$RESULTS/host-ttft-8b-idle${idle/default/}-$NAME.json"
+    done
+    ;;
   host-tier)
     # The executor's host tier, Llama-3-8B's shape: a 4,096-token prompt's
     # first token recomputed, from a GPU hit and from a host hit; decode
@@ -230,7 +244,7 @@ case "${1:-1b}" in
     ;;
   *)
     echo "run-serve-bench: 1b, 8b, 256, sweep, timeline, gemm, executor, steps, cold," \
-      "fixed, gateway, host-tier, host-ttft, host-tier-serve or swap, not $1" >&2
+      "fixed, gateway, host-tier, host-ttft, host-ttft-idle, host-tier-serve or swap, not $1" >&2
     exit 2
     ;;
 esac
