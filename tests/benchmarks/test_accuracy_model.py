@@ -118,7 +118,7 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     assert set(rows) == parts | {
         f"{name}/{granularity}"
         for name in ("fp8_e4m3", "fp8_e5m2")
-        for granularity in ("per_tensor", "per_head", "executor")
+        for granularity in ("per_tensor", "per_head", "per_head_centered", "executor")
     }
     for name in parts:  # K or V alone in fp8: no outlier row, no larger a cost
         part = rows.pop(name)
@@ -136,3 +136,24 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     assert EMULATION.dtype is None  # the reference attention again
     noise = report["reference_noise"]  # the float32 model against the bf16 one
     assert noise["top1_agreement"] >= 0.9 and abs(noise["perplexity_increase"]) < 0.05
+
+
+def test_a_centered_store_rounds_a_channel_on_its_variation_not_its_offset() -> None:
+    """``per_head_centered``: a channel on a large common offset comes back
+    with the error of its small variation, and without it with the error
+    of the offset."""
+    import torch
+
+    from pagedkv.bench.accuracy.evaluate import KVEmulation
+
+    x = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))
+    x[..., 3] += 50.0  # [batch, kv_heads, seq, head_size]: channel 3 of both heads
+    errors = {}
+    for granularity in ("per_head", "per_head_centered"):
+        emulation = KVEmulation()
+        emulation.configure(torch.float8_e4m3fn, granularity)
+        emulation.calibrating = True
+        emulation.store(0, 0, x)
+        emulation.calibrating = False
+        errors[granularity] = (emulation.store(0, 0, x) - x)[..., 3].abs().max().item()
+    assert errors["per_head_centered"] < errors["per_head"] / 8

@@ -2,8 +2,8 @@
 # What fp8 KV blocks cost a model that has learned something, on the GPU
 # machine (docs/benchmarks.md, "A model that has learned something"): trains
 # the small llama on the text Python ships for MINUTES (default 5), then
-# evaluates fp8 KV (e4m3 and e5m2, scales per tensor and per KV head) on it
-# against bf16 KV. About MINUTES + 2 minutes.
+# evaluates fp8 KV (e4m3 and e5m2, scales per tensor and per KV head, centered
+# or not) on it against bf16 KV. About MINUTES + 2 minutes.
 #
 #   bash tests/gpu/run-accuracy.sh
 #

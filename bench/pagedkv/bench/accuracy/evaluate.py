@@ -48,15 +48,25 @@ from pagedkv.kernels import fp8_kv
 
 ATTENTION_NAME = "pagedkv_kv_emulation"
 # Scales calibrated on a training window (the format's range reached by its
-# largest value), per tensor or per KV head; and as the executor calibrates
-# them (``executor``: per KV head, on its seeded random tokens, with its
-# headroom; pagedkv.executor.kv_calibration).
-GRANULARITIES = ("per_tensor", "per_head", "executor")
+# largest value), per tensor or per KV head; per KV head on K and V less
+# their mean over the window (``per_head_centered``, see ``KVEmulation``);
+# and as the executor calibrates them (``executor``: per KV head, on its
+# seeded random tokens, with its headroom; pagedkv.executor.kv_calibration).
+GRANULARITIES = ("per_tensor", "per_head", "per_head_centered", "executor")
 
 
 class KVEmulation:
     """The attention function's state: the format (None: the model's
-    dtype), the granularity and each layer's K and V scales."""
+    dtype), the granularity and each layer's K and V scales.
+
+    ``per_head_centered`` stores K and V less a center, each channel's mean
+    over the calibration (per layer, K or V, KV head), and adds it back on
+    reading. A cache could store the same bytes and skip the adding back:
+    a key's center shifts every score of a query by the same amount, which
+    the softmax ignores, and a value's adds the same vector to every output
+    row (the weights sum to 1), once per row. What it would buy: a channel
+    whose values sit on a large common offset is rounded on its small
+    variation instead of on the offset."""
 
     def __init__(self) -> None:
         self.dtype: torch.dtype | None = None
@@ -64,13 +74,14 @@ class KVEmulation:
         self.kinds: tuple[int, ...] = (0, 1)
         self.calibrating = False
         self.scales: dict[tuple[int, int], torch.Tensor] = {}
+        self.centers: dict[tuple[int, int], torch.Tensor] = {}  # [kv_heads, head_size]
 
     def configure(
         self, dtype: torch.dtype | None, granularity: str = "per_tensor", kinds: str = "kv"
     ) -> None:
         """The format (None: none), the calibration, and which of K and V
         (``kinds``: "kv", "k" or "v") are stored in it."""
-        self.dtype, self.granularity, self.scales = dtype, granularity, {}
+        self.dtype, self.granularity, self.scales, self.centers = dtype, granularity, {}, {}
         self.kinds = {"k": (0,), "v": (1,), "kv": (0, 1)}[kinds]
 
     def store(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
@@ -83,10 +94,20 @@ class KVEmulation:
         if self.calibrating:
             if self.granularity == "executor":  # K's over rotation pairs, V's own
                 scale = calibration_scales(tokens, tokens, self.dtype)[kind]
+            elif self.granularity == "per_head_centered":
+                if slot not in self.centers:  # the first calibration forward's mean
+                    self.centers[slot] = tokens.float().flatten(0, -3).mean(dim=0)
+                centered = tokens.float() - self.centers[slot]
+                scale = fp8_kv.calibrated_scale(centered, self.dtype, True)
             else:
-                scale = fp8_kv.calibrated_scale(tokens, self.dtype, self.granularity == "per_head")
+                per_head = self.granularity == "per_head"
+                scale = fp8_kv.calibrated_scale(tokens, self.dtype, per_head)
             held = self.scales.get(slot)
             self.scales[slot] = scale if held is None else torch.maximum(held, scale)
+        center = self.centers.get(slot)
+        if center is not None:
+            stored = fp8_kv.round_trip(tokens.float() - center, self.scales[slot], self.dtype)
+            return (stored + center).to(x.dtype).transpose(1, 2)
         return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype).transpose(1, 2)
 
     def attention(
