@@ -16,6 +16,11 @@ def h(name: str) -> BlockHash:
     return BlockHash(name.encode())
 
 
+def offload(tier: HostTier, block_id: int, name: str) -> None:
+    """One cached GPU block's offload (``HostTier.offload_all`` of one)."""
+    tier.offload_all(((BlockId(block_id), h(name)),))
+
+
 def copy(block_id: int, host_id: int) -> HostCopy:
     return HostCopy(BlockId(block_id), host_id)
 
@@ -85,13 +90,13 @@ def test_a_hash_already_on_the_host_is_not_offloaded_again() -> None:
 
 def test_the_least_recently_used_host_block_is_reused_first_but_never_a_pinned_one() -> None:
     tier = HostTier(2)
-    tier.offload(BlockId(1), h("h1"))
-    tier.offload(BlockId(2), h("h2"))
+    offload(tier, 1, "h1")
+    offload(tier, 2, "h2")
     tier.take_copies()
     hits = tier.find([h("h1")], 0, 1)
     assert hits == [HostHit(h("h1"), 0)]
     tier.pin(hits)
-    tier.offload(BlockId(3), h("h3"))  # h1 is pinned: h2's block is taken
+    offload(tier, 3, "h3")  # h1 is pinned: h2's block is taken
     tier.load(hits, [BlockId(4)])
     assert h("h1") in tier and h("h2") not in tier and h("h3") in tier
     offloads, loads = tier.take_copies()
@@ -99,7 +104,7 @@ def test_the_least_recently_used_host_block_is_reused_first_but_never_a_pinned_o
     assert tier.check_integrity() == []
     tier.pin(tier.find([h("h1")], 0, 1))
     tier.pin(tier.find([h("h3")], 0, 1))
-    tier.offload(BlockId(5), h("h5"))  # every host block pinned: dropped
+    offload(tier, 5, "h5")  # every host block pinned: dropped
     assert h("h5") not in tier
     assert tier.stats.num_evicted == 1
 
@@ -136,14 +141,14 @@ def test_a_block_cached_in_the_step_not_yet_sent_is_not_offloaded() -> None:
 
 def test_the_audit_finds_a_leaked_host_block() -> None:
     tier = HostTier(3)
-    tier.offload(BlockId(1), h("h1"))
+    offload(tier, 1, "h1")
     tier._free.pop()  # a block neither free nor indexed
     assert any("leaked" in error for error in tier.check_integrity())
 
 
 def test_the_audit_names_a_host_block_both_free_and_indexed_and_one_out_of_range() -> None:
     tier = HostTier(3)
-    tier.offload(BlockId(1), h("h1"))
+    offload(tier, 1, "h1")
     assert tier.check_integrity() == []
     host_id = tier._index[h("h1")]
     tier._free.append(host_id)  # indexed and free at once
@@ -217,9 +222,9 @@ def test_without_write_through_a_block_goes_to_the_host_when_evicted() -> None:
 
 def test_every_change_to_the_host_index_is_an_event() -> None:
     tier = HostTier(2)
-    tier.offload(BlockId(1), h("h1"))
-    tier.offload(BlockId(2), h("h2"))
-    tier.offload(BlockId(3), h("h3"))  # takes h1's host block 0
+    offload(tier, 1, "h1")
+    offload(tier, 2, "h2")
+    offload(tier, 3, "h3")  # takes h1's host block 0
     tier.take_copies()
     tier.clear()
     events = [(e.kind.name, e.block_id, e.block_hash) for e in tier.take_events()]
@@ -250,7 +255,7 @@ def test_a_takeover_adopts_the_listed_host_blocks() -> None:
     assert tier.cached() == [(h("h2"), 2), (h("h0"), 0)]
     assert tier.check_integrity() == []
     assert [e.block_id for e in tier.take_events()] == [2, 0]
-    tier.offload(BlockId(5), h("h5"))  # the lowest free host block: 1 (0 and 2 adopted)
+    offload(tier, 5, "h5")  # the lowest free host block: 1 (0 and 2 adopted)
     offloads, _ = tier.take_copies()
     assert offloads == [copy(5, 1)]
 

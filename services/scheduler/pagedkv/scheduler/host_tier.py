@@ -220,10 +220,6 @@ class HostTier:
             loads.append(HostCopy(block_id, hit.host_id))
         self._num_loaded += len(hits)
 
-    def offload(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        """``offload_all`` of one block."""
-        self.offload_all(((block_id, block_hash),))
-
     def offload_all(self, blocks: Iterable[tuple[BlockId, BlockHash]]) -> None:
         """Each cached GPU block's KV, in order, goes to a host block (written
         through once computed, or at its eviction), unless its hash is there
