@@ -19,6 +19,9 @@ def test_each_round_hits_the_tier_it_claims_and_the_report_is_written(tmp_path: 
     assert counted["recompute"]["cached"] == 0
     assert counted["host_hit"]["host_hit_tokens"] == counted["gpu_hit"]["cached"] == 224
     assert counted["host_hit"]["loaded_blocks"] == 224 // 16
+    # The blocks its step evicted went to the host while the executor was
+    # idle (--host-idle-offload-blocks): the step only loads.
+    assert counted["host_hit"]["step_copies"] == [0, 224 // 16]
     assert all(report["summary"]["median_ttft_ms"][tier] > 0 for tier in TIERS)
     assert "Host hit / recompute" in output.with_suffix(".md").read_text()
     # Where the time went, per tier found in the step traces.

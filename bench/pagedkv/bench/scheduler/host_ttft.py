@@ -107,7 +107,8 @@ def _where(rounds: list[dict[str, Any]], traces: Path) -> dict[str, dict[str, fl
     that computes the prompt (``to_scheduler``: the RPC, admission, waking
     the step loop), scheduling and sending it, the executor's receipt to
     its answer (``executor``), and from there to the token at the client
-    (``back``: the answer, its processing, the stream)."""
+    (``back``: the answer, its processing, the stream). Each round's tier
+    gets that step's offloads and loads (``step_copies``)."""
     steps = step_trace_records(traces, "scheduler")
     answered = {int(r["step_id"]): r for r in step_trace_records(traces, "executor")}
     parts: dict[str, dict[str, list[float]]] = {}
@@ -120,6 +121,8 @@ def _where(rounds: list[dict[str, Any]], traces: Path) -> dict[str, dict[str, fl
             executor = answered.get(int(step["step_id"])) if step is not None else None
             if step is None or executor is None:
                 continue
+            # The blocks that step copied to the host and back (the executor's trace).
+            row[tier]["step_copies"] = [int(executor.get(k, 0)) for k in ("offloads", "loads")]
             spans = parts.setdefault(tier, {})
             for name, start, end in (
                 ("to_scheduler", sent, step["scheduling"]),
@@ -187,12 +190,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"**{s['host_over_gpu_hit']:.3f}x**. Every round hit as claimed (usage and the "
         f"executor's host hits): {'yes' if s['hits_as_claimed'] else 'no'}.",
         "",
-        "| round | recompute (ms) | GPU hit (ms) | host hit (ms) | blocks loaded |",
-        "|---|---|---|---|---|",
+        "| round | recompute (ms) | GPU hit (ms) | host hit (ms) | blocks loaded | host hit's "
+        "step: offloads, loads |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['round']} | {r['recompute']['ttft_ms']:.2f} | {r['gpu_hit']['ttft_ms']:.2f} | "
-        f"{r['host_hit']['ttft_ms']:.2f} | {r['host_hit']['loaded_blocks']} |"
+        f"{r['host_hit']['ttft_ms']:.2f} | {r['host_hit']['loaded_blocks']} | "
+        f"{', '.join(map(str, r['host_hit'].get('step_copies', ())))} |"
         for r in report["rounds"]
     ]
     where = report.get("where_ms") or {}
