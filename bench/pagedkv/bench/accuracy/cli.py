@@ -24,7 +24,7 @@ def register(subparsers: Any, name: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The recipe's options (``pagedkv bench train-model`` and train.py's ``main``)."""
     parser.add_argument("--out", required=True, type=Path, help="the model's directory")
-    parser.add_argument("--shape", choices=("small", "tiny"), default="small")
+    parser.add_argument("--shape", choices=("small", "cpu", "tiny"), default="small")
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--minutes", type=float, default=5.0, help="stop after this long")
     parser.add_argument("--batch", type=int, default=32)
