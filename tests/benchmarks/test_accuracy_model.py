@@ -99,7 +99,7 @@ def test_the_command_offers_every_shape_and_the_recipes_defaults() -> None:
 def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     trained: tuple[Path, dict[str, Any]],
 ) -> None:
-    from pagedkv.bench.accuracy.evaluate import EMULATION, evaluate
+    from pagedkv.bench.accuracy.evaluate import EMULATION, GRANULARITIES, evaluate
 
     path, _ = trained
     report = evaluate(
@@ -118,7 +118,7 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     assert set(rows) == parts | {
         f"{name}/{granularity}"
         for name in ("fp8_e4m3", "fp8_e5m2")
-        for granularity in ("per_tensor", "per_head", "per_head_centered", "executor")
+        for granularity in GRANULARITIES
     }
     for name in parts:  # K or V alone in fp8: no outlier row, no larger a cost
         part = rows.pop(name)

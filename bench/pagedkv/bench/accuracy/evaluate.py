@@ -43,16 +43,20 @@ import torch
 from pagedkv.bench.accuracy.corpus import load
 from pagedkv.bench.accuracy.train import as_ids
 from pagedkv.executor.kv_calibration import CALIBRATION_TOKENS, calibration_token_ids
-from pagedkv.executor.kv_memory import calibration_scales
+from pagedkv.executor.kv_memory import CALIBRATION_HEADROOM, calibration_scales
 from pagedkv.kernels import fp8_kv
 
 ATTENTION_NAME = "pagedkv_kv_emulation"
 # Scales calibrated on a training window (the format's range reached by its
 # largest value), per tensor or per KV head; per KV head on K and V less
 # their mean over the window (``per_head_centered``, see ``KVEmulation``);
-# and as the executor calibrates them (``executor``: per KV head, on its
-# seeded random tokens, with its headroom; pagedkv.executor.kv_calibration).
-GRANULARITIES = ("per_tensor", "per_head", "per_head_centered", "executor")
+# as the executor calibrates them (``executor``: per KV head, on its seeded
+# random tokens, with its headroom; pagedkv.executor.kv_calibration); and
+# centered as the executor would center (``executor_centered``: the means
+# of its calibration tokens' rotated keys and values, the scales of what is
+# left with its headroom).
+GRANULARITIES = ("per_tensor", "per_head", "per_head_centered", "executor", "executor_centered")
+CENTERED = ("per_head_centered", "executor_centered")
 
 
 class KVEmulation:
@@ -94,11 +98,12 @@ class KVEmulation:
         if self.calibrating:
             if self.granularity == "executor":  # K's over rotation pairs, V's own
                 scale = calibration_scales(tokens, tokens, self.dtype)[kind]
-            elif self.granularity == "per_head_centered":
+            elif self.granularity in CENTERED:
                 if slot not in self.centers:  # the first calibration forward's mean
                     self.centers[slot] = tokens.float().flatten(0, -3).mean(dim=0)
                 centered = tokens.float() - self.centers[slot]
-                scale = fp8_kv.calibrated_scale(centered, self.dtype, True)
+                headroom = CALIBRATION_HEADROOM if self.granularity == "executor_centered" else 1.0
+                scale = fp8_kv.calibrated_scale(centered, self.dtype, True, headroom)
             else:
                 per_head = self.granularity == "per_head"
                 scale = fp8_kv.calibrated_scale(tokens, self.dtype, per_head)
@@ -278,7 +283,8 @@ def evaluate(
         EMULATION.configure(fp8, granularity, kinds)
         EMULATION.calibrating = True
         with torch.no_grad():  # the first forward: the scales
-            model(executor_calibration if granularity == "executor" else calibration)
+            executor_like = granularity.startswith("executor")
+            model(executor_calibration if executor_like else calibration)
         EMULATION.calibrating = False
         run = _teacher_forced(model, held, where)
         greedy = _greedy(model, starts, continue_tokens, where)
