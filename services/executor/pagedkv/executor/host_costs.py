@@ -7,7 +7,9 @@ tier chooses load or recompute per request from it, docs/memory.md).
   warm-up built), the better of two, per token;
 - ``load_seconds`` and ``load_seconds_per_block``: loads of one block and of
   ``LOAD_BLOCKS`` blocks from the host tier (the better of two each): a
-  fixed cost per load, and what each block adds.
+  fixed cost per load, and what each block adds (when the larger load did
+  not take longer, its whole time over its blocks, so a block never costs
+  nothing).
 
 Every time is taken with the device idle before and after (synchronized on
 CUDA), over scratch blocks and rows that hold nothing yet (offloads of them
@@ -85,5 +87,16 @@ def measure_host_costs(runner: CostRunner, num_blocks: int) -> HostCosts | None:
         timed(partial(store.offload, block_ids[:n], host_ids[:n]))
     one = timed(lambda: load(1))
     many = timed(lambda: load(count))
-    per_block = max(0.0, (many - one) / (count - 1)) if count > 1 else one
-    return HostCosts(prefill, max(0.0, one - per_block), per_block)
+    return HostCosts(prefill, *split_load_cost(one, many, count))
+
+
+def split_load_cost(one: float, many: float, count: int) -> tuple[float, float]:
+    """A load's fixed cost and a block's, from the times of a load of one
+    block and of ``count``. When the larger load took no longer (the
+    blocks' cost drowned in the fixed one's noise: a few small blocks, a
+    busy host), all of its time is counted per block, so a block never
+    costs nothing."""
+    per_block = (many - one) / (count - 1) if count > 1 else one
+    if per_block <= 0:
+        per_block = many / count
+    return max(0.0, one - per_block), per_block
