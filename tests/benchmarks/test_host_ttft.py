@@ -12,6 +12,7 @@ from pagedkv.bench.scheduler.host_ttft import TIERS, main
 def test_each_round_hits_the_tier_it_claims_and_the_report_is_written(tmp_path: Path) -> None:
     output = tmp_path / "host-ttft.json"
     argv = ["--prompt-len", "240", "--rounds", "1", "--host-kv-gib", "0.01"]
+    argv += ["--host-idle-offload-blocks", "16"]
     assert main([*argv, "--output", str(output)]) == 0
     report = json.loads(output.read_text())
     assert report["summary"]["hits_as_claimed"]
@@ -20,7 +21,7 @@ def test_each_round_hits_the_tier_it_claims_and_the_report_is_written(tmp_path: 
     assert counted["host_hit"]["host_hit_tokens"] == counted["gpu_hit"]["cached"] == 224
     assert counted["host_hit"]["loaded_blocks"] == 224 // 16
     # The blocks its step evicted went to the host while the executor was
-    # idle (--host-idle-offload-blocks): the step only loads.
+    # idle (--host-idle-offload-blocks 16): the step only loads.
     assert counted["host_hit"]["step_copies"] == [0, 224 // 16]
     assert all(report["summary"]["median_ttft_ms"][tier] > 0 for tier in TIERS)
     assert "Host hit / recompute" in output.with_suffix(".md").read_text()

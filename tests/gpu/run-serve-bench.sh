@@ -154,8 +154,8 @@ case "${1:-1b}" in
     # from a GPU hit and from a host hit (five rounds after a warm-up; a
     # minute or two). RUN numbers the file; GRAPHS=decode: CUDA graphs for
     # decode steps only (--cuda-graphs); IDLE: the scheduler's
-    # --host-idle-offload-blocks (0: the host hit's step offloads the blocks
-    # it evicts, as before idle offloads).
+    # --host-idle-offload-blocks (default 0, off: the host hit's step
+    # offloads the blocks it evicts).
     idle=()
     [[ -n ${IDLE:-} ]] && idle=(--host-idle-offload-blocks "$IDLE")
     "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
@@ -164,14 +164,13 @@ case "${1:-1b}" in
     ;;
   host-ttft-idle)
     # host-ttft twice in one call: without offloads ahead of eviction while
-    # idle (the host hit's step offloads the blocks it evicts), then with the
-    # scheduler's default. Files: host-ttft-8b-idle{0,}-NAME.
-    for idle in 0 default; do
-      args=()
-      [[ $idle == 0 ]] && args=(--host-idle-offload-blocks 0)
+    # idle (the host hit's step offloads the blocks it evicts), then with
+    # them 512 blocks deep (two prompts' blocks). Files:
+    # host-ttft-8b-idle{0,512}-NAME.
+    for idle in 0 512; do
       "$PYTHON" -m pagedkv.bench.scheduler.host_ttft --preset llama-8b --device cuda \
         --dtype bfloat16 --prompt-len 4096 --host-kv-gib 4 --cuda-graphs "${GRAPHS:-all}" \
-        "${args[@]}" --output "$RESULTS/host-ttft-8b-idle${idle/default/}-$NAME.json"
+        --host-idle-offload-blocks "$idle" --output "$RESULTS/host-ttft-8b-idle$idle-$NAME.json"
     done
     ;;
   host-tier)

@@ -20,18 +20,17 @@ from pagedkv.scheduler.sequence import Generation
 BLOCK_SIZE = 16
 
 
-def scheduler(num_blocks: int, num_host_blocks: int, **kwargs: int) -> ExecutorScheduler:
+def scheduler(num_blocks: int, num_host_blocks: int, depth: int = 32) -> ExecutorScheduler:
+    """Offloads ahead ``depth`` blocks deep (0: off, as by default)."""
     info = executor_info(num_blocks, 8, max_model_len=512)
     info.num_host_blocks = num_host_blocks
-    if not kwargs:
-        return simulated_scheduler(info)
     return ExecutorScheduler(
         "bench",
         info,
         simulated_scheduler(info).owner,
         max_num_seqs=8,
         max_num_batched_tokens=info.max_num_batched_tokens,
-        **kwargs,
+        host_idle_offload_blocks=depth,
     )
 
 
@@ -88,7 +87,7 @@ def test_an_idle_step_offloads_the_pool_s_next_blocks_and_their_eviction_copies_
 
 def test_idle_offloads_go_only_as_deep_as_asked_and_never_with_work_to_do() -> None:
     rng = random.Random(1)
-    s = scheduler(num_blocks=10, num_host_blocks=64, host_idle_offload_blocks=3)
+    s = scheduler(num_blocks=10, num_host_blocks=64, depth=3)
     serve(s, 1, prompt(rng, 8 * BLOCK_SIZE + 3))
     head = list(s.kv.pool.free_block_queue)[:3]
     idle = s.idle_step()
@@ -109,13 +108,14 @@ def test_idle_offloads_go_only_as_deep_as_asked_and_never_with_work_to_do() -> N
 def test_no_idle_step_when_off_or_without_a_host_tier() -> None:
     rng = random.Random(2)
     for s in (
-        scheduler(num_blocks=20, num_host_blocks=64, host_idle_offload_blocks=0),
+        scheduler(num_blocks=20, num_host_blocks=64, depth=0),
         scheduler(num_blocks=20, num_host_blocks=0),
     ):
         serve(s, 1, prompt(rng, 8 * BLOCK_SIZE))
         assert s.idle_step() is None
 
 
-def test_the_default_depth_is_one_longest_request_s_blocks() -> None:
-    s = scheduler(num_blocks=20, num_host_blocks=64)
-    assert s.host_idle_offload_blocks == 512 // BLOCK_SIZE
+def test_off_by_default() -> None:
+    info = executor_info(20, 8)
+    info.num_host_blocks = 64
+    assert simulated_scheduler(info).host_idle_offload_blocks == 0

@@ -70,8 +70,10 @@ def test_a_scheduler_taking_an_fp8_executor_over_reads_its_blocks_with_their_sca
             for request, before in ((prompt, expected), (churn, expected_churn)):
                 tokens, chunks = collect(second.stub, greedy_request(request, 8))
                 assert tokens[0] == before[0]
-                assert chunks[-1].usage.cached_prompt_tokens >= 48
+                assert chunks[-1].usage.cached_prompt_tokens >= 16
             stats = assert_nothing_held(second.stub).executors[0]
             assert stats.kv_cache_dtype == "float8_e4m3fn"
             assert stats.num_adopted_cached_blocks > 0  # the churn's, on the GPU pool
-            assert stats.prefix_cache_host_hits >= 48  # the prompt's, from the host tier
+            # The prompt's first block on the GPU pool, the next two from the host tier.
+            assert stats.prefix_cache_hits - stats.prefix_cache_host_hits >= 16
+            assert stats.prefix_cache_host_hits >= 32

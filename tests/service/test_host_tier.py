@@ -27,6 +27,7 @@ __all__ = ["model_dirs"]
 
 NUM_BLOCKS = 12  # 11 usable blocks of 16 tokens: a few requests' worth
 HOST = ("--host-kv-gib", "0.01")
+IDLE_OFFLOADS = ("--host-idle-offload-blocks", "11")  # the whole pool
 
 
 def churn_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -36,7 +37,8 @@ def churn_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def stack(model_dirs: dict[str, Path]):
-    with serve(model_dirs["llama"], num_blocks=NUM_BLOCKS, extra=HOST) as process:
+    extra = (*HOST, *IDLE_OFFLOADS)
+    with serve(model_dirs["llama"], num_blocks=NUM_BLOCKS, extra=extra) as process:
         yield process
 
 
@@ -44,7 +46,7 @@ def test_an_idle_executor_copies_its_next_blocks_out_before_anything_evicts_them
     """(First in this module: the stack's pool holds nothing cached yet.)
     With nothing else to do, the executor is sent a step that offloads the
     cached blocks its pool hands out next (``--host-idle-offload-blocks``,
-    on by default), so a later eviction of them copies nothing."""
+    on for this module's stack), so a later eviction of them copies nothing."""
     prompt = churn_prompts(1, 69, seed=5)[0]  # with 4 outputs: 72 tokens, 4 full blocks
     collect(stack.stub, greedy_request(prompt, 4))  # 5 of the 11 blocks: nothing is evicted
     deadline = time.monotonic() + 30

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host-idle-offload-blocks",
         type=int,
-        help="the scheduler's --host-idle-offload-blocks (default: its own; 0: offloads only "
+        help="the scheduler's --host-idle-offload-blocks (default: its own, 0: offloads only "
         "at eviction, in the host hit's step)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")

@@ -86,8 +86,7 @@ def scheduler_commands(args: argparse.Namespace, model: str, redis_url: str) -> 
             command += ["--pipeline-depth", str(args.pipeline_depth)]
         command += ["--stream-pace-us", str(args.stream_pace_us)]
         command += ["--host-loads", args.host_loads, "--host-offload", args.host_offload]
-        if args.host_idle_offload_blocks is not None:
-            command += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
+        command += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
         command += ["--executor-timeout", str(args.executor_timeout)]
         command += ["--drain-timeout", str(args.drain_timeout)]
         if args.metrics_port is not None:

@@ -92,10 +92,10 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-idle-offload-blocks",
         type=_int_in(0, 1 << 30),
+        default=0,
         help="with a host KV tier: while an executor has nothing to do, the cached blocks among "
         "the next N its GPU pool hands out are offloaded ahead of their eviction, so the step "
-        "that evicts them copies nothing (0: off; default: the blocks of one max_model_len "
-        "request); see docs/memory.md",
+        "that evicts them copies nothing (default 0: off); see docs/memory.md",
     )
     parser.add_argument(
         "--stream-pace-us",

@@ -45,8 +45,8 @@ class SchedulerConfig:
     # (host_tier.py, HOST_OFFLOADS).
     host_offload: str = "eviction"
     # While an executor is idle, its pool's next blocks this many deep go to
-    # the host tier ahead of their eviction (ExecutorScheduler.idle_step;
-    # None: one max_model_len request's blocks; 0: off).
-    host_idle_offload_blocks: int | None = None
+    # the host tier ahead of their eviction (ExecutorScheduler.idle_step; 0:
+    # off, the default until measured on a GPU).
+    host_idle_offload_blocks: int = 0
     cluster: ClusterConfig | None = None  # with Redis: executors come from its registry
     executor_tls: TlsConfig | None = None  # mutual TLS towards the executors (None: plaintext)

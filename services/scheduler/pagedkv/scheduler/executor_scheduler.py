@@ -61,14 +61,14 @@ class ExecutorScheduler:
         decode_window: int = ONE_STEP,
         host_loads: str = "auto",
         host_offload: str = "eviction",
-        host_idle_offload_blocks: int | None = None,
+        host_idle_offload_blocks: int = 0,
     ) -> None:
         """``cached``: the executor's tagged blocks (ListCachedBlocks, oldest
         first) when it was taken over with its cache; they start in the
         prefix-cache index (blocks that cannot be adopted are untagged in
         the first step). ``host_cached``: its host tier's, likewise, for the
-        host index. ``host_idle_offload_blocks``: see ``idle_step`` (None:
-        the blocks of one request of ``max_model_len`` tokens)."""
+        host index. ``host_idle_offload_blocks``: see ``idle_step`` (0: no
+        idle steps)."""
         self.address = address
         self.decode_window = decode_window  # most decode steps in one message (windows.py)
         self.info = info
@@ -90,8 +90,6 @@ class ExecutorScheduler:
         self.num_adopted_cached_blocks = self.kv.pool.adopt_cached_blocks(cached)
         if self.kv.host is not None:
             self.kv.host.adopt(host_cached)
-        if host_idle_offload_blocks is None:
-            host_idle_offload_blocks = -(-info.max_model_len // info.block_size)
         self.host_idle_offload_blocks = host_idle_offload_blocks
         self.draining = False  # being given up: nothing new is admitted here
         self.released = False  # given up: the step loop ends once no step is in flight

@@ -54,7 +54,7 @@ def config_from_args(
         decode_window=args.decode_window,
         host_loads=getattr(args, "host_loads", "auto"),
         host_offload=getattr(args, "host_offload", "eviction"),
-        host_idle_offload_blocks=getattr(args, "host_idle_offload_blocks", None),
+        host_idle_offload_blocks=getattr(args, "host_idle_offload_blocks", 0),
         pipeline_depth=(
             default_pipeline_depth(args.decode_window)
             if args.pipeline_depth is None
