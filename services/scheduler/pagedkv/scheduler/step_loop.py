@@ -22,6 +22,7 @@ from pagedkv.scheduler.internal_errors import InternalErrors
 from pagedkv.scheduler.metrics import SchedulerMetrics
 from pagedkv.scheduler.sequence import Generation
 from pagedkv.scheduler.takeover import owner_if_fenced
+from pagedkv.v1 import executor_pb2
 
 # A step's record in a step trace (pagedkv.common.step_trace): perf_counter
 # times when its scheduling started and ended, its send returned, its
@@ -142,81 +143,106 @@ class StepLoops:
         trace = self.trace
         depth = self.config.pipeline_depth
         cluster = executors.cluster
-        while True:
-            if scheduler.released and not inflight:
-                return
-            if schedulers.get(address) is not scheduler and not scheduler.released:
-                return  # out of service (marked down elsewhere): steps in flight are moot
-            if executors.must_resync(address):
-                raise Resync
-            if cluster is not None and not cluster.may_step(address):
-                await cluster.lease_renewed(address)  # its lease must be renewed first
-                if schedulers.get(address) is not scheduler:
-                    return  # the lease was lost: the executor is out of service
-                continue
-            if len(inflight) < depth:
-                t0 = clock()
-                step = scheduler.schedule()
-                if step is None and not inflight:  # idle: the host tier's offloads ahead
-                    step = scheduler.idle_step()
-                if step is not None:
-                    t1 = clock()
-                    sent_at = time.monotonic()
-                    for early in step.before:  # copy-only messages: no entries
-                        await client.send(early)
-                        inflight.append((ScheduledStep(early), t0, t1, sent_at, clock()))
-                    await client.send(step.request)
-                    inflight.append((step, t0, t1, sent_at, clock()))
-                    if len(inflight) < depth:
+        # The oldest step's answer while it is being read (see below).
+        receiving: asyncio.Future[executor_pb2.StepResponse] | None = None
+        try:
+            while True:
+                if scheduler.released and not inflight:
+                    return
+                if schedulers.get(address) is not scheduler and not scheduler.released:
+                    return  # out of service (marked down elsewhere): steps in flight are moot
+                if executors.must_resync(address):
+                    raise Resync
+                if cluster is not None and not cluster.may_step(address):
+                    await cluster.lease_renewed(address)  # its lease must be renewed first
+                    if schedulers.get(address) is not scheduler:
+                        return  # the lease was lost: the executor is out of service
+                    continue
+                if len(inflight) < depth:
+                    t0 = clock()
+                    step = scheduler.schedule()
+                    if step is None and not inflight:  # idle: the host tier's offloads ahead
+                        step = scheduler.idle_step()
+                    if step is not None:
+                        t1 = clock()
+                        sent_at = time.monotonic()
+                        for early in step.before:  # copy-only messages: no entries
+                            await client.send(early)
+                            inflight.append((ScheduledStep(early), t0, t1, sent_at, clock()))
+                        await client.send(step.request)
+                        inflight.append((step, t0, t1, sent_at, clock()))
+                        if len(inflight) < depth:
+                            continue
+                if not inflight:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                if receiving is None:  # the oldest step's answer
+                    receiving = asyncio.ensure_future(client.receive(inflight[0][3]))
+                if len(inflight) < depth:
+                    # Room for another step, and nothing to send now: work that
+                    # comes before the answer is scheduled then (pipelined
+                    # behind the step in flight), not once the answer is in.
+                    wake.clear()
+                    woken = asyncio.ensure_future(wake.wait())
+                    try:
+                        await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        woken.cancel()
+                    if not receiving.done():
                         continue
-            if not inflight:
-                wake.clear()
-                await wake.wait()
-                continue
-            sent, t0, t1, sent_at, t_sent = inflight.popleft()
-            response = await client.receive(sent_at)
-            t2 = clock()
-            if response.draining and not scheduler.draining:
-                executors.executor_draining(address, response.drain_seconds_left)
-            touched, errors = scheduler.process(sent, response)
-            for generation, exc in errors:
-                error = self.errors.report(
-                    exc, "process", executor=address, request_id=generation.request_id
+                try:
+                    response = await receiving
+                finally:
+                    receiving = None
+                sent, t0, t1, sent_at, t_sent = inflight.popleft()
+                t2 = clock()
+                if response.draining and not scheduler.draining:
+                    executors.executor_draining(address, response.drain_seconds_left)
+                touched, errors = scheduler.process(sent, response)
+                for generation, exc in errors:
+                    error = self.errors.report(
+                        exc, "process", executor=address, request_id=generation.request_id
+                    )
+                    self.generations.fail(generation, error)
+                if errors and not scheduler.kv.check_integrity().ok:
+                    raise Resync
+                if not errors:
+                    executors.step_succeeded(address)
+                self._publish(touched, scheduler, t2 - t0, sent.request.num_decode_steps > 1)
+                self.step_timings.append(
+                    StepTiming(
+                        address,
+                        len(sent.num_scheduled),
+                        sum(sent.num_scheduled),
+                        t1 - t0,
+                        t2 - t1,
+                        response.host_time_us * 1e-6,
+                        clock() - t2,
+                    )
                 )
-                self.generations.fail(generation, error)
-            if errors and not scheduler.kv.check_integrity().ok:
-                raise Resync
-            if not errors:
-                executors.step_succeeded(address)
-            self._publish(touched, scheduler, t2 - t0, sent.request.num_decode_steps > 1)
-            self.step_timings.append(
-                StepTiming(
-                    address,
-                    len(sent.num_scheduled),
-                    sum(sent.num_scheduled),
-                    t1 - t0,
-                    t2 - t1,
-                    response.host_time_us * 1e-6,
-                    clock() - t2,
-                )
-            )
-            if trace is not None:
-                request = sent.request
-                trace.add(
-                    request.step_id,
-                    len(sent.num_scheduled),
-                    sum(sent.num_scheduled),
-                    max(1, request.num_decode_steps),
-                    t0,
-                    t1,
-                    t_sent,
-                    t2,
-                    clock(),
-                    time.process_time(),
-                )
-            # No yield here: the next step is scheduled and sent first (the
-            # device may be waiting for it); the Generate handlers run while
-            # this loop waits for that step's answer.
+                if trace is not None:
+                    request = sent.request
+                    trace.add(
+                        request.step_id,
+                        len(sent.num_scheduled),
+                        sum(sent.num_scheduled),
+                        max(1, request.num_decode_steps),
+                        t0,
+                        t1,
+                        t_sent,
+                        t2,
+                        clock(),
+                        time.process_time(),
+                    )
+                # No yield here: the next step is scheduled and sent first (the
+                # device may be waiting for it); the Generate handlers run while
+                # this loop waits for that step's answer.
+        finally:
+            if receiving is not None:  # the loop ended with an answer unread: moot
+                receiving.cancel()
+                if receiving.done() and not receiving.cancelled():
+                    receiving.exception()  # retrieved: an executor already down
 
     def _publish(
         self,
