@@ -16,6 +16,7 @@ from pagedkv.bench.scheduler.executor_sim import (
 )
 from pagedkv.scheduler.executor_scheduler import ExecutorScheduler
 from pagedkv.scheduler.sequence import Generation
+from pagedkv.v1 import common_pb2
 
 BLOCK_SIZE = 16
 
@@ -27,7 +28,7 @@ def scheduler(num_blocks: int, num_host_blocks: int, depth: int = 32) -> Executo
     return ExecutorScheduler(
         "bench",
         info,
-        simulated_scheduler(info).owner,
+        common_pb2.Owner(owner_id="bench", epoch=1),
         max_num_seqs=8,
         max_num_batched_tokens=info.max_num_batched_tokens,
         host_idle_offload_blocks=depth,

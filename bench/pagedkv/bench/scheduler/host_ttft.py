@@ -177,7 +177,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"token, over `pagedkv serve`'s gRPC API; GPU pool {settings['num_blocks']} blocks, "
         f"host tier {settings['host_kv_gib']} GiB; CUDA graphs: "
         f"{settings.get('cuda_graphs', 'decode')} steps; offloads ahead of eviction while "
-        f"idle: {_idle(settings.get('host_idle_offload_blocks'))}; {settings['rounds']} rounds "
+        f"idle: {_idle(settings.get('host_idle_offload_blocks', 0))}; {settings['rounds']} rounds "
         "after one warm-up round.",
         "",
         "| tier | TTFT median (ms) |",
@@ -224,9 +224,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _idle(blocks: int | None) -> str:
-    if blocks is None:
-        return "the scheduler's default depth"
+def _idle(blocks: int) -> str:
     return f"{blocks} blocks deep" if blocks else "off"
 
 
@@ -247,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host-idle-offload-blocks",
         type=int,
-        help="the scheduler's --host-idle-offload-blocks (default: its own, 0: offloads only "
-        "at eviction, in the host hit's step)",
+        default=0,
+        help="the scheduler's --host-idle-offload-blocks (default 0: offloads only at "
+        "eviction, in the host hit's step)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -268,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         options += ["--max-model-len", str(args.prompt_len + 16)]
         options += ["--max-num-batched-tokens", str(max(8192, args.prompt_len))]
         options += ["--cuda-graphs", args.cuda_graphs]
-        if args.host_idle_offload_blocks is not None:
-            options += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
+        options += ["--host-idle-offload-blocks", str(args.host_idle_offload_blocks)]
         with tempfile.TemporaryDirectory(prefix="pagedkv-trace-") as traces:
             with step_trace.tracing(traces):
                 stack = ServeStack(model, options)

@@ -177,12 +177,12 @@ class StepLoops:
                     wake.clear()
                     await wake.wait()
                     continue
-                if receiving is None:  # the oldest step's answer
-                    receiving = asyncio.ensure_future(client.receive(inflight[0][3]))
                 if len(inflight) < depth:
                     # Room for another step, and nothing to send now: work that
                     # comes before the answer is scheduled then (pipelined
                     # behind the step in flight), not once the answer is in.
+                    if receiving is None:  # the oldest step's answer, read meanwhile
+                        receiving = asyncio.ensure_future(client.receive(inflight[0][3]))
                     wake.clear()
                     woken = asyncio.ensure_future(wake.wait())
                     try:
@@ -191,10 +191,13 @@ class StepLoops:
                         woken.cancel()
                     if not receiving.done():
                         continue
-                try:
-                    response = await receiving
-                finally:
-                    receiving = None
+                if receiving is None:  # a full pipeline: nothing to do but read it
+                    response = await client.receive(inflight[0][3])
+                else:
+                    try:
+                        response = await receiving
+                    finally:
+                        receiving = None
                 sent, t0, t1, sent_at, t_sent = inflight.popleft()
                 t2 = clock()
                 if response.draining and not scheduler.draining:
