@@ -31,7 +31,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tests/gpu/run-gpu-tests.sh
 RESULTS=${OUT:-tests/benchmarks/results}
 NAME=${DEVICE_NAME:-h200}
-KV_DTYPES=(auto fp8_e4m3)
+# KV picks the cache dtypes the executor and serve modes run, in order.
+read -r -a KV_DTYPES <<< "${KV:-auto fp8_e4m3}"
 
 setup
 report
