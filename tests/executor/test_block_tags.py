@@ -84,6 +84,14 @@ def test_tags_are_kept_in_tag_order_and_a_retag_moves_the_block_to_the_end() -> 
     assert (listed(tags), tags.chunks()) == ([], [])
 
 
+def test_a_touch_moves_tagged_blocks_to_the_end_in_turn() -> None:
+    tags = BlockTags()
+    tag(tags, (1, h("a"), 0), (2, h("b"), 0), (3, h("c"), 0), (4, h("d"), 0))
+    tags.touch([BlockId(b) for b in (3, 8, 1)])  # 8 has no tag: nothing happens
+    assert [b for b, _, _ in listed(tags)] == [2, 4, 3, 1]
+    assert listed(tags)[-1] == (1, h("a"), 0)  # the tag itself is kept
+
+
 def test_chunks_are_a_snapshot_of_at_most_chunk_size_tags() -> None:
     tags = BlockTags()
     tag(tags, *((b, h(str(b)), 0) for b in range(1, 11)))
@@ -180,6 +188,34 @@ def test_an_untag_and_a_tag_of_one_block_in_one_step_keep_the_new_tag(
     stub.Step(tagging(owner, (4, h("old"), 0), (6, h("six"), 0)))
     stub.Step(tagging(owner, (4, h("new"), 0), untag=(4, 6)))
     assert list_tags(stub, owner) == [(4, h("new"), 0)]
+
+
+def test_a_freed_rows_blocks_are_listed_tail_first_after_older_tags(
+    stub: executor_pb2_grpc.ExecutorStub,
+) -> None:
+    """A row's blocks become the newest tags when a step frees the row (a
+    reset frees every live row), each row's from its last block to its first,
+    as a scheduler releases them: a new owner that adopts the listing evicts
+    a prefix's tail before its head."""
+    owner = take_over(stub, drop=True)
+    d, e = Seq(0, [1, 2, 3], 0), Seq(1, [4, 5, 6], 0)
+    step = prefill(owner, d, "D", P_D)
+    step.MergeFrom(tagging(owner, (1, h("d1"), 0), (2, h("d2"), 0)))
+    take_samples([d], stub.Step(step))
+    step = prefill(owner, e, "E", P_D)
+    step.MergeFrom(tagging(owner, (4, h("e1"), 0), (5, h("e2"), 0), (9, h("other"), 0)))
+    take_samples([e], stub.Step(step))
+    assert [b for b, _, _ in list_tags(stub, owner)] == [1, 2, 4, 5, 9]
+    stub.Step(executor_pb2.StepRequest(owner=owner, freed_rows=[d.row]))
+    assert [b for b, _, _ in list_tags(stub, owner)] == [4, 5, 9, 2, 1]
+    new = take_over(stub, "new")  # frees E's row, still live
+    assert list_tags(stub, new) == [
+        (9, h("other"), 0),
+        (2, h("d2"), 0),
+        (1, h("d1"), 0),
+        (5, h("e2"), 0),
+        (4, h("e1"), 0),
+    ]
 
 
 def test_copies_drop_the_tags_of_their_destinations(stub: executor_pb2_grpc.ExecutorStub) -> None:

@@ -46,10 +46,12 @@ class TagColumns(NamedTuple):
 
 
 class BlockTags:
-    """The tagged blocks, in tag order (oldest first).
+    """The tagged blocks, least recently tagged or released first.
 
     Tagging a block that is tagged already replaces its tag and moves it to the
-    end; untagging a block that is not tagged does nothing.
+    end; so does ``touch``, which the engine calls with the blocks of the rows
+    a step frees, in the order a scheduler releases them; untagging a block
+    that is not tagged does nothing.
     """
 
     def __init__(self) -> None:
@@ -73,6 +75,16 @@ class BlockTags:
         for block_id, block_hash, group_id in zip(block_ids, block_hashes, group_ids, strict=True):
             tags.pop(block_id, None)
             tags[block_id] = (block_hash, group_id)
+
+    def touch(self, block_ids: Iterable[BlockId]) -> None:
+        """Moves each tagged block to the end of the order, in turn (as a
+        scheduler's free queue takes blocks released in that order); blocks
+        without a tag are ignored."""
+        tags = self._tags
+        for block_id in block_ids:
+            tag = tags.pop(block_id, None)
+            if tag is not None:
+                tags[block_id] = tag
 
     def get(self, block_id: BlockId) -> tuple[BlockHash, int] | None:
         """The block's tag (hash, group), if it has one."""

@@ -191,7 +191,10 @@ class Executor:
             self.owner.CopyFrom(owner)
             self.session += 1
             self._settle_tags()  # steps of the old session launched before the reset
-            freed = self.runner.rows.free_all()
+            rows = self.runner.rows
+            if len(self.tags):  # the live rows' blocks were in use until now
+                self.tags.touch(rows.released_blocks(np.flatnonzero(rows.live).tolist()))
+            freed = rows.free_all()
             dropped_tags = self.tags.clear() if request.drop_cached_blocks else 0
             if request.drop_cached_blocks:
                 self.host_tags.clear()
@@ -245,9 +248,10 @@ class Executor:
     def list_cached_blocks(
         self, request: executor_pb2.ListCachedBlocksRequest
     ) -> list[executor_pb2.ListCachedBlocksResponse]:
-        """The tags, oldest first, in chunks of at most ``LIST_CHUNK_SIZE``;
-        only for the current owner. The snapshot is taken under the lock (no
-        step interleaves); the messages are built after it."""
+        """The tags, least recently tagged or released first, in chunks of at
+        most ``LIST_CHUNK_SIZE``; only for the current owner. The snapshot is
+        taken under the lock (no step interleaves); the messages are built
+        after it."""
         with self.lock:
             self.check_owner(request.owner)
             self._wait_for_device()  # a listed tag's KV has been written
@@ -274,6 +278,9 @@ class Executor:
             wanted = {row for row in request.rows if row < rows.max_num_rows and rows.live[row]}
             wanted |= {rows.row_of_seq[r] for r in request.seq_ids if r in rows.row_of_seq}
             freed = sorted(wanted)
+            self._settle_tags()
+            if len(self.tags):
+                self.tags.touch(rows.released_blocks(freed))
             rows.free(freed)
         return executor_pb2.FreeResponse(freed_rows=freed)
 
@@ -330,6 +337,8 @@ class Executor:
                     plan.table_block_ids,
                     plan.copies[:, 1],
                 )
+            # The freed rows' blocks, the newest released once its tags are set.
+            released = runner.rows.released_blocks(plan.freed_rows) if plan.freed_rows else []
             tags = self.tags
             if len(tags):
                 if plan.untag_block_ids:
@@ -355,6 +364,7 @@ class Executor:
                 sampled_rows=sampled_rows if result is not None else sampled_rows[:0],
                 samples=samples,
                 tags=plan.tags,
+                released=released,
                 start=start,
                 end=device_clock(runner.device),
                 num_steps=plan.num_steps,
@@ -363,7 +373,7 @@ class Executor:
                 launch_cpu=time.thread_time() - thread_cpu,
                 host_copies=(len(plan.offloads), len(plan.loads)),
             )
-            if plan.tags.block_ids:
+            if plan.tags.block_ids or released:
                 self._untagged.append(launched)
         return launched
 
@@ -407,10 +417,15 @@ class Executor:
 
     def _settle_tags(self, up_to: int | None = None) -> None:
         """Sets the pending tags of launched steps, in launch order (all, or
-        those launched up to ``up_to``). Under the lock."""
+        those launched up to ``up_to``), each step's followed by its freed
+        rows' blocks moving to the end of the order (a block a finishing
+        request completed is tagged in the step that frees its row). Under
+        the lock."""
         pending = self._untagged
         while pending and (up_to is None or pending[0].sequence <= up_to):
-            self.tags.tag(*pending.popleft().tags)
+            launched = pending.popleft()
+            self.tags.tag(*launched.tags)
+            self.tags.touch(launched.released)
 
     def _wait_for_device(self) -> None:
         if self.runner.device.type == "cuda":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.common.ids import BlockId
 from pagedkv.executor.block_tags import TagColumns
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.v1 import executor_pb2
@@ -61,6 +62,9 @@ class LaunchedStep:
     sampled_rows: np.ndarray
     samples: HostSamples | None
     tags: TagColumns  # set in launch order, at the latest when the step completes
+    # The blocks of the rows it freed, in the order a scheduler releases them:
+    # moved to the end of the tag order after its tags are set.
+    released: list[BlockId]
     start: torch.cuda.Event | float  # device clock before the step's work
     end: torch.cuda.Event | float  # after its last work (the samples' copies)
     num_steps: int = 1  # decode steps (a window's)

@@ -2,7 +2,8 @@
 
 Host side (numpy and lists): which rows are live, their sequence ids and
 sampling params, how many tokens each row's history holds, how many blocks
-each group's row holds, and whether the row has a sample not yet appended.
+each group's row holds, a copy of the block tables, and whether the row has
+a sample not yet appended.
 Device side: the block tables, the token histories and the last sampled token
 of every row, so that a step never waits for the host to learn a sample
 (async stepping appends it on the device).
@@ -17,9 +18,12 @@ tables for warm-up forwards, benchmarks and tests go through
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
+from pagedkv.common.ids import BlockId
 from pagedkv.executor.step_types import RowSampling, StepPlan
 
 
@@ -62,6 +66,9 @@ class Rows:
         self.block_tables = torch.zeros(
             (num_groups, max_num_rows, max_blocks_per_row), dtype=torch.int32, device=device
         )
+        # The tables' host copy, read when rows are freed (released_blocks)
+        # without waiting for the device.
+        self.host_tables = np.zeros((num_groups, max_num_rows, max_blocks_per_row), dtype=np.int32)
         self.token_ids = torch.zeros(
             (max_num_rows, max_model_len), dtype=torch.int64, device=device
         )
@@ -104,17 +111,32 @@ class Rows:
         num_rows, num_blocks = block_ids.shape
         ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int32))
         self.block_tables[:, :num_rows, :num_blocks] = ids.to(self.device)
+        self.host_tables[:, :num_rows, :num_blocks] = block_ids
         self.num_blocks[:, :num_rows] = num_blocks
 
     def clear_tables(self) -> None:
         """Every table empty (after scratch tables)."""
         self.block_tables.zero_()
+        self.host_tables[:] = 0
         self.num_blocks[:] = 0
 
     def set_num_tokens(self, rows: np.ndarray, num_tokens: np.ndarray | int) -> None:
         """Sets the rows' history lengths (a benchmark rewinds them to time
         steps at one context)."""
         self.num_tokens[rows] = num_tokens
+
+    def released_blocks(self, rows: Iterable[int]) -> list[BlockId]:
+        """The blocks the rows' tables hold, in the order a scheduler releases
+        them when it frees those rows: row by row, each group's table from its
+        last block to its first (a prefix's head is released last, so it is
+        evicted last). Read before ``free``."""
+        released: list[BlockId] = []
+        for row in rows:
+            for group in range(self.num_groups):
+                num_blocks = int(self.num_blocks[group, row])
+                if num_blocks:
+                    released.extend(self.host_tables[group, row, num_blocks - 1 :: -1].tolist())
+        return released
 
     def free(self, rows: list[int]) -> None:
         """Forgets the rows (live or not): tables, histories and pending samples."""
@@ -163,6 +185,7 @@ class Rows:
         if len(block_ids):
             index = to_device(np.stack([groups, rows, columns, block_ids]), self.device)
             self.block_tables[index[0], index[1], index[2]] = index[3].to(torch.int32)
+            self.host_tables[groups, rows, columns] = block_ids
         self.num_blocks[new_lengths[0], new_lengths[1]] = new_lengths[2]
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
