@@ -63,3 +63,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> 
 def round_trip(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` stored in ``dtype`` and read back, in ``x``'s dtype."""
     return dequantize(quantize(x, scale, dtype), scale, x.dtype)
+
+
+def hadamard(size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 ``[size, size]``: the orthonormal Sylvester-Hadamard matrix of
+    order ``size`` (a power of two), symmetric and its own inverse. Rotating
+    a head's K and V by it before they are stored spreads a few large
+    channels over all of them (docs/memory.md, "fp8 blocks")."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"hadamard: the size must be a power of two, not {size}")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return (matrix / size**0.5).to(device)

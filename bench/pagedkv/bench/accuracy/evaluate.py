@@ -7,9 +7,10 @@ fp8 with scales calibrated on a first forward, then fixed) before the
 model's own scaled-dot-product attention; the reference keeps them in the
 model's dtype. Per format (e4m3, e5m2) and calibration (``GRANULARITIES``:
 per tensor or per KV head on a window of the training split, or as the
-executor calibrates; and e4m3 so on K alone and on V alone, which says
-which of the two costs what), on the held-out split of the model's corpus
-(corpus.py):
+executor calibrates, centered or not, stored as they are or in the
+Hadamard basis; and e4m3 as the executor calibrates on K alone and on V
+alone, which says which of the two costs what), on the held-out split of
+the model's corpus (corpus.py):
 
 - perplexity (teacher-forced next-byte loss) and its relative increase;
 - top-1 agreement: positions whose argmax equals the reference's;
@@ -54,9 +55,23 @@ ATTENTION_NAME = "pagedkv_kv_emulation"
 # random tokens, with its headroom; pagedkv.executor.kv_calibration); and
 # centered as the executor would center (``executor_centered``: the means
 # of its calibration tokens' rotated keys and values, the scales of what is
-# left with its headroom).
-GRANULARITIES = ("per_tensor", "per_head", "per_head_centered", "executor", "executor_centered")
-CENTERED = ("per_head_centered", "executor_centered")
+# left with its headroom). The ``_rotated`` rows store K and V rotated by
+# the head size's Hadamard matrix (``KVEmulation``): per KV head on the
+# training window, centered or not, and as an executor would (its random
+# tokens; each head's largest vector norm, which bounds every rotated value,
+# with its headroom: ``executor_rotated``).
+GRANULARITIES = (
+    "per_tensor",
+    "per_head",
+    "per_head_centered",
+    "executor",
+    "executor_centered",
+    "per_head_rotated",
+    "per_head_rotated_centered",
+    "executor_rotated",
+)
+CENTERED = ("per_head_centered", "executor_centered", "per_head_rotated_centered")
+ROTATED = ("per_head_rotated", "per_head_rotated_centered", "executor_rotated")
 
 
 class KVEmulation:
@@ -70,7 +85,18 @@ class KVEmulation:
     the softmax ignores, and a value's adds the same vector to every output
     row (the weights sum to 1), once per row. What it would buy: a channel
     whose values sit on a large common offset is rounded on its small
-    variation instead of on the offset."""
+    variation instead of on the offset.
+
+    The ``_rotated`` granularities store each head's K and V times the
+    orthonormal Hadamard matrix ``H`` of the head size and read them back
+    times ``H`` (its own inverse). A cache could store the same bytes and
+    never rotate back: scores are unchanged with the query rotated too
+    (``qH . kH = q . k``), and the output of rotated values is the output
+    times ``H``, which the output projection's weights can absorb. What it
+    would buy: fp8 rounds each value relative to its own magnitude, so a
+    few large channels that a query and its keys share carry most of a
+    score's rounding error; the rotation spreads every channel over all of
+    them."""
 
     def __init__(self) -> None:
         self.dtype: torch.dtype | None = None
@@ -95,9 +121,20 @@ class KVEmulation:
             return x
         tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
         slot = (layer, kind)
+        if self.granularity in ROTATED:  # stored in a rotated basis, read back in the model's
+            rotation = fp8_kv.hadamard(x.shape[-1], x.device)
+            stored = self._store(slot, tokens.float() @ rotation)  # as a kernel, in float32
+            return (stored.float() @ rotation).to(x.dtype).transpose(1, 2)
+        return self._store(slot, tokens).transpose(1, 2)
+
+    def _store(self, slot: tuple[int, int], tokens: torch.Tensor) -> torch.Tensor:
+        kind = slot[1]
         if self.calibrating:
             if self.granularity == "executor":  # K's over rotation pairs, V's own
                 scale = calibration_scales(tokens, tokens, self.dtype)[kind]
+            elif self.granularity == "executor_rotated":
+                norms = tokens.float().norm(dim=-1, keepdim=True)  # each rotated value's bound
+                scale = fp8_kv.calibrated_scale(norms, self.dtype, True, CALIBRATION_HEADROOM)
             elif self.granularity in CENTERED:
                 if slot not in self.centers:  # the first calibration forward's mean
                     self.centers[slot] = tokens.float().flatten(0, -3).mean(dim=0)
@@ -105,15 +142,15 @@ class KVEmulation:
                 headroom = CALIBRATION_HEADROOM if self.granularity == "executor_centered" else 1.0
                 scale = fp8_kv.calibrated_scale(centered, self.dtype, True, headroom)
             else:
-                per_head = self.granularity == "per_head"
+                per_head = self.granularity != "per_tensor"
                 scale = fp8_kv.calibrated_scale(tokens, self.dtype, per_head)
             held = self.scales.get(slot)
             self.scales[slot] = scale if held is None else torch.maximum(held, scale)
         center = self.centers.get(slot)
         if center is not None:
             stored = fp8_kv.round_trip(tokens.float() - center, self.scales[slot], self.dtype)
-            return (stored + center).to(x.dtype).transpose(1, 2)
-        return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype).transpose(1, 2)
+            return (stored + center).to(tokens.dtype)
+        return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype)
 
     def attention(
         self,
@@ -198,7 +235,7 @@ def _agreement(
 @torch.no_grad()
 def outlier_errors(
     dtype: torch.dtype,
-    per_head: bool,
+    granularity: str,
     *,
     seq: int = 1024,
     kv_heads: int = 4,
@@ -209,8 +246,9 @@ def outlier_errors(
 ) -> dict[str, float]:
     """Attention over K and V stored in ``dtype`` against over K and V in
     bf16 (the oracle's cache), for random activations whose channels 3, 40
-    and 77 of every head (K and V) are ``factor`` times the rest; the
-    attention itself in float32. The output's largest absolute error, its
+    and 77 of every head (K and V) are ``factor`` times the rest (stored in
+    the Hadamard basis for the ``_rotated`` granularities); the attention
+    itself in float32. The output's largest absolute error, its
     error's RMS over the output's RMS, and the same RMS ratio for bf16
     against float32 K and V (what bf16 itself costs, for scale)."""
     generator = torch.Generator().manual_seed(seed)
@@ -219,8 +257,17 @@ def outlier_errors(
     for x in exact:
         x[..., [3, 40, 77]] *= factor
     cached = [x.to(torch.bfloat16) for x in exact]
-    scales = [fp8_kv.calibrated_scale(x, dtype, per_head) for x in cached]
-    stored = [fp8_kv.round_trip(x, s, dtype) for x, s in zip(cached, scales, strict=True)]
+    per_head = granularity != "per_tensor"
+    if granularity in ROTATED:  # stored in the Hadamard basis, read back in the model's
+        rotation = fp8_kv.hadamard(head_size)
+        stored = []
+        for x in cached:
+            rotated = x.float() @ rotation
+            scale = fp8_kv.calibrated_scale(rotated, dtype, per_head)
+            stored.append(fp8_kv.round_trip(rotated, scale, dtype) @ rotation)
+    else:
+        scales = [fp8_kv.calibrated_scale(x, dtype, per_head) for x in cached]
+        stored = [fp8_kv.round_trip(x, s, dtype) for x, s in zip(cached, scales, strict=True)]
 
     def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
@@ -292,7 +339,7 @@ def evaluate(
         if kinds != "kv":
             results[f"{name}/{granularity}/{kinds}-only"] = row
             continue
-        row["outlier_errors"] = outlier_errors(fp8, granularity != "per_tensor")
+        row["outlier_errors"] = outlier_errors(fp8, granularity)
         results[f"{name}/{granularity}"] = row
     EMULATION.configure(None)
     noise = None
