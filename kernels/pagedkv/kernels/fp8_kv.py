@@ -75,4 +75,5 @@ def hadamard(size: int, device: torch.device | str | None = None) -> torch.Tenso
     matrix = torch.ones(1, 1)
     while matrix.shape[0] < size:
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
-    return (matrix / size**0.5).to(device)
+    result: torch.Tensor = (matrix / size**0.5).to(device)
+    return result

@@ -128,29 +128,30 @@ class KVEmulation:
         return self._store(slot, tokens).transpose(1, 2)
 
     def _store(self, slot: tuple[int, int], tokens: torch.Tensor) -> torch.Tensor:
-        kind = slot[1]
+        kind, dtype = slot[1], self.dtype
+        assert dtype is not None  # store returns earlier without a format
         if self.calibrating:
             if self.granularity == "executor":  # K's over rotation pairs, V's own
-                scale = calibration_scales(tokens, tokens, self.dtype)[kind]
+                scale = calibration_scales(tokens, tokens, dtype)[kind]
             elif self.granularity == "executor_rotated":
                 norms = tokens.float().norm(dim=-1, keepdim=True)  # each rotated value's bound
-                scale = fp8_kv.calibrated_scale(norms, self.dtype, True, CALIBRATION_HEADROOM)
+                scale = fp8_kv.calibrated_scale(norms, dtype, True, CALIBRATION_HEADROOM)
             elif self.granularity in CENTERED:
                 if slot not in self.centers:  # the first calibration forward's mean
                     self.centers[slot] = tokens.float().flatten(0, -3).mean(dim=0)
                 centered = tokens.float() - self.centers[slot]
                 headroom = CALIBRATION_HEADROOM if self.granularity == "executor_centered" else 1.0
-                scale = fp8_kv.calibrated_scale(centered, self.dtype, True, headroom)
+                scale = fp8_kv.calibrated_scale(centered, dtype, True, headroom)
             else:
                 per_head = self.granularity != "per_tensor"
-                scale = fp8_kv.calibrated_scale(tokens, self.dtype, per_head)
+                scale = fp8_kv.calibrated_scale(tokens, dtype, per_head)
             held = self.scales.get(slot)
             self.scales[slot] = scale if held is None else torch.maximum(held, scale)
         center = self.centers.get(slot)
         if center is not None:
-            stored = fp8_kv.round_trip(tokens.float() - center, self.scales[slot], self.dtype)
+            stored = fp8_kv.round_trip(tokens.float() - center, self.scales[slot], dtype)
             return (stored + center).to(tokens.dtype)
-        return fp8_kv.round_trip(tokens, self.scales[slot], self.dtype)
+        return fp8_kv.round_trip(tokens, self.scales[slot], dtype)
 
     def attention(
         self,
