@@ -93,6 +93,38 @@ def test_cache_writes_store_the_oracles_bytes(
 
 
 @pytest.mark.parametrize("fp8", FORMATS)
+def test_a_rotated_key_is_quantized_as_the_oracle_quantizes_it(fp8: torch.dtype) -> None:
+    """``rotate`` over an fp8 cache: the key in the Hadamard basis, then
+    quantized. Sums in another order may round a value to the neighbouring
+    fp8 code, so the check is on the values: within one step of the
+    format (1/8 of a value for e4m3, 1/4 for e5m2)."""
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, num_kv_heads, head_size, block_size = 7, 2, 64, 4
+    key = (torch.randn(num_tokens, num_kv_heads, head_size, generator=gen) * 3).to(torch.float16)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(torch.float16)
+    query = torch.randn(num_tokens, 4, head_size, generator=gen).to(torch.float16)
+    slots = torch.tensor([0, 5, 9, -1, 13, 2, 22])
+    positions = torch.randint(0, 50, (num_tokens,), generator=gen)
+    cos_sin = llama_cos_sin(64, head_size).to(torch.float16)
+    kv = scales(num_kv_heads, True)
+    shape = (6, block_size, num_kv_heads, head_size)
+    want = [torch.zeros(shape, dtype=fp8), torch.zeros(shape, dtype=fp8)]
+    reference.rotary_and_cache(query.clone(), key, value, cos_sin, positions, *want, slots,
+                               rotate=True, **kv)  # fmt: skip
+    step = torch.finfo(fp8).eps
+    for module in (rotary, torch_backend):
+        moved = [torch.zeros(shape, dtype=fp8, device=DEVICE) for _ in range(2)]
+        on = {name: t.to(DEVICE) for name, t in kv.items()}
+        args = (query.clone(), key, value, cos_sin, positions)
+        module.rotary_and_cache(
+            *(t.to(DEVICE) for t in args), *moved, slots.to(DEVICE), rotate=True, **on
+        )
+        for cache, oracle in zip(moved, want, strict=True):
+            torch.testing.assert_close(cache.cpu().float(), oracle.float(), rtol=step, atol=2.0**-9)
+        same_bytes(moved[1], want[1])  # the value is stored as given
+
+
+@pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
 def test_attention_over_an_fp8_cache_matches_the_oracle(

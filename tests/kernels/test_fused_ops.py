@@ -151,3 +151,72 @@ def test_rotary_matches_llamas_apply_rotary_pos_emb() -> None:
     q_hf, _ = apply_rotary_pos_emb(q, k, cos, sin)
     ours = reference.rotary_embedding(q[0].transpose(0, 1), cos_sin, positions)
     assert torch.equal(ours, q_hf[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_size"), [(4, 2, 32), (6, 3, 64)])
+def test_rotate_stores_the_key_in_the_hadamard_basis_and_keeps_every_score(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_size: int
+) -> None:
+    """``rotate``: both backends match the oracle, which is the rotary
+    embedding times ``fp8_kv.hadamard``; the rotated query's scores against
+    the cached keys are the scores without ``rotate``; the value is cached
+    as given."""
+    from pagedkv.kernels import fp8_kv
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_blocks, block_size = 5, 4, 4
+    cos_sin = llama_cos_sin(32, head_size).to(dtype)
+    positions = torch.tensor([0, 3, 9, 17, 31])
+    slots = torch.tensor([4, 5, 6, -1, 9])
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_size, generator=gen)
+    qkv = qkv.to(dtype)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    sizes = [num_q_heads, num_kv_heads, num_kv_heads]
+    results = {}
+    for name, module, rotate in (
+        ("oracle", reference, True),
+        ("plain", reference, False),
+        ("triton", rotary, True),
+        ("torch", torch_backend, True),
+    ):
+        on = "cpu" if module is reference else DEVICE
+        query, key, value = qkv.clone().to(on).split(sizes, dim=1)
+        caches = [torch.zeros(cache_shape, dtype=dtype, device=on) for _ in range(2)]
+        module.rotary_and_cache(
+            query, key, value, cos_sin.to(on), positions.to(on), *caches, slots.to(on),
+            rotate=rotate,
+        )  # fmt: skip
+        results[name] = (query.cpu(), caches[0].cpu(), caches[1].cpu())
+    tol = tolerance(dtype)
+    for name in ("triton", "torch"):
+        for got, want in zip(results[name], results["oracle"], strict=True):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    rotation = fp8_kv.hadamard(head_size)
+    plain_query, plain_keys, plain_values = results["plain"]
+    query, keys, values = results["oracle"]
+    torch.testing.assert_close(
+        keys.float(), (plain_keys.float() @ rotation).to(dtype).float(), atol=tol, rtol=tol
+    )
+    assert torch.equal(values, plain_values)
+    group = num_q_heads // num_kv_heads
+    written = slots[slots >= 0]
+    for kv_head in range(num_kv_heads):
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        flat = keys.flatten(0, 1)[written, kv_head].float()
+        plain_flat = plain_keys.flatten(0, 1)[written, kv_head].float()
+        scores = query[:, heads].float() @ flat.T
+        plain_scores = plain_query[:, heads].float() @ plain_flat.T
+        torch.testing.assert_close(scores, plain_scores, atol=20 * tol, rtol=20 * tol)
+
+
+def test_rotate_needs_a_head_size_that_is_a_power_of_two() -> None:
+    q = torch.randn(2, 2, 48)
+    kv = torch.randn(2, 1, 48)
+    cache = torch.zeros(2, 4, 1, 48)
+    for module in (rotary, torch_backend):
+        with pytest.raises(ValueError, match="rotate: needs a head size"):
+            module.rotary_and_cache(
+                q, kv, kv.clone(), torch.ones(8, 48), torch.tensor([0, 1]), cache,
+                cache.clone(), torch.tensor([0, 1]), rotate=True,
+            )  # fmt: skip

@@ -113,7 +113,8 @@ class ActMul(Protocol):
 
 
 class RotaryAndCache(Protocol):
-    """Rotates the query in place; writes the rotated key and the value at their slots."""
+    """Rotates the query in place; writes the rotated key and the value at
+    their slots; with ``rotate``, the query and key in the Hadamard basis."""
 
     def __call__(
         self,
@@ -128,6 +129,7 @@ class RotaryAndCache(Protocol):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        rotate: bool = False,
     ) -> None: ...
 
 

@@ -187,3 +187,18 @@ def check_block_rows(
     if rows.device != first.device:
         raise ValueError(f"{name}: on {rows.device}, the caches on {first.device}")
     return numel
+
+
+MIN_ROTATED_HEAD_SIZE = 32
+"""The smallest head size ``rotate`` takes (the Triton kernel multiplies each
+half of a head by a matrix of at least 16 x 16)."""
+
+
+def check_rotate(rotate: bool, head_size: int) -> None:
+    """``rotate`` (the Hadamard basis, ``fp8_kv.hadamard``) needs a head size
+    that is a power of two, at least ``MIN_ROTATED_HEAD_SIZE``."""
+    if rotate and (head_size < MIN_ROTATED_HEAD_SIZE or head_size & (head_size - 1)):
+        raise ValueError(
+            f"rotate: needs a head size that is a power of two, at least "
+            f"{MIN_ROTATED_HEAD_SIZE}, not {head_size}"
+        )

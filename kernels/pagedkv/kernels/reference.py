@@ -207,13 +207,18 @@ def rotary_embedding(
     x: torch.Tensor,  # [num_tokens, num_heads, head_size]
     cos_sin: torch.Tensor,  # [max_position, head_size]: cos of each pair's angle, then sin
     positions: torch.Tensor,  # [num_tokens], int
+    rotate: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size], x's dtype
-    """Llama's rotation (dims ``d`` and ``d + head_size / 2`` pair up), in float32."""
+    """Llama's rotation (dims ``d`` and ``d + head_size / 2`` pair up), in
+    float32; with ``rotate``, then times the Hadamard matrix of the head size."""
     half = x.shape[-1] // 2
     angles = cos_sin[positions.long()].float()[:, None, :]  # [T, 1, D]
     cos, sin = angles[..., :half], angles[..., half:]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    if rotate:
+        rotated = rotated @ fp8_kv.hadamard(x.shape[-1], x.device)
+    return rotated.to(x.dtype)
 
 
 def rotary_and_cache(
@@ -228,12 +233,16 @@ def rotary_and_cache(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> None:
     """Rotates ``query`` in place; writes the rotated key (rounded to its
     dtype, then quantized for an fp8 cache) and the value at each token's
-    slot (negative slots are skipped)."""
-    query.copy_(rotary_embedding(query, cos_sin, positions))
-    rotated = rotary_embedding(key, cos_sin, positions)
+    slot (negative slots are skipped). With ``rotate`` the rotated query and
+    key are then multiplied by the Hadamard matrix of the head size
+    (``fp8_kv.hadamard``), in float32, before either is rounded: scores are
+    unchanged, and the key is stored in that basis."""
+    query.copy_(rotary_embedding(query, cos_sin, positions, rotate))
+    rotated = rotary_embedding(key, cos_sin, positions, rotate)
     reshape_and_cache(
         rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
     )

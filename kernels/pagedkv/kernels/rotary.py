@@ -19,13 +19,33 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.checks import check_rotary_args
+from pagedkv.kernels.checks import check_rotary_args, check_rotate
 from pagedkv.kernels.kv_quant import quantize, scale_args
 
 
 @triton.jit
 def _rotate(x1, x2, cos, sin):
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _hadamard_half(x1, x2, BLOCK_HALF: tl.constexpr):
+    """``[x1, x2]`` times the orthonormal Hadamard matrix of order ``2 *
+    BLOCK_HALF``, as its two halves: ``S`` the +-1 matrix of order
+    ``BLOCK_HALF`` (entry ``i, j`` negative when ``i & j`` has an odd number
+    of bits), the product is ``[(x1 + x2) S, (x1 - x2) S] / sqrt(2 *
+    BLOCK_HALF)``. ``x1`` and ``x2``: float32 ``[rows, BLOCK_HALF]``, rows
+    at least 16."""
+    bits = tl.arange(0, BLOCK_HALF)[:, None] & tl.arange(0, BLOCK_HALF)[None, :]
+    bits = bits ^ (bits >> 8)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    norm = 1.0 / tl.sqrt(2.0 * BLOCK_HALF)
+    signs = tl.where((bits & 1) == 0, norm, -norm).to(tl.float32)
+    y1 = tl.dot(x1 + x2, signs, input_precision="ieee")
+    y2 = tl.dot(x1 - x2, signs, input_precision="ieee")
+    return y1, y2
 
 
 @triton.jit
@@ -56,6 +76,7 @@ def _rotary_and_cache_kernel(
     half,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    ROTATE: tl.constexpr,  # then times the Hadamard matrix (BLOCK_HALF is half the head)
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -75,6 +96,8 @@ def _rotary_and_cache_kernel(
     q1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     q2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
     q1, q2 = _rotate(q1, q2, cos, sin)
+    if ROTATE:
+        q1, q2 = _hadamard_half(q1, q2, BLOCK_HALF)
     tl.store(q_ptrs, q1.to(dtype), mask=q_mask)
     tl.store(q_ptrs + half, q2.to(dtype), mask=q_mask)
 
@@ -100,6 +123,8 @@ def _rotary_and_cache_kernel(
     k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptrs + half, mask=kv_mask, other=0.0).to(tl.float32)
     k1, k2 = _rotate(k1, k2, cos, sin)
+    if ROTATE:
+        k1, k2 = _hadamard_half(k1, k2, BLOCK_HALF)
     k1 = quantize(k1.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
     k2 = quantize(k2.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
     tl.store(key_cache_ptr + dst, k1, mask=kv_mask)
@@ -125,12 +150,22 @@ def rotary_and_cache(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> None:
     """Rotates ``query`` in place; writes the rotated key (rounded to the
     query's dtype, then quantized for an fp8 cache) and the value of each
     token at its slot (negative slots are skipped). ``positions`` must be
-    below ``len(cos_sin)`` (not checked: that would wait for the device)."""
+    below ``len(cos_sin)`` (not checked: that would wait for the device).
+
+    With ``rotate`` (a head size that is a power of two, at least 32) the
+    rotated query and key are then multiplied by the orthonormal Hadamard
+    matrix of the head size (``fp8_kv.hadamard``), in float32, before either
+    is rounded: every score is unchanged, and the key is stored in that
+    basis, where a few large channels are spread over all of them (what fp8
+    rounding needs; docs/memory.md, "fp8 blocks"). The value is stored as
+    given (a caller puts it in that basis through its projection's weights)."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    check_rotate(rotate, query.shape[-1])
     scales = scale_args(key_cache, k_scale, v_scale, slot_mapping)
     num_tokens, num_q_heads, head_size = query.shape
     if not num_tokens:
@@ -163,8 +198,10 @@ def rotary_and_cache(
         head_size // 2,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        ROTATE=rotate,
+        # tl.dot multiplies at least 16 rows
+        BLOCK_HQ=max(triton.next_power_of_2(num_q_heads), 16 if rotate else 1),
+        BLOCK_HKV=max(triton.next_power_of_2(num_kv_heads), 16 if rotate else 1),
         BLOCK_HALF=triton.next_power_of_2(head_size // 2),
         num_warps=4,
     )

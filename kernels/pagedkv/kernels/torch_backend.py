@@ -28,6 +28,7 @@ from pagedkv.kernels.checks import (
     check_kv_input,
     check_kv_scales,
     check_rotary_args,
+    check_rotate,
 )
 
 
@@ -304,12 +305,15 @@ def rotary_and_cache(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> None:
     """Rotates ``query`` in place; writes the rotated key and the value at
-    each token's slot (negative slots are skipped; an fp8 cache quantized)."""
+    each token's slot (negative slots are skipped; an fp8 cache quantized);
+    ``rotate`` as the Triton backend's."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
-    query.copy_(reference.rotary_embedding(query, cos_sin, positions))
-    rotated = reference.rotary_embedding(key, cos_sin, positions)
+    check_rotate(rotate, query.shape[-1])
+    query.copy_(reference.rotary_embedding(query, cos_sin, positions, rotate))
+    rotated = reference.rotary_embedding(key, cos_sin, positions, rotate)
     reshape_and_cache(
         rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
     )
@@ -339,8 +343,9 @@ def rotary_decode_attention(
     rotated = query.clone()
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     rotary_and_cache(
-        rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping, **scales
-    )
+        rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
     return paged_attention(
         rotated,

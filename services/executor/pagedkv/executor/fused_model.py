@@ -364,7 +364,8 @@ class FusedDecoder:
             key_cache,
             value_cache,
             slot_mapping,
-            **scales,
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
         )
         out = self.backend.paged_attention(
             query,
