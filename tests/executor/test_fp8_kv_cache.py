@@ -119,3 +119,48 @@ def test_scales_a_checkpoint_stores_are_taken_as_they_are(llama: Path, tmp_path:
     save_file(stored, str(model / "kv_scales.safetensors"))
     with pytest.raises(ValueError, match="is not 1 or 2 positive finite values"):
         fp8_runner(model, "torch", fused=False)
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama with heads of 32 (a rotation's smallest)."""
+    path = tmp_path_factory.mktemp("fp8-kv") / "llama-32"
+    make_tiny_model(path, "llama", seed=5, head_dim=32)
+    return path
+
+
+def rotated_runner(model: Path, backend: str, fused: bool, kv: str, rotation: str) -> ModelRunner:
+    return make_runner(model, backend, fused, kv_cache_dtype=kv, kv_cache_rotation=rotation)
+
+
+def test_a_rotated_cache_keeps_the_logits_and_fp8_rotates_by_default(wide_heads: Path) -> None:
+    """With K and V in the Hadamard basis (``--kv-cache-rotation
+    hadamard``) a float32 cache gives the logits it gives without, in the
+    fused stack (the cache write rotates) and in transformers' modules
+    alike (the value and output projections carry the rotation); an fp8
+    cache rotates by default, with scales from each head's largest norm,
+    and its logits stay near the float cache's."""
+    from pagedkv.kernels.fp8_kv import hadamard
+
+    exact = step_logits(rotated_runner(wide_heads, "torch", False, "auto", "none"))
+    for backend, fused in (("triton", True), ("torch", False)):
+        runner = rotated_runner(wide_heads, backend, fused, "auto", "hadamard")
+        assert runner.kv_rotation is not None and runner.kv.rotation is not None
+        for got, want in zip(step_logits(runner), exact, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    fp8 = rotated_runner(wide_heads, "triton", True, "fp8_e4m3", "auto")
+    assert fp8.kv_rotation is not None
+    torch.testing.assert_close(fp8.kv_rotation, hadamard(32))
+    plain = rotated_runner(wide_heads, "triton", True, "fp8_e4m3", "none")
+    assert plain.kv_rotation is None
+    for runner in (fp8, plain):
+        for got, want in zip(step_logits(runner), exact, strict=True):
+            assert float((got - want).norm() / want.norm()) < 0.15
+
+
+def test_a_rotation_the_model_cannot_take_is_refused_by_name(llama: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_rotation: hadamard needs another model"):
+        rotated_runner(llama, "torch", False, "fp8_e4m3", "hadamard")  # heads of 16
+    assert rotated_runner(llama, "torch", False, "fp8_e4m3", "auto").kv_rotation is None
+    with pytest.raises(ValueError, match="kv_cache_rotation"):
+        RunnerConfig(model=str(llama), kv_cache_rotation="givens")

@@ -38,12 +38,14 @@ def make_runner(
     device: str = "cpu",
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
+    kv_cache_rotation: str = "auto",
 ) -> ModelRunner:
     config = RunnerConfig(
         model=str(model_dir),
         device=device,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
+        kv_cache_rotation=kv_cache_rotation,
         kernel_backend=backend,
         num_blocks=1 + 2 * BLOCKS_PER_ROW,
         max_num_rows=2,

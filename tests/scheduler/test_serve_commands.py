@@ -149,6 +149,10 @@ def test_model_is_also_positional_and_reaches_the_executors(tmp_path: Path) -> N
     args = build_parser().parse_args(["serve", "--host-kv-gib", "0.25"])
     (command,) = executor_commands(args, "/models/m")
     assert _option(command, "--host-kv-gib") == "0.25"
+    assert "--kv-cache-rotation" not in command  # the executors' own default
+    args = build_parser().parse_args(["serve", "--kv-cache-rotation", "none"])
+    (command,) = executor_commands(args, "/models/m")
+    assert _option(command, "--kv-cache-rotation") == "none"
 
 
 ROUTERS_UNDER_MUTUAL_TLS = [

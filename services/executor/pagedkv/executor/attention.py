@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.executor.kv_rotation import rotate_heads
 from pagedkv.kernels.backend import KernelBackend
 
 ATTENTION_NAME = "pagedkv"
@@ -53,6 +54,10 @@ class AttentionMetadata:
     # after the rotary embedding: either does) before they are cached: sets
     # the layer's fp8 scales, on the executor's first forward only.
     calibrate: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    # The Hadamard matrix when K and V are stored in its basis (kv_rotation.py):
+    # the query and the new keys are multiplied by it after the rotary
+    # embedding; None: stored as they are.
+    rotation: torch.Tensor | None = None
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The cache kernels' ``k_scale`` and ``v_scale`` for ``layer``, if any."""
@@ -83,6 +88,8 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     if meta.calibrate is not None:
         meta.calibrate(layer, k, v)
+    if meta.rotation is not None:
+        q, k = rotate_heads(q, meta.rotation), rotate_heads(k, meta.rotation)
     scales = meta.scales(layer)
     meta.backend.reshape_and_cache(
         k, v, key_cache, value_cache, meta.slot_mappings[group], **scales

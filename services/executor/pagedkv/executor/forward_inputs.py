@@ -165,6 +165,7 @@ class InputBuilder:
             softcap=self.softcap,
             k_scales=self.kv.k_scales,
             v_scales=self.kv.v_scales,
+            rotation=self.kv.rotation,
         )
 
     def prepare(

@@ -254,6 +254,10 @@ class FusedDecoder:
         base = model.model
         gemma = config.model_type in GEMMA_MODEL_TYPES
         self.backend = backend
+        # K and V stored in the Hadamard basis (kv_rotation.py): the cache
+        # write rotates, so decodes take it and then attention, not the
+        # one-launch rotary and attention.
+        self.rotate_kv = False
         self.act_mul = getattr(backend, ACTIVATIONS[_activation(config)])  # type: ignore[index]
         self.embed_tokens = base.embed_tokens  # Gemma's scales the embedding itself
         self.lm_head = model.lm_head
@@ -335,7 +339,8 @@ class FusedDecoder:
         if meta.calibrate is not None:
             meta.calibrate(layer.index, key, value)
         scales = meta.scales(layer.index)
-        if meta.tiles is None and meta.max_query_len == 1 and num_tokens == len(meta.seq_lens):
+        one_launch = meta.max_query_len == 1 and num_tokens == len(meta.seq_lens)
+        if meta.tiles is None and one_launch and not self.rotate_kv:
             out = self.backend.rotary_decode_attention(
                 query,
                 key,
@@ -366,6 +371,7 @@ class FusedDecoder:
             slot_mapping,
             k_scale=scales.get("k_scale"),
             v_scale=scales.get("v_scale"),
+            rotate=self.rotate_kv,
         )
         out = self.backend.paged_attention(
             query,

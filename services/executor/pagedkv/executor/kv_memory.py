@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.executor.kv_rotation import rotated_scales
 from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.kernels.backend import KernelBackend
 from pagedkv.kernels.checks import FP8_DTYPES
@@ -58,7 +59,11 @@ class KVMemory:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        rotation: torch.Tensor | None = None,
     ) -> None:
+        """``rotation``: the Hadamard matrix when K and V are stored in its
+        basis (kv_rotation.py), which the scales' calibration and the
+        forwards' metadata follow."""
         num_layers = sum(len(group.layer_indices) for group in groups)
         self.groups = groups
         self.num_blocks = num_blocks
@@ -76,6 +81,7 @@ class KVMemory:
         self.key_caches: tuple[torch.Tensor, ...] = tuple(k for k in keys if k is not None)
         self.value_caches: tuple[torch.Tensor, ...] = tuple(v for v in values if v is not None)
         self.dtype = dtype
+        self.rotation = rotation
         self.k_scales: tuple[torch.Tensor, ...] | None = None
         self.v_scales: tuple[torch.Tensor, ...] | None = None
         self.calibrated = dtype not in FP8_DTYPES
@@ -92,7 +98,10 @@ class KVMemory:
         """Sets ``layer``'s scales from its K and V of a forward
         (``calibration_scales``)."""
         assert self.k_scales is not None and self.v_scales is not None
-        k_scale, v_scale = calibration_scales(key, value, self.dtype)
+        if self.rotation is not None:  # bounded by each vector's norm (kv_rotation.py)
+            k_scale, v_scale = rotated_scales(key, value, self.dtype, CALIBRATION_HEADROOM)
+        else:
+            k_scale, v_scale = calibration_scales(key, value, self.dtype)
         self.k_scales[layer].copy_(k_scale)
         self.v_scales[layer].copy_(v_scale)
 

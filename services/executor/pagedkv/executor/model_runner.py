@@ -31,6 +31,7 @@ from pagedkv.executor.kv_calibration import (
     checkpoint_kv_scales,
 )
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
+from pagedkv.executor.kv_rotation import ROTATIONS, fold_value_rotation, resolve_rotation
 from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
@@ -39,7 +40,7 @@ from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
-from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
+from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,10 @@ class RunnerConfig:
     # The KV memory's dtype: auto (the model's), the model's by name, or
     # fp8_e4m3 / fp8_e5m2 with scales calibrated at start (kv_calibration.py).
     kv_cache_dtype: str = "auto"
+    # K and V stored in the Hadamard basis (kv_rotation.py): auto (for fp8
+    # blocks, when the model allows it and its checkpoint stores no scales),
+    # none or hadamard.
+    kv_cache_rotation: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -84,6 +89,11 @@ class RunnerConfig:
         if self.kv_cache_dtype not in kv_names:
             raise ValueError(
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(kv_names)}"
+            )
+        if self.kv_cache_rotation not in ROTATIONS:
+            raise ValueError(
+                f"kv_cache_rotation: {self.kv_cache_rotation!r} is not one of "
+                f"{', '.join(ROTATIONS)}"
             )
         for name in ("max_num_rows", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
@@ -133,12 +143,33 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.model = loaded.model
         self.model_dir = loaded.model_dir
+        self.kv_dtype = _kv_dtype(config.kv_cache_dtype, self.dtype)
+        stored = None  # an fp8 memory's scales as the checkpoint stores them
+        if self.kv_dtype in KV_CACHE_DTYPES.values() and config.load_format != "dummy":
+            stored = checkpoint_kv_scales(
+                self.model_dir, self.spec.num_layers, self.spec.num_kv_heads
+            )
+        # Rotated K and V (kv_rotation.py): the value and output projections
+        # take the rotation before the fused stack reads them.
+        self.kv_rotation: torch.Tensor | None = None
+        head_size = self.spec.head_size
+        if resolve_rotation(
+            config.kv_cache_rotation,
+            config.kv_cache_dtype,
+            self.model,
+            head_size,
+            stored is not None,
+        ):
+            fold_value_rotation(self.model, head_size)
+            self.kv_rotation = hadamard(head_size, self.device)
+            stored = None  # taken on values as they are: calibrate on rotated ones
         self.fused = (
             fused_decoder(self.model, self.backend, self.spec.max_model_len)
             if config.fused_ops
             else None
         )
-        self.kv_dtype = _kv_dtype(config.kv_cache_dtype, self.dtype)
+        if self.fused is not None:
+            self.fused.rotate_kv = self.kv_rotation is not None
         dtype_name = str(self.kv_dtype).removeprefix("torch.")
         self.groups: tuple[KVCacheGroup, ...] = self.spec.kv_cache_groups(
             config.block_size, dtype_name
@@ -174,11 +205,6 @@ class ModelRunner:
             eos_token_ids=self.spec.eos_token_ids,
             num_host_blocks=num_host,
         )
-        stored = None
-        if not self.kv.calibrated and config.load_format != "dummy":
-            stored = checkpoint_kv_scales(
-                self.model_dir, len(self.kv.key_caches), self.spec.num_kv_heads
-            )
         calibrate_kv(self, config.block_size, stored)  # an fp8 memory's scales
 
     # -- sizing ---------------------------------------------------------------
@@ -215,7 +241,7 @@ class ModelRunner:
     def _attach_kv(self, num_blocks: int) -> None:
         """Allocates the KV memory of ``num_blocks`` blocks and the builder
         of forward inputs over it (the two always go together)."""
-        self.kv = KVMemory(self.groups, num_blocks, self.kv_dtype, self.device)
+        self.kv = KVMemory(self.groups, num_blocks, self.kv_dtype, self.device, self.kv_rotation)
         self.forward_inputs = InputBuilder(
             self.rows, self.kv, self.groups, self.backend, self.config.block_size, self.spec.softcap
         )

@@ -59,6 +59,7 @@ def serve(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_rotation=args.kv_cache_rotation,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,

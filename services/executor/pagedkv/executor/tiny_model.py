@@ -109,7 +109,7 @@ CHAT_TEMPLATES: dict[ChatTemplateName, str | None] = {
 }
 
 
-def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
+def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS, head_dim: int = HEAD_DIM) -> Any:
     """The transformers config of a tiny ``arch`` model (float32, GQA).
 
     qwen2 has its built-in qkv bias and tied embeddings and no sliding window;
@@ -121,8 +121,9 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
     around each sublayer, GELU and a scaled embedding; gemma2
     soft-caps attention and final logits, gemma3 normalises queries and keys
     and gives the two layer types rotaries of different bases. With more than
-    two layers the gemma layer types repeat. Gemmas' ``head_dim`` is set to
-    16 (their default is 256). Only qwen2 ties its embeddings: tied, a tiny
+    two layers the gemma layer types repeat. ``head_dim`` (all but qwen2
+    and phi3, whose heads split the hidden size) defaults to 16, also for
+    the gemmas (their default is 256). Only qwen2 ties its embeddings: tied, a tiny
     random gemma or qwen3 soon repeats one token.
     """
     from transformers import (
@@ -150,11 +151,11 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
         dtype="float32",
     )
     if arch == "llama":
-        return LlamaConfig(**common, head_dim=HEAD_DIM, tie_word_embeddings=False)
+        return LlamaConfig(**common, head_dim=head_dim, tie_word_embeddings=False)
     if arch == "mistral":
         return MistralConfig(
             **common,
-            head_dim=HEAD_DIM,
+            head_dim=head_dim,
             tie_word_embeddings=False,
             sliding_window=MISTRAL_SLIDING_WINDOW,
         )
@@ -164,7 +165,7 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
             **common, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None
         )
     if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=False)
+        return Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=False)
     if arch == "phi3":
         return Phi3Config(
             **common,
@@ -176,8 +177,8 @@ def tiny_config(arch: Arch, num_layers: int = DEFAULT_NUM_LAYERS) -> Any:
         layer_types = [GEMMA_LAYER_TYPES[i % 2] for i in range(num_layers)]
         return gemma(
             **common,
-            head_dim=HEAD_DIM,
-            query_pre_attn_scalar=HEAD_DIM,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
             tie_word_embeddings=False,
             sliding_window=GEMMA_SLIDING_WINDOW,
             layer_types=layer_types,
@@ -216,6 +217,7 @@ def make_tiny_model(
     seed: int = 0,
     num_layers: int = DEFAULT_NUM_LAYERS,
     chat_template: ChatTemplateName = DEFAULT_CHAT_TEMPLATE,
+    head_dim: int = HEAD_DIM,
 ) -> None:
     """Write a random tiny ``arch`` model and the byte-level tokenizer into ``path``.
 
@@ -225,14 +227,14 @@ def make_tiny_model(
     ``tokenizer_config.json`` (with ``CHAT_TEMPLATES[chat_template]`` as its
     ``chat_template``, none for ``"none"``). Weights are drawn after
     ``torch.manual_seed(seed)``, so one seed gives byte-identical weight
-    files. Reseeds torch's global RNG.
+    files. Reseeds torch's global RNG. ``head_dim``: see ``tiny_config``.
     """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(arch, num_layers)
+    config = tiny_config(arch, num_layers, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.bos_token_id = BOS_TOKEN_ID

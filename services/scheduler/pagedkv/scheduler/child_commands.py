@@ -31,6 +31,7 @@ def executor_commands(args: argparse.Namespace, model: str) -> list[list[str]]:
             ("--max-model-len", getattr(args, "max_model_len", None)),
             ("--host-kv-gib", getattr(args, "host_kv_gib", None)),
             ("--kv-cache-dtype", getattr(args, "kv_cache_dtype", None)),
+            ("--kv-cache-rotation", getattr(args, "kv_cache_rotation", None)),
         ):
             if value is not None:
                 command += [flag, str(value)]
