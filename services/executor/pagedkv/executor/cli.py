@@ -50,8 +50,8 @@ def register(subparsers: Any, name: str) -> None:
         "--kv-cache-rotation",
         default="auto",
         choices=("auto", "none", "hadamard"),
-        help="store K and V in the Hadamard basis of the head size, which halves fp8's "
-        "perplexity cost on a trained model at no read cost (default auto: for fp8 blocks, "
+        help="store K and V in the Hadamard basis of the head size, which spreads fp8's "
+        "rounding error over every channel at no read cost (default auto: for fp8 blocks, "
         "when the model allows it and its checkpoint stores no KV scales; docs/memory.md)",
     )
     sizing = parser.add_mutually_exclusive_group()

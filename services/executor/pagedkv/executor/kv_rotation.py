@@ -4,9 +4,9 @@ fp8 rounds each value relative to its own magnitude, so most of a score's
 rounding error sits in the few large channels that a query shares with its
 keys. Stored times the orthonormal Hadamard matrix ``H`` of the head size
 (``pagedkv.kernels.fp8_kv.hadamard``: symmetric, its own inverse), every
-channel is spread over all of them; on the accuracy bench's trained llama
-that halves e4m3's perplexity cost (docs/memory.md, "fp8 blocks"). Nothing
-is rotated back on reading:
+channel is spread over all of them; on the accuracy bench's trained llamas
+e4m3 blocks kept 0.1-0.3 point more of the top-1 tokens (docs/memory.md,
+"fp8 blocks"). Nothing is rotated back on reading:
 
 - keys: the cache write rotates the query and the key after the rotary
   embedding (``rotary_and_cache(rotate=True)`` in the fused stack; a
