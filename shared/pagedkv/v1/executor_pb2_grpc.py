@@ -148,7 +148,8 @@ class ExecutorServicer:
     def ListCachedBlocks(self, request, context):
         """Lists the tagged blocks (see "Block tags" above): what a scheduler that
         just took the executor over reads to rebuild its prefix-cache index. In
-        tag order, oldest first, in chunks. Only the current owner may ask.
+        eviction order, least recently tagged or released first, in chunks. Only
+        the current owner may ask.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
