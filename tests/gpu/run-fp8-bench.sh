@@ -6,6 +6,9 @@
 #   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 kernel tests on the GPU (a minute)
 #   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks: decode
 #                                             # and prefill attention (a minute)
+#   bash tests/gpu/run-fp8-bench.sh tune      # the decode kernel's DECODE_FP8_* constants swept
+#                                             # over fp8_e4m3 blocks: head size 128 (32 x 8k,
+#                                             # 128 x 1k, 8 x 32k) and 64 (64 and 256 x 768)
 #   bash tests/gpu/run-fp8-bench.sh executor  # bench executor (~1.1B) with bf16 blocks, then
 #                                             # fp8_e4m3: blocks at the same
 #                                             # --gpu-memory-utilization, decode step at
@@ -18,7 +21,7 @@
 #                                             # prompts), bf16 then fp8_e4m3 blocks
 #
 # Results go to OUT when set, else tests/benchmarks/results:
-# kernels-fp8-e4m3-NAME, executor-kv-{auto,fp8_e4m3}-NAME,
+# kernels-fp8-e4m3-NAME, kernels-tune-fp8-{128,64}-NAME.json, executor-kv-{auto,fp8_e4m3}-NAME,
 # serve-kv-{auto,fp8_e4m3}-{1b,8b,8b-mix}-NAME (.json and .md), NAME being
 # DEVICE_NAME (h200). The accuracy side: tests/gpu/run-accuracy.sh.
 # A dry run of the serve modes on a machine without a GPU: DEVICE=cpu
@@ -45,6 +48,17 @@ case "${1:-tests}" in
   kernels)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \
       --output "$RESULTS/kernels-fp8-e4m3-$NAME.json"
+    ;;
+  tune)
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --kv-cache-dtype fp8_e4m3 \
+      --decode-shapes 32x8192,128x1024,8x32768 --output "$RESULTS/kernels-tune-fp8-128-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --kv-cache-dtype fp8_e4m3 \
+      --decode-shapes 64x768,256x768 --head-size 64 \
+      --output "$RESULTS/kernels-tune-fp8-64-$NAME.json"
+    for size in 128 64; do
+      echo "run-fp8-bench: head size $size, closest to each shape's best:" \
+        "$("$PYTHON" -m pagedkv.bench.kernels.tune --best "$RESULTS/kernels-tune-fp8-$size-$NAME.json")"
+    done
     ;;
   executor)
     for kv in "${KV_DTYPES[@]}"; do

@@ -11,6 +11,7 @@ import torch
 
 from pagedkv.kernels import (
     cache_ops,
+    decode_attention,
     fp8_kv,
     paged_attention,
     reference,
@@ -127,10 +128,19 @@ def test_a_rotated_key_is_quantized_as_the_oracle_quantizes_it(fp8: torch.dtype)
 @pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+@pytest.mark.parametrize("widen_v", [True, False], ids=["widen-v", "fp8-v"])
 def test_attention_over_an_fp8_cache_matches_the_oracle(
-    fp8: torch.dtype, per_head: bool, sliding_window: int | None, softcap: float | None
+    fp8: torch.dtype,
+    per_head: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    widen_v: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Mixed batches take the prefill kernel, decode-only ones flash decoding.
+    # Mixed batches take the prefill kernel, decode-only ones flash decoding;
+    # both read V tiles either way (attend's WIDEN_V).
+    monkeypatch.setattr(paged_attention, "PREFILL_FP8_WIDEN_V", widen_v)
+    monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
     kv = scales(2, per_head)
     for lens in (MIXED, ([0, 15, 16, 40, 300], [1, 1, 1, 1, 1])):
         batch = build_batch(*lens, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)

@@ -18,15 +18,23 @@ def load_tile(
     dim_valid,  # [BLOCK_D]
     ROW_MASK: tl.constexpr,
     EVEN_D: tl.constexpr,
+    TRANSPOSED: tl.constexpr = False,
 ):
     """One K or V tile; masks only what may be out of range (rows past the
-    keys when ``ROW_MASK``, padded dims unless ``EVEN_D``)."""
+    keys when ``ROW_MASK``, padded dims unless ``EVEN_D``). ``TRANSPOSED``:
+    ``ptrs`` is ``[BLOCK_D, BLOCK_N]``, the tile's transpose."""
+    if TRANSPOSED:
+        row_mask = row_valid[None, :]
+        dim_mask = dim_valid[:, None]
+    else:
+        row_mask = row_valid[:, None]
+        dim_mask = dim_valid[None, :]
     if ROW_MASK:
-        tile = tl.load(ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        tile = tl.load(ptrs, mask=row_mask & dim_mask, other=0.0)
     elif EVEN_D:
         tile = tl.load(ptrs)
     else:
-        tile = tl.load(ptrs, mask=dim_valid[None, :], other=0.0)
+        tile = tl.load(ptrs, mask=dim_mask, other=0.0)
     return tile
 
 
@@ -59,6 +67,7 @@ def attend(
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     MASK: tl.constexpr,
+    WIDEN_V: tl.constexpr,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -67,7 +76,12 @@ def attend(
     multiplies the output by the value scale.
     ``MASK`` off promises full tiles that every row sees in whole (below the
     causal diagonal, no window): no load or score masks then. Scores are kept
-    in base 2."""
+    in base 2.
+    ``WIDEN_V`` (for an fp8 cache) loads each V tile as its transpose and
+    widens it before it is laid out for the dot: the compiler then moves
+    16-bit values into the dot's layout (through shared memory, read back
+    with ldmatrix), where without it the fp8 tile is laid out for the dot
+    first and read from shared memory a byte at a time."""
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
@@ -99,7 +113,11 @@ def attend(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        if WIDEN_V:
+            v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
+            v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
+        else:
+            v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
@@ -134,6 +152,7 @@ def attend_span(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    WIDEN_V: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -166,6 +185,7 @@ def attend_span(
         BLOCK_N,
         EVEN_D,
         False,
+        WIDEN_V,
     )
     m_i, l_i, acc = attend(
         q,
@@ -195,5 +215,6 @@ def attend_span(
         BLOCK_N,
         EVEN_D,
         True,
+        WIDEN_V,
     )
     return m_i, l_i, acc

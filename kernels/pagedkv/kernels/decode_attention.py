@@ -69,6 +69,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    WIDEN_V: tl.constexpr,
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -180,6 +181,7 @@ def _decode_split_kernel(
         BLOCK_SIZE,
         BLOCK_N,
         EVEN_D,
+        WIDEN_V,
     )
 
     if SPLIT:
@@ -254,6 +256,15 @@ def _decode_merge_kernel(
 # least DECODE_MIN_STEPS_PER_SPLIT steps.
 DECODE_TILE = (64, 4, 2)
 DECODE_PROGRAMS_PER_SM = 4
+# The same for fp8 caches, from ``tune --kv-cache-dtype fp8_e4m3`` on the
+# H200 (kernels-tune-fp8-{128,64}-h200.json). Widening V before the dot's
+# layout (``attend``'s WIDEN_V) takes fewer registers and reads; the fp8
+# program still holds about 165 registers at head size 128 (3 programs a
+# multiprocessor, against 5 for bf16), so splits aim for two full waves of
+# 3 rather than one and a third of 4 (32 x 8k: 233 us against 300).
+DECODE_FP8_TILE = (64, 4, 2)
+DECODE_FP8_PROGRAMS_PER_SM = 6
+DECODE_FP8_WIDEN_V = True
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 # The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
@@ -300,10 +311,22 @@ def sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def split_count(num_pairs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+def launch_constants(fp8: bool) -> tuple[tuple[int, int, int], int]:
+    """The decode tile (keys per step, warps, stages) and the programs a
+    multiprocessor holds at once, for an fp8 cache (``DECODE_FP8_*``) or a
+    float one (``DECODE_*``)."""
+    if fp8:
+        return DECODE_FP8_TILE, DECODE_FP8_PROGRAMS_PER_SM
+    return DECODE_TILE, DECODE_PROGRAMS_PER_SM
+
+
+def split_count(
+    num_pairs: int, max_seq_len: int, block_n: int, num_sms: int, programs_per_sm: int = 0
+) -> int:
     """Splits of each (sequence, KV head)'s context: as many as the GPU holds
-    programs in one wave, and no more than the longest context has steps."""
-    wanted = DECODE_PROGRAMS_PER_SM * num_sms // num_pairs
+    programs in one wave (``programs_per_sm``, else DECODE_PROGRAMS_PER_SM),
+    and no more than the longest context has steps."""
+    wanted = (programs_per_sm or DECODE_PROGRAMS_PER_SM) * num_sms // num_pairs
     longest = triton.cdiv(max_seq_len, DECODE_MIN_STEPS_PER_SPLIT * block_n)
     return int(max(1, min(wanted, longest, DECODE_MAX_SPLITS)))
 
@@ -331,8 +354,8 @@ def decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = sm_count(query.device)
-    block_n, num_warps, num_stages = DECODE_TILE
-    num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms)
+    (block_n, num_warps, num_stages), per_sm = launch_constants(scales.fp8)
+    num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms, per_sm)
     split = num_splits > 1
     partials = num_seqs * num_q_heads * num_splits if split else 0
     partial_out = torch.empty(partials * head_size, dtype=torch.float32, device=query.device)
@@ -378,6 +401,7 @@ def decode(
         ROTARY=rotary is not None,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
+        WIDEN_V=scales.fp8 and DECODE_FP8_WIDEN_V,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -59,6 +59,7 @@ def _paged_attention_kernel(
     EVEN_D: tl.constexpr,
     GROUP: tl.constexpr,  # rows of a decode entry's tile: the query heads of a KV head, padded
     FP8: tl.constexpr,
+    WIDEN_V: tl.constexpr,  # attend's: V tiles of an fp8 cache widened before the dot's layout
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -139,6 +140,7 @@ def _paged_attention_kernel(
                 BLOCK_SIZE,
                 BLOCK_N,
                 EVEN_D,
+                WIDEN_V,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
             if FP8:
@@ -206,6 +208,7 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             EVEN_D,
+            WIDEN_V,
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
@@ -225,6 +228,8 @@ def _paged_attention_kernel(
 PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 SHORT_TILE = (16, 16, 4, 2)
+# fp8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
+PREFILL_FP8_WIDEN_V = True
 
 
 def prefill_tiling(max_query_len: int, head_size: int) -> tuple[int, int, int, int]:
@@ -357,6 +362,7 @@ def paged_attention(
         EVEN_D=block_d == head_size,
         GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
         FP8=scales.fp8,
+        WIDEN_V=scales.fp8 and PREFILL_FP8_WIDEN_V,
         num_warps=num_warps,
         num_stages=num_stages,
     )

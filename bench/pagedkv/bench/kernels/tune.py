@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import triton
 
-from pagedkv.bench.kernels.bench import HEAD_SIZE, Case, time_us
+from pagedkv.bench.kernels.bench import DTYPE, HEAD_SIZE, Case, time_us
 from pagedkv.kernels import decode_attention as da
+from pagedkv.kernels import fp8_kv
 from pagedkv.kernels import paged_attention as pa
 
 DECODE_SHAPES = [
@@ -63,8 +64,24 @@ def _time_decode(case: Case, settings: dict[str, Any]) -> dict[str, Any] | None:
 WIDE_TILES = ((64, 4, 2), (64, 4, 3), (64, 2, 2), (64, 2, 3), (32, 4, 2), (32, 2, 3), (128, 4, 2))
 
 
-def decode_settings(wide: bool) -> list[dict[str, Any]]:
-    """The decode constants to try: the default grid, or the wide one."""
+# An fp8 cache's grid: its own constants (DECODE_FP8_*), V tiles widened
+# before the dot's layout or not, and tiles of more warps (an fp8 program
+# holds more registers).
+FP8_TILES = ((64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4, 3), (128, 8, 2))
+
+
+def decode_settings(wide: bool, fp8: bool = False) -> list[dict[str, Any]]:
+    """The decode constants to try: the default grid, the wide one, or an
+    fp8 cache's."""
+    if fp8:
+        return [
+            {
+                "DECODE_FP8_PROGRAMS_PER_SM": per_sm,
+                "DECODE_FP8_TILE": tile,
+                "DECODE_FP8_WIDEN_V": widen,
+            }
+            for per_sm, tile, widen in itertools.product((2, 3, 4, 6, 8), FP8_TILES, (False, True))
+        ]
     if wide:
         return [
             {
@@ -91,17 +108,19 @@ def sweep_decode(
     quick: bool,
     shapes: list[tuple[int, int]] | None = None,
     head_size: int = HEAD_SIZE,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> list[dict[str, Any]]:
     """Programs per multiprocessor the splits aim for, tiles and split limits,
-    at the benchmark's shapes or at ``shapes`` (batch, context) with the wide grid."""
+    at the benchmark's shapes or at ``shapes`` (batch, context) with the wide
+    grid; over an fp8 cache (``kv_dtype``), its own grid."""
     rows = []
     defaults = {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
-    settings_list = decode_settings(wide=shapes is not None)
+    settings_list = decode_settings(wide=shapes is not None, fp8=kv_dtype != DTYPE)
     if quick:
         settings_list = settings_list[:2]
     shapes = shapes or DECODE_SHAPES
     for batch, context in shapes:
-        case = Case(batch, context, 1, head_size)
+        case = Case(batch, context, 1, head_size, kv_dtype)
         for settings in settings_list:
             row = _time_decode(case, settings)
             rows += [row] if row else []
@@ -202,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--head-size", type=int, default=HEAD_SIZE)
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="bfloat16",
+        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES),
+        help="the paged K/V's dtype (default bfloat16); fp8 sweeps the DECODE_FP8_* constants",
+    )
+    parser.add_argument(
         "--best",
         metavar="FILE",
         help="print, as JSON, the decode constants of FILE (a sweep's output) "
@@ -213,13 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     if args.only != "prefill":
-        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size)
+        kv_dtype = fp8_kv.KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
+        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size, kv_dtype)
     if args.only != "decode":
         rows += sweep_prefill(args.quick)
     header = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     Path(args.output).write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
     return 0

@@ -47,6 +47,7 @@ from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.model_spec import ModelSpec
 from pagedkv.executor.rows import Rows
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
+from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
 
 
 class WarmUpLimits(Protocol):
@@ -58,6 +59,8 @@ class WarmUpLimits(Protocol):
     def max_num_rows(self) -> int: ...
     @property
     def max_logprobs(self) -> int: ...
+    @property
+    def kv_cache_dtype(self) -> str: ...
 
 
 class WarmUpRunner(Protocol):
@@ -151,19 +154,23 @@ def warm_up_steps(
     return tuple(steps)
 
 
-def decode_steps(max_model_len: int, num_kv_heads: int, num_sms: int) -> tuple[WarmUpStep, ...]:
+def decode_steps(
+    max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool = False
+) -> tuple[WarmUpStep, ...]:
     """One-entry decodes, one per variant of the flash-decoding launch an
     eager decode step can reach: the split count's class (1, a multiple of
     16, other) with the merge's width (its next power of two), each at the
     shortest context that gives it. One entry at the model's length has the
-    most splits any step has (more entries share the GPU's programs)."""
+    most splits any step has (more entries share the GPU's programs). ``fp8``:
+    the launch constants of an fp8 cache."""
     # Imported here, as the backends import their kernel modules: the
     # Triton interpreter must be chosen before any kernel is defined.
-    from pagedkv.kernels.decode_attention import DECODE_TILE, split_count
+    from pagedkv.kernels.decode_attention import launch_constants, split_count
 
-    block_n = DECODE_TILE[0]
+    (block_n, _, _), per_sm = launch_constants(fp8)
+    most = split_count(num_kv_heads, max_model_len, block_n, num_sms, per_sm)
     steps, seen = [], set()
-    for num_splits in range(1, split_count(num_kv_heads, max_model_len, block_n, num_sms) + 1):
+    for num_splits in range(1, most + 1):
         variant = (num_splits == 1, num_splits % 16 == 0, 1 << (num_splits - 1).bit_length())
         if variant not in seen:
             seen.add(variant)
@@ -191,8 +198,9 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
     from pagedkv.kernels.decode_attention import sm_count  # see decode_steps
 
     spec = runner.spec
+    fp8 = config.kv_cache_dtype in KV_CACHE_DTYPES
     steps = decode_steps(
-        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device)
+        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), fp8
     ) + warm_up_steps(config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows)
     if profile:
         steps = steps[-1:]
