@@ -175,6 +175,34 @@ def test_fused_rotary_decode_writes_and_reads_an_fp8_cache(
         same_bytes(on["value_cache"], want_caches[1])
 
 
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_a_rotated_one_launch_decode_stores_what_the_rotated_write_stores(
+    fp8: torch.dtype,
+) -> None:
+    # rotate: the one-launch decode and rotary_and_cache (then attention)
+    # rotate alike (the same butterflies), so the key bytes are the same.
+    case = decode_case([0, 15, 16, 31, 300, 7], 2, torch.float16, pad_last=True)
+    kv = {name: t.to(DEVICE) for name, t in scales(2, per_head=True).items()}
+    for name, scale in (("key_cache", kv["k_scale"]), ("value_cache", kv["v_scale"])):
+        case[name] = fp8_kv.quantize(case[name], scale.cpu(), fp8)
+    on = {name: t.to(DEVICE) for name, t in case.items()}
+    two = {name: t.clone() for name, t in on.items()}
+    got = paged_attention.rotary_decode_attention(**on, scale=0.125, rotate=True, **kv)  # type: ignore[arg-type]
+    query = two["query"].clone()
+    rotary.rotary_and_cache(
+        query, two["key"], two["value"], two["cos_sin"], two["positions"],
+        two["key_cache"], two["value_cache"], two["slot_mapping"], rotate=True, **kv,
+    )  # fmt: skip
+    starts = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
+    want = paged_attention.paged_attention(
+        query, two["key_cache"], two["value_cache"], two["block_table"], two["seq_lens"],
+        starts, 0.125, max_query_len=1, **kv,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    same_bytes(on["key_cache"], two["key_cache"].cpu())
+    same_bytes(on["value_cache"], two["value_cache"].cpu())
+
+
 @pytest.mark.parametrize("module", [cache_ops, torch_backend], ids=["triton", "torch"])
 def test_block_copies_move_fp8_bytes(module: object) -> None:
     gen = torch.Generator().manual_seed(3)

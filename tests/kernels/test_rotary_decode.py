@@ -97,3 +97,21 @@ def test_the_split_that_holds_the_new_token_writes_it(sliding_window: int | None
     # (as CUDA graphs launch it): only the last split writes, before it reads.
     case = decode_case([2000], 1, torch.float32)
     check(case, torch.float32, sliding_window=sliding_window, max_seq_len=8192)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_size", [32, 64])
+def test_rotate_writes_and_attends_in_the_hadamard_basis(
+    dtype: torch.dtype, head_size: int
+) -> None:
+    # rotary_and_cache's rotate in the same launch: the query and the new key
+    # times the Hadamard matrix; one context split across programs too.
+    case = decode_case([0, 15, 16, 31, 300, 7], 2, dtype, pad_last=True, head_size=head_size)
+    check(case, dtype, rotate=True)
+    check(decode_case([2000], 1, dtype, head_size=head_size), dtype, rotate=True, max_seq_len=8192)
+
+
+def test_rotate_needs_a_head_size_that_is_a_power_of_two() -> None:
+    case = decode_case([5], 1, torch.float32, head_size=48)
+    with pytest.raises(ValueError, match="rotate: needs a head size"):
+        paged_attention.rotary_decode_attention(**case, scale=0.125, rotate=True)  # type: ignore[arg-type]

@@ -156,6 +156,7 @@ class RotaryDecodeAttention(Protocol):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        rotate: bool = False,
     ) -> torch.Tensor: ...
 
 

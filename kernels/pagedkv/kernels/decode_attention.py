@@ -19,6 +19,7 @@ import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
 from pagedkv.kernels.kv_quant import ScaleArgs, quantize
+from pagedkv.kernels.rotary import hadamard
 
 
 @triton.jit
@@ -67,6 +68,8 @@ def _decode_split_kernel(
     EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr,
     ROTARY: tl.constexpr,
+    ROTATE: tl.constexpr,  # ROTARY: then the Hadamard basis (BLOCK_D == head_size == 2 ** LEVELS)
+    LEVELS: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     WIDEN_V: tl.constexpr,
@@ -80,7 +83,9 @@ def _decode_split_kernel(
     whose split holds the new token rotates its key and writes it and its
     value at its slot before it reads the cache, as ``rotary_and_cache``
     would have (the same float32 rotation, rounded once to the query's
-    dtype). An fp8 cache is written quantized and read through its scales."""
+    dtype; with ``ROTATE`` times the Hadamard matrix before that rounding,
+    as ``rotary_and_cache(rotate=True)``). An fp8 cache is written quantized
+    and read through its scales."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -115,7 +120,17 @@ def _decode_split_kernel(
         sin = tl.load(angle + half, mask=dim_valid, other=0.0).to(tl.float32)
         sin = tl.where(dims < half, -sin, sin)
         q_pair = tl.load(q_ptrs + pair[None, :], mask=q_mask, other=0.0).to(tl.float32)
-        q = (q.to(tl.float32) * cos[None, :] + q_pair * sin[None, :]).to(q.dtype)
+        q_rotated = q.to(tl.float32) * cos[None, :] + q_pair * sin[None, :]
+        if ROTATE:
+            q_rotated = hadamard(q_rotated, BLOCK_G, BLOCK_D, LEVELS)
+        q = q_rotated.to(q.dtype)
+        q_rows = out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
+        if ROTATE:
+            # Staged in the output's rows (this program's heads; every split
+            # of them stores the same values) and read back below: the
+            # butterflies' layout would otherwise hold the query in registers
+            # through the loop, where a loaded one is kept in shared memory.
+            tl.store(q_rows, q, mask=q_mask)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         writes = (start <= q_pos) & (q_pos < end) & (slot >= 0)
         slot = tl.where(slot >= 0, slot, 0)
@@ -132,12 +147,17 @@ def _decode_split_kernel(
             + dims
         )
         cache_dtype = key_cache_ptr.dtype.element_ty
-        key_out = (k * cos + k_pair * sin).to(query_ptr.dtype.element_ty)
+        key_out = k * cos + k_pair * sin
+        if ROTATE:
+            key_out = tl.reshape(hadamard(key_out[None, :], 1, BLOCK_D, LEVELS), [BLOCK_D])
+        key_out = key_out.to(query_ptr.dtype.element_ty)
         key_out = quantize(key_out, k_scale, FP8, FP8_MAX).to(cache_dtype)
         v = quantize(v, v_scale, FP8, FP8_MAX).to(cache_dtype)
         tl.store(key_cache_ptr + dst, key_out, mask=kv_mask)
         tl.store(value_cache_ptr + dst, v, mask=kv_mask)
         tl.debug_barrier()  # the new key and value are read below, by other threads
+        if ROTATE:
+            q = tl.load(q_rows, mask=q_mask, other=0.0)
     if FP8:
         q = q.to(tl.float16)  # the tiles' dtype too (kv_quant)
     if USE_WINDOW:
@@ -283,6 +303,7 @@ class Rotary(NamedTuple):
     cos_sin: torch.Tensor  # [max_position, head_size]
     positions: torch.Tensor  # [num_seqs]
     slot_mapping: torch.Tensor  # [num_seqs]
+    rotate: bool = False  # rotary_and_cache's: the Hadamard basis
 
     def arguments(self) -> tuple[object, ...]:
         return (
@@ -399,6 +420,8 @@ def decode(
         EVEN_D=block_d == head_size,
         SPLIT=split,
         ROTARY=rotary is not None,
+        ROTATE=rotary is not None and rotary.rotate,
+        LEVELS=block_d.bit_length() - 1,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
         WIDEN_V=scales.fp8 and DECODE_FP8_WIDEN_V,

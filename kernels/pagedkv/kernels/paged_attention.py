@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
-from pagedkv.kernels.checks import check_attention_args, check_rotary_args
+from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
 from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
 
@@ -387,12 +387,15 @@ def rotary_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """For a batch of one-token decodes, what ``rotary_and_cache`` and then
     ``paged_attention`` give, in one launch (the flash-decoding kernel rotates
     the query and writes the new keys and values itself); ``query`` is left
-    as it is. Oracle: ``reference.rotary_decode_attention``."""
+    as it is. ``rotate``: as ``rotary_and_cache``'s, the query and key in
+    the Hadamard basis. Oracle: ``reference.rotary_decode_attention``."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    check_rotate(rotate, query.shape[-1])
     check_attention_args(
         query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap
     )
@@ -402,7 +405,7 @@ def rotary_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    rotary = Rotary(key, value, cos_sin, positions, slot_mapping)
+    rotary = Rotary(key, value, cos_sin, positions, slot_mapping, rotate)
     decode(
         query,
         key_cache,

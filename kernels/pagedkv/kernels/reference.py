@@ -265,6 +265,7 @@ def rotary_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
     of one new token per sequence."""
@@ -280,6 +281,7 @@ def rotary_decode_attention(
         slot_mapping,
         k_scale=k_scale,
         v_scale=v_scale,
+        rotate=rotate,
     )
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
     return paged_attention(

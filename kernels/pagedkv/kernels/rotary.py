@@ -29,22 +29,43 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _hadamard_half(x1, x2, BLOCK_HALF: tl.constexpr):
+def walsh_hadamard(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    """Each row of ``x`` (float32 ``[ROWS, WIDTH]``, ``WIDTH = 2 **
+    LEVELS``) times the +-1 Hadamard matrix of order ``WIDTH`` (entry ``i,
+    j`` negative when ``i & j`` has an odd number of bits), unscaled: the
+    fast transform's butterflies, the widest stride first, each a sum and a
+    difference of element pairs (a few hundred instructions, no matrix)."""
+    for level in tl.static_range(LEVELS):
+        pairs = tl.reshape(x, [ROWS, 1 << level, 2, WIDTH >> (level + 1)])
+        first, second = tl.split(tl.permute(pairs, (0, 1, 3, 2)))
+        joined = tl.join(first + second, first - second)
+        x = tl.reshape(tl.permute(joined, (0, 1, 3, 2)), [ROWS, WIDTH])
+    return x
+
+
+@triton.jit
+def hadamard(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    """``x`` (float32 ``[ROWS, WIDTH]``) times the orthonormal Hadamard
+    matrix of order ``WIDTH = 2 ** LEVELS`` (``fp8_kv.hadamard``)."""
+    return walsh_hadamard(x, ROWS, WIDTH, LEVELS) * _hadamard_scale(WIDTH)
+
+
+@triton.jit
+def _hadamard_scale(WIDTH: tl.constexpr):
+    """``1 / sqrt(WIDTH)``: the orthonormal matrix's entries, up to sign."""
+    return 1.0 / tl.sqrt(WIDTH * 1.0)
+
+
+@triton.jit
+def _hadamard_half(x1, x2, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, LEVELS: tl.constexpr):
     """``[x1, x2]`` times the orthonormal Hadamard matrix of order ``2 *
-    BLOCK_HALF``, as its two halves: ``S`` the +-1 matrix of order
-    ``BLOCK_HALF`` (entry ``i, j`` negative when ``i & j`` has an odd number
-    of bits), the product is ``[(x1 + x2) S, (x1 - x2) S] / sqrt(2 *
-    BLOCK_HALF)``. ``x1`` and ``x2``: float32 ``[rows, BLOCK_HALF]``, rows
-    at least 16."""
-    bits = tl.arange(0, BLOCK_HALF)[:, None] & tl.arange(0, BLOCK_HALF)[None, :]
-    bits = bits ^ (bits >> 8)
-    bits = bits ^ (bits >> 4)
-    bits = bits ^ (bits >> 2)
-    bits = bits ^ (bits >> 1)
-    norm = 1.0 / tl.sqrt(2.0 * BLOCK_HALF)
-    signs = tl.where((bits & 1) == 0, norm, -norm).to(tl.float32)
-    y1 = tl.dot(x1 + x2, signs, input_precision="ieee")
-    y2 = tl.dot(x1 - x2, signs, input_precision="ieee")
+    BLOCK_HALF`` (``hadamard`` of the joined rows, the same operations in
+    the same order), as its two halves: ``[(x1 + x2) S, (x1 - x2) S] /
+    sqrt(2 * BLOCK_HALF)``, ``S`` the +-1 matrix of order ``BLOCK_HALF =
+    2 ** LEVELS``. ``x1`` and ``x2``: float32 ``[ROWS, BLOCK_HALF]``."""
+    norm = _hadamard_scale(2 * BLOCK_HALF)
+    y1 = walsh_hadamard(x1 + x2, ROWS, BLOCK_HALF, LEVELS) * norm
+    y2 = walsh_hadamard(x1 - x2, ROWS, BLOCK_HALF, LEVELS) * norm
     return y1, y2
 
 
@@ -80,6 +101,7 @@ def _rotary_and_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    LEVELS: tl.constexpr,  # ROTATE: BLOCK_HALF == 2 ** LEVELS
 ):
     token = tl.program_id(0).to(tl.int64)
     dtype = query_ptr.dtype.element_ty
@@ -97,7 +119,7 @@ def _rotary_and_cache_kernel(
     q2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
     q1, q2 = _rotate(q1, q2, cos, sin)
     if ROTATE:
-        q1, q2 = _hadamard_half(q1, q2, BLOCK_HALF)
+        q1, q2 = _hadamard_half(q1, q2, BLOCK_HQ, BLOCK_HALF, LEVELS)
     tl.store(q_ptrs, q1.to(dtype), mask=q_mask)
     tl.store(q_ptrs + half, q2.to(dtype), mask=q_mask)
 
@@ -124,7 +146,7 @@ def _rotary_and_cache_kernel(
     k2 = tl.load(k_ptrs + half, mask=kv_mask, other=0.0).to(tl.float32)
     k1, k2 = _rotate(k1, k2, cos, sin)
     if ROTATE:
-        k1, k2 = _hadamard_half(k1, k2, BLOCK_HALF)
+        k1, k2 = _hadamard_half(k1, k2, BLOCK_HKV, BLOCK_HALF, LEVELS)
     k1 = quantize(k1.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
     k2 = quantize(k2.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
     tl.store(key_cache_ptr + dst, k1, mask=kv_mask)
@@ -199,9 +221,9 @@ def rotary_and_cache(
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
         ROTATE=rotate,
-        # tl.dot multiplies at least 16 rows
-        BLOCK_HQ=max(triton.next_power_of_2(num_q_heads), 16 if rotate else 1),
-        BLOCK_HKV=max(triton.next_power_of_2(num_kv_heads), 16 if rotate else 1),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_size // 2),
+        LEVELS=(head_size // 2).bit_length() - 1,
         num_warps=4,
     )

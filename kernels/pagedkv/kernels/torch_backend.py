@@ -337,6 +337,7 @@ def rotary_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
     of one new token per sequence (the two ops of this backend)."""
@@ -344,7 +345,7 @@ def rotary_decode_attention(
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     rotary_and_cache(
         rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, rotate=rotate,
     )  # fmt: skip
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)
     return paged_attention(

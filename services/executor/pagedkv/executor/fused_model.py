@@ -255,8 +255,7 @@ class FusedDecoder:
         gemma = config.model_type in GEMMA_MODEL_TYPES
         self.backend = backend
         # K and V stored in the Hadamard basis (kv_rotation.py): the cache
-        # write rotates, so decodes take it and then attention, not the
-        # one-launch rotary and attention.
+        # write (and a one-launch decode's) rotates the query and key.
         self.rotate_kv = False
         self.act_mul = getattr(backend, ACTIVATIONS[_activation(config)])  # type: ignore[index]
         self.embed_tokens = base.embed_tokens  # Gemma's scales the embedding itself
@@ -340,7 +339,7 @@ class FusedDecoder:
             meta.calibrate(layer.index, key, value)
         scales = meta.scales(layer.index)
         one_launch = meta.max_query_len == 1 and num_tokens == len(meta.seq_lens)
-        if meta.tiles is None and one_launch and not self.rotate_kv:
+        if meta.tiles is None and one_launch:
             out = self.backend.rotary_decode_attention(
                 query,
                 key,
@@ -356,6 +355,7 @@ class FusedDecoder:
                 sliding_window=meta.group_windows[group],
                 softcap=meta.softcap,
                 max_seq_len=meta.max_seq_len,
+                rotate=self.rotate_kv,
                 **scales,
             )
             result: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
