@@ -43,7 +43,7 @@ mkdir -p "$RESULTS"
 case "${1:-tests}" in
   tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
-      tests/kernels/test_gpu.py -k "fp8 or cache"
+      tests/kernels/test_rotary_decode.py tests/kernels/test_gpu.py -k "fp8 or cache or rotate"
     ;;
   kernels)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \
