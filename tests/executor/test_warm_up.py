@@ -74,29 +74,34 @@ def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
 @pytest.mark.parametrize(
     ("max_model_len", "num_kv_heads", "num_sms"), [(8192, 8, 132), (2048, 2, 8)]
 )
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 def test_decode_steps_reach_each_split_variant_once_at_its_shortest_context(
-    max_model_len: int, num_kv_heads: int, num_sms: int
+    max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool
 ) -> None:
     from pagedkv.kernels.decode_attention import (
-        DECODE_TILE,
+        launch_constants,
         split_count,
     )  # here: see above _split_variant
 
-    block_n = DECODE_TILE[0]
-    steps = decode_steps(max_model_len, num_kv_heads, num_sms)
+    (block_n, _, _), per_sm = launch_constants(fp8)
+
+    def count(pairs: int, seq_len: int) -> int:
+        return split_count(pairs, seq_len, block_n, num_sms, per_sm)
+
+    steps = decode_steps(max_model_len, num_kv_heads, num_sms, fp8)
     reachable = {  # every decode step: any entries, any contexts
-        _split_variant(split_count(num_seqs * num_kv_heads, seq_len, block_n, num_sms))
+        _split_variant(count(num_seqs * num_kv_heads, seq_len))
         for num_seqs in (1, 2, 3, 64)
         for seq_len in range(1, max_model_len + 1, 7)
     }
-    splits = [split_count(num_kv_heads, s.num_computed + 1, block_n, num_sms) for s in steps]
+    splits = [count(num_kv_heads, s.num_computed + 1) for s in steps]
     assert {_split_variant(n) for n in splits} == reachable
     assert len(steps) == len(reachable)  # each once
     assert all(s.num_seqs == 1 and s.num_scheduled == 1 for s in steps)
     assert all(s.num_computed < max_model_len for s in steps)
     for step, n in zip(steps, splits, strict=True):  # the shortest context with that count
         if step.num_computed:
-            assert split_count(num_kv_heads, step.num_computed, block_n, num_sms) < n
+            assert count(num_kv_heads, step.num_computed) < n
 
 
 def test_a_largest_step_off_the_powers_of_two_reaches_its_own_block() -> None:
