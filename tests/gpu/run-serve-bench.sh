@@ -126,6 +126,11 @@ case "${1:-1b}" in
     # 2,048). With the GPU pool alone and then with a host tier of HOST_GIB
     # (default 4; 16 for llama-8b's 2 MiB blocks) GiB (a few minutes), each
     # step traced (the report splits the device time by kind of step).
+    # NUM_BLOCKS (default 1,025) sizes the GPU pool and REQUESTS (default
+    # 512) the trace: NUM_BLOCKS=2305 REQUESTS=1024 NUM_PROMPTS=144 HOST_GIB=24
+    # PRESET=llama-8b TAG=batch32 gives a pool that holds 32 running
+    # sequences of 1,024-token prompts (the default pool holds 14) and 4x
+    # its blocks in distinct prompts.
     # Files: serve-host-tier-{off,on}[-8b][-SYSTEM_LEN unless 1024]-NAME.
     preset=${PRESET:-llama-1.1b}
     system_len=${SYSTEM_LEN:-1024}
@@ -141,11 +146,11 @@ case "${1:-1b}" in
       host=()
       [[ $tier != off ]] && host=(--host-kv-gib "${HOST_GIB:-4}")
       [[ $tier == on-eviction ]] && host+=(--host-offload eviction)
-      bench --preset "$preset" --rates inf --num-requests 512 --warmup-requests 16 \
+      bench --preset "$preset" --rates inf --num-requests "${REQUESTS:-512}" --warmup-requests 16 \
         --fixed-batch '' --no-hf --system-prompt-fraction 1 \
         --num-system-prompts "${NUM_PROMPTS:-64}" --system-prompt-len "$system_len" \
         --mean-prompt-len 64 --mean-output-len 64 \
-        --num-blocks 1025 --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
+        --num-blocks "${NUM_BLOCKS:-1025}" --max-num-seqs 32 --step-trace "${tuned[@]}" "${host[@]}" \
         --cuda-graphs "${GRAPHS:-all}" --output "$RESULTS/serve-host-tier-$tier$suffix-$NAME.json"
     done
     ;;
