@@ -303,9 +303,7 @@ class BlockCoreMachine(RuleBasedStateMachine):
         are written, as on an executor with no step in flight."""
         STEPS[type(self).__name__] += 1
         depth = data.draw(st.integers(0, self.cfg.num_blocks), label="offload_ahead")
-        most = data.draw(st.none() | st.integers(1, 4), label="offload_ahead_most")
-        queued = self.kv.offload_ahead(depth, most)
-        assert most is None or queued <= most
+        queued = self.kv.offload_ahead(depth)
         offloads, loads = self.kv.take_host_copies()
         assert not loads and len(offloads) >= queued
         for copy in offloads:

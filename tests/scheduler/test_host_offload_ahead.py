@@ -106,31 +106,6 @@ def test_idle_offloads_go_only_as_deep_as_asked_and_never_with_work_to_do() -> N
     assert s.idle_step() is None
 
 
-def test_a_deep_idle_offload_goes_out_as_several_small_steps() -> None:
-    rng = random.Random(3)
-    s = scheduler(num_blocks=10, num_host_blocks=64, depth=9)
-    s.idle_offload_step_blocks = 3
-    serve(s, 1, prompt(rng, 8 * BLOCK_SIZE + 3))
-    head = [b.block_id for b in s.kv.pool.free_block_queue if b.block_hash is not None]
-    assert len(head) == 8
-    sent: list[int] = []
-    for key in range(4):
-        idle = s.idle_step()
-        assert idle is not None
-        sent += idle.request.offload_block_ids
-        assert len(idle.request.offload_block_ids) == min(3, 8 - 3 * key)
-        apply_answers(s, answers(idle, key))
-        if len(sent) == len(head):
-            break
-    # The same blocks, in the same order, as one step of the whole depth.
-    assert sent == head
-    assert s.idle_step() is None
-    host = s.kv.host
-    assert host is not None
-    assert host.stats.num_offloaded == 8
-    assert s.kv.check_integrity().ok
-
-
 def test_no_idle_step_when_off_or_without_a_host_tier() -> None:
     rng = random.Random(2)
     for s in (

@@ -40,13 +40,6 @@ from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
 
-# The most blocks one idle step offloads (``idle_step``): a deeper
-# ``host_idle_offload_blocks`` goes out as several idle steps, each sent once
-# the one before has answered, so a request that arrives meanwhile waits
-# behind one small step's bookkeeping (here and on the executor), not the
-# whole depth's. 64 blocks of the 8B shape are 128 MiB of copies.
-IDLE_OFFLOAD_STEP_BLOCKS = 64
-
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
     return (seq.generation.priority, seq.generation.arrival, seq.index)
@@ -98,7 +91,6 @@ class ExecutorScheduler:
         if self.kv.host is not None:
             self.kv.host.adopt(host_cached)
         self.host_idle_offload_blocks = host_idle_offload_blocks
-        self.idle_offload_step_blocks = IDLE_OFFLOAD_STEP_BLOCKS
         self.draining = False  # being given up: nothing new is admitted here
         self.released = False  # given up: the step loop ends once no step is in flight
         self.stopped = asyncio.Event()  # set when the step loop has ended
@@ -375,16 +367,13 @@ class ExecutorScheduler:
         request here, no step in flight: the step loop asks): it offloads to
         the host tier the cached blocks among the next
         ``host_idle_offload_blocks`` that the pool hands out, ahead of their
-        eviction (``KVCacheManager.offload_ahead``), at most
-        ``idle_offload_step_blocks`` of them (the next call goes on where
-        this one stopped). An admission that evicts them later then sends no
-        offloads: their copies ran while the executor was idle, not in the
-        step that waits for its first token. None when there is nothing to
-        offload."""
+        eviction (``KVCacheManager.offload_ahead``). An admission that
+        evicts them later then sends no offloads: their copies ran while the
+        executor was idle, not in the step that waits for its first token.
+        None when there is nothing to offload."""
         if self.running or self.waiting or self.draining or self.released:
             return None
-        depth, most = self.host_idle_offload_blocks, self.idle_offload_step_blocks
-        if not self.kv.offload_ahead(depth, most):
+        if not self.kv.offload_ahead(self.host_idle_offload_blocks):
             return None
         plan, _ = self._plan([])
         before, message = encode_step(self.owner, plan)

@@ -368,23 +368,21 @@ class KVCacheManager:
             pool.fresh.clear()
         return host.take_copies()
 
-    def offload_ahead(self, num_blocks: int, most: int | None = None) -> int:
+    def offload_ahead(self, num_blocks: int) -> int:
         """Queues the offload to the host tier of the cached blocks among the
         next ``num_blocks`` the pool hands out (the free queue's head) whose
-        hash the tier lacks (the first ``most`` of them, when given), ahead
-        of their eviction, which then finds them there and sends no copy.
-        Only for a step sent while no other is in flight or being made, when
-        every cached block's tokens are computed
+        hash the tier lacks, ahead of their eviction, which then finds them
+        there and sends no copy. Only for a step sent while no other is in
+        flight or being made, when every cached block's tokens are computed
         (``ExecutorScheduler.idle_step``). Returns how many it queued."""
         host = self.host
-        if host is None or num_blocks <= 0 or (most is not None and most <= 0):
+        if host is None or num_blocks <= 0:
             return 0
-        lacking = (
+        ahead = [
             (block.block_id, block.block_hash)
             for block in islice(self.pool.free_block_queue, num_blocks)
             if block.block_hash is not None and block.block_hash not in host
-        )
-        ahead = list(islice(lacking, most))
+        ]
         if ahead:
             host.offload_all(ahead)
         return len(ahead)
