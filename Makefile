@@ -139,6 +139,7 @@ bench-steps-cpu: setup
 	{ $(BIN)/python -m pagedkv.bench.scheduler.steps --requests 64 256 && \
 	  $(BIN)/python -m pagedkv.bench.scheduler.steps --requests 64 256 --decode-window 8 \
 	  | tail -n +2; } > tests/benchmarks/results/scheduler-steps-cpu.txt
+	$(BIN)/python -m pagedkv.bench.scheduler.tier_steps > tests/benchmarks/results/scheduler-tier-steps-cpu.txt
 
 # KV memory, paged against contiguous, on the live CPU stack: the three
 # scenarios of docs/memory.md (about five minutes on 2 cores).

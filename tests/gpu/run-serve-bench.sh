@@ -26,7 +26,9 @@
 #                                            # the GPU pool, without and with a host tier
 #   bash tests/gpu/run-serve-bench.sh steps      # the live scheduler's CPU per running
 #                                            # request per decode step (no executor;
-#                                            # single steps and windows of 8)
+#                                            # single steps and windows of 8), and for
+#                                            # the step admitting a 4,096-token prompt
+#                                            # from each tier (tier_steps)
 #   bash tests/gpu/run-serve-bench.sh cold       # ~1.1B: cold paths, 160 requests at 4/s
 #                                            # on a fresh server, windows of 8 then single
 #                                            # steps (TTFT p99 against p50; three minutes)
@@ -52,7 +54,8 @@
 # serve-bench-NAME.{json,md,png}, NAME being h200 (1b), 8b-h200 (8b) or
 # 256-h200 (256), serve-sweep-h200.{json,md} (sweep), serve-timeline-h200
 # (timeline), executor-fused-h200 / executor-256-h200 (executor),
-# gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt (steps) and
+# gemm-h200.{json,md} (gemm), scheduler-steps-h200.txt and
+# scheduler-tier-steps-h200.txt (steps) and
 # serve-cold-h200 / serve-cold-single-h200 (cold), serve-fixed-h200 (fixed; with
 # WINDOW=1 serve-fixed-single-h200) and serve-gateway-h200
 # (gateway; serve-gateway-text-h200 with GRPC_TEXT=1, the gRPC runs then
@@ -199,7 +202,8 @@ case "${1:-1b}" in
     { "$PYTHON" -m pagedkv.bench.scheduler.steps --requests 64 256 &&
       "$PYTHON" -m pagedkv.bench.scheduler.steps --requests 64 256 --decode-window 8 |
       tail -n +2; } >"$RESULTS/scheduler-steps-$NAME.txt"
-    cat "$RESULTS/scheduler-steps-$NAME.txt"
+    "$PYTHON" -m pagedkv.bench.scheduler.tier_steps >"$RESULTS/scheduler-tier-steps-$NAME.txt"
+    cat "$RESULTS/scheduler-steps-$NAME.txt" "$RESULTS/scheduler-tier-steps-$NAME.txt"
     ;;
   cold)
     # Each on a server started for it, so its first requests meet what the

@@ -38,6 +38,12 @@ from pagedkv.scheduler.cache_events import CacheEvent, CacheEventKind
 from pagedkv.scheduler.host_tier import HostTier
 from pagedkv.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
+# The index's events are built by the tuple's own constructor (the same
+# CacheEvents, without the generated ``__new__``'s call): a step that loads a
+# host hit logs one per block twice over (its evictions, its loaded blocks).
+_new = tuple.__new__
+_STORED, _REMOVED = CacheEventKind.STORED, CacheEventKind.REMOVED
+
 
 class IntegrityReport(NamedTuple):
     """What ``check_integrity`` found. ``ok`` when ``errors`` is empty."""
@@ -179,7 +185,9 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
-        index = self.cached_blocks[group_id]
+        setdefault, step = self.cached_blocks[group_id].setdefault, self.step
+        fresh = self.fresh if self.host is not None else None
+        events = self.events
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
             block_hashes[num_cached_blocks:num_full_blocks],
@@ -188,17 +196,15 @@ class BlockPool:
             if (
                 block.block_hash is None
                 and not block.is_null
-                and index.setdefault(block_hash, block) is block
+                and setdefault(block_hash, block) is block
             ):
                 block.block_hash = block_hash
                 block.group_id = group_id
-                block.cached_step = self.step
-                if self.host is not None:
-                    self.fresh.append(block)
-                if self.events is not None:
-                    self.events.append(
-                        CacheEvent(CacheEventKind.STORED, block.block_id, block_hash, group_id)
-                    )
+                block.cached_step = step
+                if fresh is not None:
+                    fresh.append(block)
+                if events is not None:
+                    events.append(_new(CacheEvent, (_STORED, block.block_id, block_hash, group_id)))
 
     def _evict_all(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Drops each cached block's hash from its index, in order; with a host
@@ -209,15 +215,15 @@ class BlockPool:
         for block in blocks:
             block_hash = block.block_hash
             assert block_hash is not None
-            del indexes[block.group_id][block_hash]
+            group_id = block.group_id
+            del indexes[group_id][block_hash]
             block.block_hash = None
             if host is not None and block.cached_step != step:
                 offloads.append((block.block_id, block_hash))
             if events is not None:
-                events.append(
-                    CacheEvent(CacheEventKind.REMOVED, block.block_id, block_hash, block.group_id)
-                )
-        if host is not None and offloads:
+                events.append(_new(CacheEvent, (_REMOVED, block.block_id, block_hash, group_id)))
+        if offloads:
+            assert host is not None
             host.offload_all(offloads)
 
     def take_events(self) -> list[CacheEvent]:

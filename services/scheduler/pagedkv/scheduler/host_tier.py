@@ -86,6 +86,12 @@ class LoadCosts(NamedTuple):
 
 UNMEASURED = LoadCosts()
 
+# A step that loads a host hit makes a few hundred copies, hits and cache
+# events per block run: the NamedTuples below are built by the tuple's own
+# constructor (the same objects, without the generated ``__new__``'s call).
+_new = tuple.__new__
+_STORED, _REMOVED = CacheEventKind.STORED, CacheEventKind.REMOVED
+
 # Which host hits an admitted request loads: "auto", as ``LoadCosts.load_pays``
 # says; "always"; "never" (it recomputes them: the tier still writes through
 # and counts its hits, for measuring what the loads buy).
@@ -160,13 +166,13 @@ class HostTier:
     def find(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> list[HostHit]:
         """The run of ``block_hashes[start:end]`` from ``start`` on that the
         host index holds (empty at the first miss)."""
-        index = self._index
+        get = self._index.get
         hits: list[HostHit] = []
         for block_hash in block_hashes[start:end]:
-            host_id = index.get(block_hash)
+            host_id = get(block_hash)
             if host_id is None:
                 break
-            hits.append(HostHit(block_hash, host_id))
+            hits.append(_new(HostHit, (block_hash, host_id)))
         return hits
 
     def choose(self, hits: list[HostHit], block_size: int) -> list[HostHit]:
@@ -205,19 +211,19 @@ class HostTier:
         now, as ``load`` would make them, so a full tier's offloads find the
         least recently used unpinned block first instead of passing every
         pinned one."""
-        index, pinned = self._index, self._pinned
-        for hit in hits:
-            pinned.add(hit.host_id)
-            index.move_to_end(hit.block_hash)
+        move_to_end, pin = self._index.move_to_end, self._pinned.add
+        for block_hash, host_id in hits:
+            pin(host_id)
+            move_to_end(block_hash)
 
     def load(self, hits: Sequence[HostHit], block_ids: Sequence[BlockId]) -> None:
         """Queues the copy of each (pinned) host hit into the GPU block of
         ``block_ids`` at its place; their hashes become the most recently
         used."""
-        index, loads = self._index, self._loads
-        for hit, block_id in zip(hits, block_ids, strict=True):
-            index.move_to_end(hit.block_hash)
-            loads.append(HostCopy(block_id, hit.host_id))
+        move_to_end, append = self._index.move_to_end, self._loads.append
+        for (block_hash, host_id), block_id in zip(hits, block_ids, strict=True):
+            move_to_end(block_hash)
+            append(_new(HostCopy, (block_id, host_id)))
         self._num_loaded += len(hits)
 
     def offload_all(self, blocks: Iterable[tuple[BlockId, BlockHash]]) -> None:
@@ -225,21 +231,35 @@ class HostTier:
         through once computed, or at its eviction), unless its hash is there
         already (then it only becomes the most recently used). Without a host
         block to take (every one pinned) it is dropped."""
-        index, offloads, events = self._index, self._offloads, self.events
-        free = self._free
-        num_offloaded = 0
+        index, free, pinned = self._index, self._free, self._pinned
+        offload, log = self._offloads.append, self.events.append
+        move_to_end, popitem = index.move_to_end, index.popitem
+        num_offloaded = num_evicted = 0
         for block_id, block_hash in blocks:
             if block_hash in index:
-                index.move_to_end(block_hash)
+                move_to_end(block_hash)
                 continue
-            host_id = free.pop() if free else self._take()
-            if host_id is None:
+            if free:
+                host_id = free.pop()
+            elif index:  # a full tier: its least recently used block, as ``_take``
+                old_hash, host_id = popitem(last=False)
+                if host_id in pinned:  # rare (see ``pin``): the long way
+                    index[old_hash] = host_id
+                    taken = self._take()
+                    if taken is None:
+                        continue
+                    host_id = taken
+                else:
+                    num_evicted += 1
+                    log(_new(CacheEvent, (_REMOVED, host_id, old_hash, 0)))
+            else:
                 continue
             index[block_hash] = host_id
-            offloads.append(HostCopy(block_id, host_id))
-            events.append(CacheEvent(CacheEventKind.STORED, BlockId(host_id), block_hash, 0))
+            offload(_new(HostCopy, (block_id, host_id)))
+            log(_new(CacheEvent, (_STORED, host_id, block_hash, 0)))
             num_offloaded += 1
         self._num_offloaded += num_offloaded
+        self._num_evicted += num_evicted
 
     def _take(self) -> int | None:
         """A host block to write in place of a full tier's least recently
