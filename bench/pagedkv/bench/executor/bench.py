@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     Path(args.output).with_suffix(".md").write_text(
-        "# Executor on the H200 (`python -m pagedkv.bench.executor.bench`)\n\n```\n"
+        "# Executor on the GPU (`python -m pagedkv.bench.executor.bench`)\n\n```\n"
         + text
         + "\n```\n"
     )
