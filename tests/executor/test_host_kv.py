@@ -386,6 +386,20 @@ def test_load_destinations_lose_their_tags_unless_the_step_tags_them(executor: E
     assert (list(chunk.block_ids), list(chunk.block_hashes)) == ([6], [b"c"])
 
 
+def test_a_load_moves_its_host_blocks_tag_to_the_end_as_the_schedulers_index_does(
+    executor: Executor,
+) -> None:
+    fresh(executor)
+    prefilled(executor, [1, 2])
+    tags = {"tag_block_ids": [1, 2], "tag_block_hashes": [b"p1", b"p2"], "tag_group_ids": [0, 0]}
+    executor.step(moving(**tags))
+    executor.step(moving(offloads=((1, 0), (2, 1))))
+    executor.step(moving(loads=((0, 5),)))
+    device, host = executor.list_cached_blocks(executor_pb2.ListCachedBlocksRequest(owner=OWNER))
+    assert list(device.block_ids) == [1, 2]  # the device's tags keep their order
+    assert (list(host.host_block_ids), list(host.host_block_hashes)) == ([1, 0], [b"p2", b"p1"])
+
+
 # -- validation ---------------------------------------------------------------
 
 
