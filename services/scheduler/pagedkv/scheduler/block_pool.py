@@ -312,7 +312,9 @@ class BlockPool:
             if block.ref_cnt:
                 num_used += 1
             if block.block_hash is not None:
-                index = self.cached_blocks[block.group_id]
+                group_id = block.group_id
+                groups = self.cached_blocks
+                index = groups[group_id] if 0 <= group_id < len(groups) else {}
                 if index.get(block.block_hash) is not block:
                     errors.append(f"block {block.block_id}: carries a hash the index lacks")
         if num_free + num_used != self.num_blocks - 1:

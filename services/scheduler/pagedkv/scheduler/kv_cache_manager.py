@@ -449,7 +449,8 @@ class KVCacheManager:
         """The pool's audit, the holders' (holders_audit.py: each ref_cnt
         equals its tables) and the host tier's."""
         report = self.pool.check_integrity()
-        errors = [*report.errors, *audit_holders(self.managers, self.pool)]
+        num_used = None if report.errors else report.num_used
+        errors = [*report.errors, *audit_holders(self.managers, self.pool, num_used)]
         if self.host is not None:
             errors.extend(self.host.check_integrity())
         return report._replace(errors=tuple(errors))
