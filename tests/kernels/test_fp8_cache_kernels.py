@@ -153,6 +153,26 @@ def test_attention_over_an_fp8_cache_matches_the_oracle(
             torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+@pytest.mark.parametrize("widen_v", [True, False], ids=["widen-v", "fp8-v"])
+def test_decode_over_an_fp8_cache_with_the_table_read_ahead_matches_the_oracle(
+    sliding_window: int | None,
+    softcap: float | None,
+    widen_v: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(decode_attention, "DECODE_PREFETCH", True)
+    monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
+    kv = scales(2, True)
+    batch = build_batch([0, 15, 16, 40, 300], [1, 1, 1, 1, 1], 4, 2, dtype=torch.float16)
+    quantized(batch, torch.float8_e4m3fn, kv)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    want = reference.paged_attention(*args, **kwargs, **kv)  # type: ignore[arg-type]
+    got = run(paged_attention.paged_attention, *args, **kwargs, **kv)
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fused_rotary_decode_writes_and_reads_an_fp8_cache(

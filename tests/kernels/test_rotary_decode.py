@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.kernels import paged_attention, reference, torch_backend
+from pagedkv.kernels import decode_attention, paged_attention, reference, torch_backend
 from tests.kernels.test_fused_ops import llama_cos_sin
 from tests.kernels.test_reference import BLOCK_SIZE, HEAD_SIZE, build_batch
 from tests.kernels.test_triton_kernels import DEVICE, FP32_TOLERANCE
@@ -91,12 +91,18 @@ def test_rotary_decode_attention_matches_the_oracle(
     check(case, dtype, sliding_window=sliding_window, softcap=softcap)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_the_split_that_holds_the_new_token_writes_it(sliding_window: int | None) -> None:
+def test_the_split_that_holds_the_new_token_writes_it(
+    sliding_window: int | None, prefetch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One long context split across programs, launched for a longer bound
-    # (as CUDA graphs launch it): only the last split writes, before it reads.
+    # (as CUDA graphs launch it): only the last split writes, before it
+    # reads (the block table read a tile ahead too: DECODE_PREFETCH).
+    monkeypatch.setattr(decode_attention, "DECODE_PREFETCH", prefetch)
     case = decode_case([2000], 1, torch.float32)
     check(case, torch.float32, sliding_window=sliding_window, max_seq_len=8192)
+    check(decode_case([0, 15, 16, 31, 300, 7], 2, torch.float16, pad_last=True), torch.float16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

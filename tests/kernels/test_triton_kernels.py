@@ -163,12 +163,19 @@ def test_copy_blocks_matches_the_oracle() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (20, None), (None, 5.0)])
 def test_decode_path_matches_the_oracle(
-    num_kv_heads: int, sliding_window: int | None, softcap: float | None
+    num_kv_heads: int,
+    sliding_window: int | None,
+    softcap: float | None,
+    prefetch: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Decodes only: contexts at and around block boundaries, a long one split many ways.
+    # Decodes only: contexts at and around block boundaries, a long one split
+    # many ways; with the block table read a tile ahead too (DECODE_PREFETCH).
+    monkeypatch.setattr(decode_attention, "DECODE_PREFETCH", prefetch)
     batch = build_batch(
         [0, 15, 16, 31, 300], [1, 1, 1, 1, 1], num_q_heads=4, num_kv_heads=num_kv_heads
     )
@@ -179,10 +186,14 @@ def test_decode_path_matches_the_oracle(
     torch.testing.assert_close(out, expected, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_decode_path_merges_many_context_splits(sliding_window: int | None) -> None:
+def test_decode_path_merges_many_context_splits(
+    sliding_window: int | None, prefetch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One long sequence: its context is split across programs; with a window,
     # the splits before the window hold no key and must weigh nothing.
+    monkeypatch.setattr(decode_attention, "DECODE_PREFETCH", prefetch)
     batch = build_batch([2000], [1], num_q_heads=2, num_kv_heads=1)
     args = [batch[name] for name in NAMES]
     kwargs = {"scale": 0.125, "sliding_window": sliding_window}

@@ -68,6 +68,7 @@ def attend(
     EVEN_D: tl.constexpr,
     MASK: tl.constexpr,
     WIDEN_V: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -81,15 +82,26 @@ def attend(
     widens it before it is laid out for the dot: the compiler then moves
     16-bit values into the dot's layout (through shared memory, read back
     with ldmatrix), where without it the fp8 tile is laid out for the dot
-    first and read from shared memory a byte at a time."""
+    first and read from shared memory a byte at a time.
+    ``PREFETCH`` reads each tile's block table entries one step ahead (the
+    next tile's while this one's K and V load), and both the K and the V
+    tile before the scores, so that no load of a step waits for another of
+    that step."""
+    row_table = block_table_ptr + seq * block_table_stride
+    if PREFETCH:
+        first_pos = kv_start + tl.arange(0, BLOCK_N)
+        pages = tl.load(row_table + first_pos // BLOCK_SIZE, mask=first_pos < kv_end, other=0).to(
+            tl.int64
+        )
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
-        table = block_table_ptr + seq * block_table_stride + k_pos // BLOCK_SIZE
-        if MASK:
-            pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
-        else:
-            pages = tl.load(table).to(tl.int64)
+        if not PREFETCH:
+            table = row_table + k_pos // BLOCK_SIZE
+            if MASK:
+                pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
+            else:
+                pages = tl.load(table).to(tl.int64)
         kv_offsets = (
             pages * cache_stride_b
             + (k_pos % BLOCK_SIZE) * cache_stride_s
@@ -98,6 +110,18 @@ def attend(
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
         k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        if PREFETCH:
+            if WIDEN_V:
+                v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
+                v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
+            else:
+                v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(
+                    q.dtype
+                )
+            next_pos = k_pos + BLOCK_N
+            pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
+                tl.int64
+            )
         qk = tl.dot(q, tl.trans(k))
         if USE_SOFTCAP:
             scores = qk * scale
@@ -113,11 +137,14 @@ def attend(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if WIDEN_V:
-            v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
-            v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
-        else:
-            v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        if not PREFETCH:
+            if WIDEN_V:
+                v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
+                v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
+            else:
+                v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(
+                    q.dtype
+                )
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
@@ -153,6 +180,7 @@ def attend_span(
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     WIDEN_V: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -186,6 +214,7 @@ def attend_span(
         EVEN_D,
         False,
         WIDEN_V,
+        PREFETCH,
     )
     m_i, l_i, acc = attend(
         q,
@@ -216,5 +245,6 @@ def attend_span(
         EVEN_D,
         True,
         WIDEN_V,
+        PREFETCH,
     )
     return m_i, l_i, acc

@@ -73,6 +73,7 @@ def _decode_split_kernel(
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     WIDEN_V: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -202,6 +203,7 @@ def _decode_split_kernel(
         BLOCK_N,
         EVEN_D,
         WIDEN_V,
+        PREFETCH,
     )
 
     if SPLIT:
@@ -286,6 +288,9 @@ DECODE_PROGRAMS_PER_SM = 4
 DECODE_FP8_TILE = (64, 4, 2)
 DECODE_FP8_PROGRAMS_PER_SM = 6
 DECODE_FP8_WIDEN_V = True
+# Each tile's block table entries read one step ahead, and its V with its K
+# (``attend``'s PREFETCH).
+DECODE_PREFETCH = False
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 # The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
@@ -426,6 +431,7 @@ def decode(
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
         WIDEN_V=scales.fp8 and DECODE_FP8_WIDEN_V,
+        PREFETCH=DECODE_PREFETCH,
         num_warps=num_warps,
         num_stages=num_stages,
     )

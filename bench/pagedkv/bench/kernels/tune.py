@@ -70,9 +70,14 @@ WIDE_TILES = ((64, 4, 2), (64, 4, 3), (64, 2, 2), (64, 2, 3), (32, 4, 2), (32, 2
 FP8_TILES = ((64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4, 3), (128, 8, 2))
 
 
-def decode_settings(wide: bool, fp8: bool = False) -> list[dict[str, Any]]:
-    """The decode constants to try: the default grid, the wide one, or an
-    fp8 cache's."""
+def decode_settings(
+    wide: bool, fp8: bool = False, switch: str | None = None
+) -> list[dict[str, Any]]:
+    """The decode constants to try: the default grid, the wide one, an fp8
+    cache's, or (``switch``) one boolean constant off then on, the rest as
+    they are."""
+    if switch:
+        return [{switch: False}, {switch: True}]
     if fp8:
         return [
             {
@@ -109,13 +114,15 @@ def sweep_decode(
     shapes: list[tuple[int, int]] | None = None,
     head_size: int = HEAD_SIZE,
     kv_dtype: torch.dtype = DTYPE,
+    switch: str | None = None,
 ) -> list[dict[str, Any]]:
     """Programs per multiprocessor the splits aim for, tiles and split limits,
     at the benchmark's shapes or at ``shapes`` (batch, context) with the wide
-    grid; over an fp8 cache (``kv_dtype``), its own grid."""
+    grid; over an fp8 cache (``kv_dtype``), its own grid; with ``switch``,
+    that boolean constant off and on (``decode_settings``)."""
     rows = []
     defaults = {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
-    settings_list = decode_settings(wide=shapes is not None, fp8=kv_dtype != DTYPE)
+    settings_list = decode_settings(shapes is not None, kv_dtype != DTYPE, switch)
     if quick:
         settings_list = settings_list[:2]
     shapes = shapes or DECODE_SHAPES
@@ -227,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the paged K/V's dtype (default bfloat16); fp8 sweeps the DECODE_FP8_* constants",
     )
     parser.add_argument(
+        "--switch",
+        metavar="DECODE_NAME",
+        help="time one boolean decode constant off then on (e.g. DECODE_PREFETCH), "
+        "at the decode shapes, instead of a grid",
+    )
+    parser.add_argument(
         "--best",
         metavar="FILE",
         help="print, as JSON, the decode constants of FILE (a sweep's output) "
@@ -239,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.only != "prefill":
         kv_dtype = fp8_kv.KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
-        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size, kv_dtype)
+        if args.switch and not isinstance(getattr(da, args.switch, None), bool):
+            parser.error(f"--switch: {args.switch} is not a boolean DECODE_ constant")
+        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size, kv_dtype, args.switch)
     if args.only != "decode":
         rows += sweep_prefill(args.quick)
     header = {
