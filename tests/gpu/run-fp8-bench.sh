@@ -14,10 +14,12 @@
 #                                             # --gpu-memory-utilization, decode step at
 #                                             # 64 x 768 (three minutes)
 #   bash tests/gpu/run-fp8-bench.sh prefetch  # the decode kernel reading each tile's block table
-#                                             # a step ahead (DECODE_PREFETCH): its GPU tests,
-#                                             # the kernel off and on (head size 64: 64 and 256
-#                                             # x 768; 128: 32 x 8k, 128 x 1k; bf16 and fp8_e4m3
-#                                             # blocks), the executor bench's fp8 step off and on
+#                                             # a step ahead (DECODE_PREFETCH for bf16 blocks,
+#                                             # DECODE_FP8_PREFETCH for fp8): its GPU tests, the
+#                                             # kernel off and on (head size 64: 64 and 256 x 768;
+#                                             # 128: 32 x 8k, 128 x 1k; bf16 and fp8_e4m3 blocks),
+#                                             # the executor bench's step off and on (fp8 at 64
+#                                             # and 256 rows, bf16 at 64)
 #   bash tests/gpu/run-fp8-bench.sh serve-1b  # ~1.1B: 64 and 256 x (512 -> 256), bf16 then
 #                                             # fp8_e4m3 blocks (a few minutes)
 #   bash tests/gpu/run-fp8-bench.sh serve-8b  # 8B shape: 16 x (7,680 -> 256) and the long-
@@ -76,20 +78,25 @@ case "${1:-tests}" in
       tests/kernels/test_fp8_cache_kernels.py tests/kernels/test_rotary_decode.py \
       -k "prefetch or read_ahead"
     for kv in bfloat16 fp8_e4m3; do
-      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_PREFETCH \
+      switch=DECODE_PREFETCH
+      [[ $kv == bfloat16 ]] || switch=DECODE_FP8_PREFETCH
+      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch "$switch" \
         --kv-cache-dtype "$kv" --decode-shapes 64x768,256x768 --head-size 64 \
         --output "$RESULTS/kernels-prefetch-64-$kv-$NAME.json"
-      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_PREFETCH \
+      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch "$switch" \
         --kv-cache-dtype "$kv" --decode-shapes 32x8192,128x1024 --head-size 128 \
         --output "$RESULTS/kernels-prefetch-128-$kv-$NAME.json"
     done
-    for prefetch in False True; do
-      "$PYTHON" -c 'import sys
+    for run in "fp8_e4m3 64" "fp8_e4m3 256" "auto 64"; do
+      read -r kv batch <<<"$run"
+      for prefetch in False True; do
+        "$PYTHON" -c 'import sys
 from pagedkv.kernels import decode_attention
-decode_attention.DECODE_PREFETCH = sys.argv[1] == "True"
+decode_attention.DECODE_PREFETCH = decode_attention.DECODE_FP8_PREFETCH = sys.argv[1] == "True"
 from pagedkv.bench.executor.bench import main
-sys.exit(main(sys.argv[2:]))' "$prefetch" --kv-cache-dtype fp8_e4m3 \
-        --output "$RESULTS/executor-kv-fp8_e4m3-prefetch-$prefetch-$NAME.json"
+sys.exit(main(sys.argv[2:]))' "$prefetch" --kv-cache-dtype "$kv" --batch "$batch" \
+          --output "$RESULTS/executor-kv-$kv-$batch-prefetch-$prefetch-$NAME.json"
+      done
     done
     ;;
   serve-1b)

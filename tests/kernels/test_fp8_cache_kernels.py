@@ -155,13 +155,17 @@ def test_attention_over_an_fp8_cache_matches_the_oracle(
 
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
 @pytest.mark.parametrize("widen_v", [True, False], ids=["widen-v", "fp8-v"])
-def test_decode_over_an_fp8_cache_with_the_table_read_ahead_matches_the_oracle(
+@pytest.mark.parametrize("prefetch", [True, False], ids=["read-ahead", "plain"])
+def test_decode_over_an_fp8_cache_with_the_table_read_ahead_or_not_matches_the_oracle(
     sliding_window: int | None,
     softcap: float | None,
     widen_v: bool,
+    prefetch: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(decode_attention, "DECODE_PREFETCH", True)
+    # fp8 blocks read each tile's block table a step ahead by default
+    # (DECODE_FP8_PREFETCH); the plain loop stays for float caches.
+    monkeypatch.setattr(decode_attention, "DECODE_FP8_PREFETCH", prefetch)
     monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
     kv = scales(2, True)
     batch = build_batch([0, 15, 16, 40, 300], [1, 1, 1, 1, 1], 4, 2, dtype=torch.float16)

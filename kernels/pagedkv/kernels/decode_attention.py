@@ -289,8 +289,12 @@ DECODE_FP8_TILE = (64, 4, 2)
 DECODE_FP8_PROGRAMS_PER_SM = 6
 DECODE_FP8_WIDEN_V = True
 # Each tile's block table entries read one step ahead, and its V with its K
-# (``attend``'s PREFETCH).
+# (``attend``'s PREFETCH). On an H100 (``run-fp8-bench.sh prefetch``) the
+# rotated one-launch decode over fp8 blocks took 7.4-7.7% less at 64 and 256
+# x 768 (executor-kv-*-prefetch-*-h100); over bf16 blocks it changed
+# nothing (689 us against 691), so float caches keep the plain loop.
 DECODE_PREFETCH = False
+DECODE_FP8_PREFETCH = True
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 # The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
@@ -431,7 +435,7 @@ def decode(
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
         WIDEN_V=scales.fp8 and DECODE_FP8_WIDEN_V,
-        PREFETCH=DECODE_PREFETCH,
+        PREFETCH=DECODE_FP8_PREFETCH if scales.fp8 else DECODE_PREFETCH,
         num_warps=num_warps,
         num_stages=num_stages,
     )
