@@ -330,8 +330,9 @@ class Executor:
             self._settle_tags()  # earlier steps' tags come before this step's untags
             if runner.host_kv is not None:  # before all else
                 tag_offloads(self.tags, self.host_tags, plan.offloads)
-                if len(plan.loads):  # the loaded host blocks become the most recently
-                    # used, as the scheduler's host index makes them: an adopter's order
+                # Loaded host blocks become the most recently used, as the
+                # scheduler's host index makes them (an adopter's eviction order).
+                if len(plan.loads):
                     self.host_tags.touch(plan.loads[:, 0].tolist())
                 move_blocks(
                     runner.host_kv,
