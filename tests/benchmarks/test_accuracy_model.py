@@ -99,7 +99,12 @@ def test_the_command_offers_every_shape_and_the_recipes_defaults() -> None:
 def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     trained: tuple[Path, dict[str, Any]],
 ) -> None:
-    from pagedkv.bench.accuracy.evaluate import EMULATION, GRANULARITIES, evaluate
+    from pagedkv.bench.accuracy.evaluate import (
+        EMULATION,
+        GRANULARITIES,
+        INT8_GRANULARITIES,
+        evaluate,
+    )
 
     path, _ = trained
     report = evaluate(
@@ -115,7 +120,8 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     )
     rows = report["fp8"]
     parts = {"fp8_e4m3/executor/k-only", "fp8_e4m3/executor/v-only"}
-    assert set(rows) == parts | {
+    int8 = {f"int8/{granularity}" for granularity in INT8_GRANULARITIES}
+    assert set(rows) == parts | int8 | {
         f"{name}/{granularity}"
         for name in ("fp8_e4m3", "fp8_e5m2")
         for granularity in GRANULARITIES
@@ -133,6 +139,8 @@ def test_fp8_kv_on_the_trained_model_costs_what_fp8_allows(
     for granularity in ("per_tensor", "per_head"):
         e4m3 = rows[f"fp8_e4m3/{granularity}"]["outlier_errors"]["relative_rms"]
         assert rows[f"fp8_e5m2/{granularity}"]["outlier_errors"]["relative_rms"] > e4m3
+    rotated = rows["fp8_e4m3/executor_rotated"]["outlier_errors"]["relative_rms"]
+    assert rows["int8/per_token_rotated"]["outlier_errors"]["relative_rms"] < rotated
     assert EMULATION.dtype is None  # the reference attention again
     noise = report["reference_noise"]  # the float32 model against the bf16 one
     assert noise["top1_agreement"] >= 0.9 and abs(noise["perplexity_increase"]) < 0.05
@@ -192,3 +200,36 @@ def test_a_rotated_store_spreads_channels_a_query_shares_with_its_keys() -> None
         errors[granularity] = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
     assert errors["per_head_rotated"] < errors["per_head"] / 3
     assert errors["executor_rotated"] < errors["per_head"] / 3  # the norm bound costs no more
+
+
+def test_int8_with_a_scale_per_token_rounds_finer_than_e4m3_in_the_rotated_basis() -> None:
+    """``int8_round_trip``: one scale per vector, 255 levels; a rotated
+    vector's values are alike in size, so its scores against a query
+    keep a fraction of e4m3's error (three mantissa bits), and a zero
+    vector comes back as zeros."""
+    import torch
+
+    from pagedkv.bench.accuracy.evaluate import KVEmulation, int8_round_trip
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 256, 64, generator=generator)  # [batch, kv_heads, seq, head_size]
+    query = torch.randn(1, 2, 8, 64, generator=generator)
+    for x in (keys, query):
+        x[..., [3, 40]] *= 20.0
+    want = query @ keys.transpose(-1, -2)
+
+    def error(stored: torch.Tensor) -> float:
+        got = query @ stored.transpose(-1, -2)
+        return ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+
+    e4m3 = KVEmulation()
+    e4m3.configure(torch.float8_e4m3fn, "executor_rotated")
+    e4m3.calibrating = True
+    e4m3.store(0, 0, keys)
+    e4m3.calibrating = False
+    int8 = KVEmulation()
+    int8.configure(torch.int8, "per_token_rotated")
+    assert error(int8.store(0, 0, keys)) < error(e4m3.store(0, 0, keys)) / 3
+    assert error(int8_round_trip(keys)) < error(e4m3.store(0, 0, keys))
+    zeros = torch.zeros(1, 1, 4, 64)
+    assert torch.equal(int8_round_trip(zeros, rotate=True), zeros)

@@ -21,6 +21,13 @@ the model's corpus (corpus.py):
   channels (``outlier_errors``: a few key and value channels 20x the rest),
   against attention over the unquantized K and V.
 
+Beside the fp8 rows, ``int8/per_token`` and ``int8/per_token_rotated``
+store K and V as int8 with a scale per token and KV head (its largest
+magnitude over 127, the scale itself in float16), as they are or in the
+Hadamard basis (``int8_round_trip``): what a block format of one byte per
+value plus a small scale per token would keep, for comparison with fp8's
+three mantissa bits. No kernel stores them yet.
+
 For scale, ``reference_noise`` gives the same measures for the model run in
 float32 against the reference (the model's dtype, bf16 on the GPU): how far
 two correct computations already disagree, with no fp8 anywhere.
@@ -72,11 +79,34 @@ GRANULARITIES = (
 )
 CENTERED = ("per_head_centered", "executor_centered", "per_head_rotated_centered")
 ROTATED = ("per_head_rotated", "per_head_rotated_centered", "executor_rotated")
+# int8 with a scale per token and KV head, computed as each token is stored
+# (no calibration): as they are, or in the Hadamard basis.
+INT8_GRANULARITIES = ("per_token", "per_token_rotated")
+INT8_MAX = 127
+
+
+def int8_round_trip(x: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+    """``x`` ``[..., head_size]`` stored as int8 with one scale per vector
+    (its largest magnitude over ``INT8_MAX``, the scale rounded to float16
+    as a cache would keep it) and read back in ``x``'s dtype; with
+    ``rotate``, stored in the Hadamard basis and read back in the model's."""
+    values = x.float()
+    rotation = fp8_kv.hadamard(x.shape[-1], x.device) if rotate else None
+    if rotation is not None:
+        values = values @ rotation
+    scale = values.abs().amax(-1, keepdim=True) / INT8_MAX
+    scale = scale.to(torch.float16).float().clamp_min(torch.finfo(torch.float16).tiny)
+    stored = torch.round(values / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+    if rotation is not None:
+        stored = stored @ rotation
+    return stored.to(x.dtype)
 
 
 class KVEmulation:
     """The attention function's state: the format (None: the model's
-    dtype), the granularity and each layer's K and V scales.
+    dtype; ``torch.int8``: ``int8_round_trip``, a granularity of
+    ``INT8_GRANULARITIES``), the granularity and each layer's K and V
+    scales.
 
     ``per_head_centered`` stores K and V less a center, each channel's mean
     over the calibration (per layer, K or V, KV head), and adds it back on
@@ -119,6 +149,8 @@ class KVEmulation:
         give it back."""
         if self.dtype is None or kind not in self.kinds:
             return x
+        if self.dtype == torch.int8:  # a scale per token and KV head: nothing to calibrate
+            return int8_round_trip(x, self.granularity == "per_token_rotated")
         tokens = x.transpose(1, 2)  # [batch, seq, kv_heads, head_size]
         slot = (layer, kind)
         if self.granularity in ROTATED:  # stored in a rotated basis, read back in the model's
@@ -245,7 +277,8 @@ def outlier_errors(
     factor: float = 20.0,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Attention over K and V stored in ``dtype`` against over K and V in
+    """Attention over K and V stored in ``dtype`` (``torch.int8``: as
+    ``int8_round_trip`` stores them) against over K and V in
     bf16 (the oracle's cache), for random activations whose channels 3, 40
     and 77 of every head (K and V) are ``factor`` times the rest (stored in
     the Hadamard basis for the ``_rotated`` granularities); the attention
@@ -259,7 +292,10 @@ def outlier_errors(
         x[..., [3, 40, 77]] *= factor
     cached = [x.to(torch.bfloat16) for x in exact]
     per_head = granularity != "per_tensor"
-    if granularity in ROTATED:  # stored in the Hadamard basis, read back in the model's
+    if dtype == torch.int8:
+        rotate = granularity == "per_token_rotated"
+        stored = [int8_round_trip(x.float(), rotate) for x in cached]
+    elif granularity in ROTATED:  # stored in the Hadamard basis, read back in the model's
         rotation = fp8_kv.hadamard(head_size)
         stored = []
         for x in cached:
@@ -327,6 +363,7 @@ def evaluate(
     ]
     e4m3 = fp8_kv.KV_CACHE_DTYPES["fp8_e4m3"]
     runs += [("fp8_e4m3", e4m3, "executor", kinds) for kinds in ("k", "v")]
+    runs += [("int8", torch.int8, granularity, "kv") for granularity in INT8_GRANULARITIES]
     for name, fp8, granularity, kinds in runs:
         EMULATION.configure(fp8, granularity, kinds)
         EMULATION.calibrating = True
