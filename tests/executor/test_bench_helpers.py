@@ -13,7 +13,8 @@ import torch
 from pagedkv.bench.executor import bench
 from pagedkv.bench.executor.bench_profile import kernel_times
 from pagedkv.executor.engine import Executor
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import executor_pb2
 

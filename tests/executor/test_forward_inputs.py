@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.mixed_graphs import MixedGraphs, tile_schedule
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 
 BLOCKS_PER_ROW = 4

@@ -17,7 +17,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
 from tests.executor.test_fused_model import make_runner, step_logits

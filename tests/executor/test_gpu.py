@@ -97,7 +97,8 @@ def test_bf16_fused_logits_are_as_close_to_float32_as_transformers_modules_on_cu
 def test_runner_without_num_blocks_measures_its_pool_on_cuda(model_dirs: dict[str, Path]) -> None:
     """Without num_blocks the runner sizes its KV pool from a profiling
     forward on scratch memory, then serves steps on the pool it sized."""
-    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.executor.model_runner import ModelRunner
+    from pagedkv.executor.runner_config import RunnerConfig
 
     config = RunnerConfig(
         model=str(model_dirs["llama"]),
@@ -120,7 +121,8 @@ def test_decode_windows_on_cuda_graphs_give_the_tokens_of_single_steps(
     fed to the next on the device; the tokens are those of single steps,
     and of eager steps."""
     from pagedkv.executor.engine import Executor
-    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.executor.model_runner import ModelRunner
+    from pagedkv.executor.runner_config import RunnerConfig
     from pagedkv.v1 import common_pb2
     from tests.executor.test_launch_order import window_tokens
 

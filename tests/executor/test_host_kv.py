@@ -32,7 +32,8 @@ from pagedkv.executor.engine import Executor
 from pagedkv.executor.host_kv import HostKVPool
 from pagedkv.executor.launched import LaunchedStep
 from pagedkv.executor.mixed_graphs import MixedGraphs
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.kernels.backend import get_backend
 from pagedkv.v1 import common_pb2, executor_pb2

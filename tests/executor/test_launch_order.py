@@ -19,7 +19,8 @@ import pytest
 
 from pagedkv.common.errors import InvalidArgument
 from pagedkv.executor.engine import Executor
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import common_pb2, executor_pb2
 from tests.executor.test_block_tags import h, tagging

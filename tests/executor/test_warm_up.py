@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+from pagedkv.executor.model_runner import ModelRunner
+from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.executor.warm_up import (
     SAMPLER_PATHS,

@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from pagedkv.executor.engine import Executor
-    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.executor.model_runner import ModelRunner
+    from pagedkv.executor.runner_config import RunnerConfig
     from pagedkv.v1 import executor_pb2
 
     with tempfile.TemporaryDirectory() as root:

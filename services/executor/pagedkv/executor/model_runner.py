@@ -12,8 +12,7 @@ head runs only at the last token of each entry that needs a sample
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -31,88 +30,17 @@ from pagedkv.executor.kv_calibration import (
     checkpoint_kv_scales,
 )
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
-from pagedkv.executor.kv_rotation import ROTATIONS, fold_value_rotation, resolve_rotation
+from pagedkv.executor.kv_rotation import fold_value_rotation, resolve_rotation
 from pagedkv.executor.mixed_graphs import MixedGraphs
-from pagedkv.executor.model_loading import DTYPES, fused_decoder, load_model
+from pagedkv.executor.model_loading import fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
 from pagedkv.executor.rows import Rows, to_device
+from pagedkv.executor.runner_config import RunnerConfig, kv_cache_dtype
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
 from pagedkv.kernels.backend import get_backend
 from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerConfig:
-    """How to load and size one executor."""
-
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: the checkpoint's dtype (float32 on the CPU for halves)
-    block_size: int = 16
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kernel_backend: str = "triton"
-    load_format: str = "auto"  # auto | dummy (random weights)
-    max_num_rows: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    max_logprobs: int = 20
-    seed: int = 0
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, Triton kernels)
-    mixed_graphs: bool = True  # and steps that compute prompts, up to 1,024 tokens
-    fused_ops: bool = True  # the fused decoder stack, for the model types it supports
-    host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
-    # The KV memory's dtype: auto (the model's), the model's by name, or
-    # fp8_e4m3 / fp8_e5m2 with scales calibrated at start (kv_calibration.py).
-    kv_cache_dtype: str = "auto"
-    # K and V stored in the Hadamard basis (kv_rotation.py): auto (for fp8
-    # blocks, when the model allows it and its checkpoint stores no scales),
-    # none or hadamard.
-    kv_cache_rotation: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: {self.block_size} is not a positive power of two")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks: {self.num_blocks} < 2 (block 0 is the null block)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
-        if not 0 <= self.host_kv_gib < math.inf:
-            raise ValueError(f"host_kv_gib: {self.host_kv_gib} is not a size >= 0")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format: {self.load_format!r} is not auto or dummy")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
-        kv_names = ("auto", *DTYPES, *KV_CACHE_DTYPES)
-        if self.kv_cache_dtype not in kv_names:
-            raise ValueError(
-                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(kv_names)}"
-            )
-        if self.kv_cache_rotation not in ROTATIONS:
-            raise ValueError(
-                f"kv_cache_rotation: {self.kv_cache_rotation!r} is not one of "
-                f"{', '.join(ROTATIONS)}"
-            )
-        for name in ("max_num_rows", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive")
-
-
-def _kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV memory's dtype for ``--kv-cache-dtype`` ``name``: a float cache
-    holds the model's dtype (the kernels read it as the query's), fp8 any."""
-    if name in KV_CACHE_DTYPES:
-        return KV_CACHE_DTYPES[name]
-    if name != "auto" and DTYPES[name] != model_dtype:
-        model = str(model_dtype).removeprefix("torch.")
-        raise ValueError(
-            f"kv_cache_dtype: {name} differs from the model's dtype {model} "
-            "(a float cache holds the model's dtype; fp8_e4m3 or fp8_e5m2 compress it)"
-        )
-    return model_dtype
-
 
 # CPU fallback when --num-blocks is not given (no device memory to measure).
 DEFAULT_CPU_NUM_BLOCKS = 2048
@@ -143,7 +71,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.model = loaded.model
         self.model_dir = loaded.model_dir
-        self.kv_dtype = _kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         stored = None  # an fp8 memory's scales as the checkpoint stores them
         if self.kv_dtype in KV_CACHE_DTYPES.values() and config.load_format != "dummy":
             stored = checkpoint_kv_scales(

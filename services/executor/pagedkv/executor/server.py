@@ -48,7 +48,8 @@ def serve(args: argparse.Namespace) -> int:
     from pagedkv.executor.block_store import HostTierTooSmall
     from pagedkv.executor.engine import Executor
     from pagedkv.executor.metrics import ExecutorMetrics
-    from pagedkv.executor.model_runner import ModelRunner, RunnerConfig
+    from pagedkv.executor.model_runner import ModelRunner
+    from pagedkv.executor.runner_config import RunnerConfig
     from pagedkv.executor.servicer import build_server
 
     hf_logging.set_verbosity_error()
