@@ -39,6 +39,29 @@ def load_tile(
 
 
 @triton.jit
+def load_values(
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    kv_ptrs,  # [BLOCK_N, BLOCK_D] offsets of the tile's values
+    row_valid,  # [BLOCK_N]
+    dim_valid,  # [BLOCK_D]
+    like,  # a tensor of the dtype the tile is widened to (the query)
+    MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    WIDEN_V: tl.constexpr,
+):
+    """One V tile ``[BLOCK_N, BLOCK_D]`` in ``like``'s dtype; with
+    ``WIDEN_V`` loaded as its transpose and widened before it is transposed
+    back (see ``attend``)."""
+    if WIDEN_V:
+        v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
+        tile = tl.trans(load_tile(v_ptrs, row_valid, dim_valid, MASK, EVEN_D, True).to(like.dtype))
+    else:
+        tile = load_tile(value_cache_ptr + kv_ptrs, row_valid, dim_valid, MASK, EVEN_D)
+        tile = tile.to(like.dtype)
+    return tile
+
+
+@triton.jit
 def attend(
     q,  # [ROWS, BLOCK_D] query rows
     q_pos,  # [ROWS] position of each row
@@ -111,13 +134,7 @@ def attend(
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
         k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
         if PREFETCH:
-            if WIDEN_V:
-                v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
-                v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
-            else:
-                v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(
-                    q.dtype
-                )
+            v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
             next_pos = k_pos + BLOCK_N
             pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
                 tl.int64
@@ -138,13 +155,7 @@ def attend(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
-            if WIDEN_V:
-                v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
-                v = tl.trans(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True).to(q.dtype))
-            else:
-                v = load_tile(value_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(
-                    q.dtype
-                )
+            v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
