@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pagedkv.common.ids import BlockHash, BlockId
-from pagedkv.executor.block_tags import BlockTags, tag_offloads
+from pagedkv.executor.block_tags import BlockTags
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.executor.driver import ExecutorProcess
@@ -98,7 +98,7 @@ def test_an_offloaded_host_block_takes_its_source_blocks_tag_or_loses_its_own() 
     tag(host_tags, (7, h("old7"), 0), (8, h("old8"), 0), (9, h("old9"), 0))
     # Block 1 -> host 8 (retagged, moved to the end), block 5 (untagged) ->
     # host 7 (its old tag dropped), block 2 -> host 4 (a new tag).
-    tag_offloads(tags, host_tags, np.array([[1, 8], [5, 7], [2, 4]]))
+    host_tags.take_tags(tags, np.array([[1, 8], [5, 7], [2, 4]]))
     assert listed(host_tags) == [(9, h("old9"), 0), (8, h("a"), 0), (4, h("b"), 1)]
     assert listed(tags) == [(1, h("a"), 0), (2, h("b"), 1)]  # the device's tags stay
 

@@ -14,7 +14,7 @@ destinations of its copies) lose their tags before anything of the step
 writes KV, and its tags are set only after its forward and sampling have
 finished; a step refused by validation changes no tag.
 
-The host tier's blocks carry tags too (``tag_offloads``): the engine keeps
+The host tier's blocks carry tags too (``BlockTags.take_tags``): the engine keeps
 them in a second ``BlockTags`` and lists them after the device's.
 
 Single writer: the ``Executor`` engine, under its lock.
@@ -86,6 +86,19 @@ class BlockTags:
             if tag is not None:
                 tags[block_id] = tag
 
+    def take_tags(self, source: BlockTags, pairs: np.ndarray) -> None:
+        """For each (source block, block) row of ``pairs`` (``[n, 2]``, an
+        offload's block and host block), the block takes the source block's
+        tag (at the end of the order), or loses its own when the source has
+        none. One loop over the two dicts: a step that loads a host hit
+        offloads hundreds of blocks before its copies start."""
+        get, tags = source._tags.get, self._tags
+        for source_id, block_id in pairs.tolist():
+            tag = get(source_id)
+            tags.pop(block_id, None)
+            if tag is not None:
+                tags[block_id] = tag
+
     def get(self, block_id: BlockId) -> tuple[BlockHash, int] | None:
         """The block's tag (hash, group), if it has one."""
         return self._tags.get(block_id)
@@ -125,21 +138,6 @@ class BlockTags:
             assert 0 < block_id < num_blocks, block_id
             assert 1 <= len(block_hash) <= MAX_BLOCK_HASH_BYTES, (block_id, block_hash)
             assert 0 <= group_id < num_groups, (block_id, group_id)
-
-
-def tag_offloads(tags: BlockTags, host_tags: BlockTags, offloads: np.ndarray) -> None:
-    """Each offloaded host block (``offloads``: ``[n, 2]``, block and host
-    block) takes its source block's tag (its KV is that block's now), or
-    loses its own when the source has none. (A step that loads a host hit
-    offloads hundreds of blocks before its copies start: one loop over the
-    two dicts, no call per block.)"""
-    source, dest = tags._tags, host_tags._tags
-    get, pop = source.get, dest.pop
-    for block_id, host_id in offloads.tolist():
-        tag = get(block_id)
-        pop(host_id, None)
-        if tag is not None:
-            dest[host_id] = tag
 
 
 def listing(

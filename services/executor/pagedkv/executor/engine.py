@@ -49,7 +49,7 @@ from pagedkv.common.ids import MAX_EPOCH, BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
 from pagedkv.executor.block_store import move_blocks
-from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing, tag_offloads
+from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing
 from pagedkv.executor.host_costs import HostCosts
 from pagedkv.executor.launched import (
     DeviceOrigin,
@@ -329,7 +329,7 @@ class Executor:
             start = device_clock(runner.device)
             self._settle_tags()  # earlier steps' tags come before this step's untags
             if runner.host_kv is not None:  # before all else
-                tag_offloads(self.tags, self.host_tags, plan.offloads)
+                self.host_tags.take_tags(self.tags, plan.offloads)
                 # Loaded host blocks become the most recently used, as the
                 # scheduler's host index makes them (an adopter's eviction order).
                 if len(plan.loads):
