@@ -167,6 +167,25 @@ def test_a_centered_store_rounds_a_channel_on_its_variation_not_its_offset() -> 
     assert errors["per_head_centered"] < errors["per_head"] / 8
 
 
+def outlier_keys_and_query() -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[batch, kv_heads, seq, head_size]`` and a query whose channels
+    3 and 40 are 20 times the rest: the channels a query shares with its
+    keys, where a score's rounding error sits."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 256, 64, generator=generator)
+    query = torch.randn(1, 2, 8, 64, generator=generator)
+    for x in (keys, query):
+        x[..., [3, 40]] *= 20.0
+    return keys, query
+
+
+def score_error(query: torch.Tensor, keys: torch.Tensor, stored: torch.Tensor) -> float:
+    """The scores' error RMS over their RMS, ``stored`` keys against ``keys``."""
+    want = query @ keys.transpose(-1, -2)
+    got = query @ stored.transpose(-1, -2)
+    return float(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item())
+
+
 def test_a_rotated_store_spreads_channels_a_query_shares_with_its_keys() -> None:
     """``per_head_rotated``: keys stored in the Hadamard basis and read back
     give scores against a query whose large channels are the keys' large
@@ -183,12 +202,7 @@ def test_a_rotated_store_spreads_channels_a_query_shares_with_its_keys() -> None
     torch.testing.assert_close(rotation, rotation.T, rtol=0, atol=0)
     with pytest.raises(ValueError, match="power of two"):
         hadamard(48)
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 2, 256, 64, generator=generator)  # [batch, kv_heads, seq, head_size]
-    query = torch.randn(1, 2, 8, 64, generator=generator)
-    for x in (keys, query):
-        x[..., [3, 40]] *= 20.0
-    want = query @ keys.transpose(-1, -2)
+    keys, query = outlier_keys_and_query()
     errors = {}
     for granularity in ("per_head", "per_head_rotated", "executor_rotated"):
         emulation = KVEmulation()
@@ -196,8 +210,7 @@ def test_a_rotated_store_spreads_channels_a_query_shares_with_its_keys() -> None
         emulation.calibrating = True
         emulation.store(0, 0, keys)
         emulation.calibrating = False
-        got = query @ emulation.store(0, 0, keys).transpose(-1, -2)
-        errors[granularity] = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        errors[granularity] = score_error(query, keys, emulation.store(0, 0, keys))
     assert errors["per_head_rotated"] < errors["per_head"] / 3
     assert errors["executor_rotated"] < errors["per_head"] / 3  # the norm bound costs no more
 
@@ -211,16 +224,10 @@ def test_int8_with_a_scale_per_token_rounds_finer_than_e4m3_in_the_rotated_basis
 
     from pagedkv.bench.accuracy.evaluate import KVEmulation, int8_round_trip
 
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 2, 256, 64, generator=generator)  # [batch, kv_heads, seq, head_size]
-    query = torch.randn(1, 2, 8, 64, generator=generator)
-    for x in (keys, query):
-        x[..., [3, 40]] *= 20.0
-    want = query @ keys.transpose(-1, -2)
+    keys, query = outlier_keys_and_query()
 
     def error(stored: torch.Tensor) -> float:
-        got = query @ stored.transpose(-1, -2)
-        return ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        return score_error(query, keys, stored)
 
     e4m3 = KVEmulation()
     e4m3.configure(torch.float8_e4m3fn, "executor_rotated")

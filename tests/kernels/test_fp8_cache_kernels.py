@@ -6,6 +6,8 @@ TRITON_INTERPRET=1 (whose fp8 conversions ``kv_quant`` routes through torch's)."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -125,6 +127,31 @@ def test_a_rotated_key_is_quantized_as_the_oracle_quantizes_it(fp8: torch.dtype)
         same_bytes(moved[1], want[1])  # the value is stored as given
 
 
+# Decodes only: contexts at and around block boundaries, and a long one.
+DECODES = ([0, 15, 16, 40, 300], [1, 1, 1, 1, 1])
+
+
+def check_attention(
+    lens: tuple[list[int], list[int]],
+    fp8: torch.dtype,
+    per_head: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    modules: tuple[Any, ...],
+) -> None:
+    """Attention of each module over a batch of ``lens`` (context, query
+    lengths) whose cache is quantized to ``fp8``, against the oracle's."""
+    kv = scales(2, per_head)
+    batch = build_batch(*lens, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    quantized(batch, fp8, kv)
+    args = [batch[name] for name in NAMES]
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    want = reference.paged_attention(*args, **kwargs, **kv)  # type: ignore[arg-type]
+    for module in modules:
+        got = run(module.paged_attention, *args, **kwargs, **kv)
+        torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
@@ -141,16 +168,10 @@ def test_attention_over_an_fp8_cache_matches_the_oracle(
     # both read V tiles either way (attend's WIDEN_V).
     monkeypatch.setattr(paged_attention, "PREFILL_FP8_WIDEN_V", widen_v)
     monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
-    kv = scales(2, per_head)
-    for lens in (MIXED, ([0, 15, 16, 40, 300], [1, 1, 1, 1, 1])):
-        batch = build_batch(*lens, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
-        quantized(batch, fp8, kv)
-        args = [batch[name] for name in NAMES]
-        kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
-        want = reference.paged_attention(*args, **kwargs, **kv)  # type: ignore[arg-type]
-        for module in (paged_attention, torch_backend):
-            got = run(module.paged_attention, *args, **kwargs, **kv)
-            torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+    for lens in (MIXED, DECODES):
+        check_attention(
+            lens, fp8, per_head, sliding_window, softcap, (paged_attention, torch_backend)
+        )
 
 
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
@@ -167,14 +188,7 @@ def test_decode_over_an_fp8_cache_with_the_table_read_ahead_or_not_matches_the_o
     # (DECODE_FP8_PREFETCH); the plain loop stays for float caches.
     monkeypatch.setattr(decode_attention, "DECODE_FP8_PREFETCH", prefetch)
     monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
-    kv = scales(2, True)
-    batch = build_batch([0, 15, 16, 40, 300], [1, 1, 1, 1, 1], 4, 2, dtype=torch.float16)
-    quantized(batch, torch.float8_e4m3fn, kv)
-    args = [batch[name] for name in NAMES]
-    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
-    want = reference.paged_attention(*args, **kwargs, **kv)  # type: ignore[arg-type]
-    got = run(paged_attention.paged_attention, *args, **kwargs, **kv)
-    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+    check_attention(DECODES, torch.float8_e4m3fn, True, sliding_window, softcap, (paged_attention,))
 
 
 @pytest.mark.parametrize("fp8", FORMATS)

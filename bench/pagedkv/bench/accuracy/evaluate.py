@@ -366,11 +366,12 @@ def evaluate(
     runs += [("int8", torch.int8, granularity, "kv") for granularity in INT8_GRANULARITIES]
     for name, fp8, granularity, kinds in runs:
         EMULATION.configure(fp8, granularity, kinds)
-        EMULATION.calibrating = True
-        with torch.no_grad():  # the first forward: the scales
-            executor_like = granularity.startswith("executor")
-            model(executor_calibration if executor_like else calibration)
-        EMULATION.calibrating = False
+        if fp8 != torch.int8:  # int8's scales are each token's own: nothing to calibrate
+            EMULATION.calibrating = True
+            with torch.no_grad():  # the first forward: the scales
+                executor_like = granularity.startswith("executor")
+                model(executor_calibration if executor_like else calibration)
+            EMULATION.calibrating = False
         run = _teacher_forced(model, held, where)
         greedy = _greedy(model, starts, continue_tokens, where)
         row = _agreement(run, reference, ref_loss, greedy, reference_greedy)
