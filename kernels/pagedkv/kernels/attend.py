@@ -62,6 +62,16 @@ def load_values(
 
 
 @triton.jit
+def load_scales(scale_ptr, offsets, valid, MASK: tl.constexpr):
+    """An int8 cache's scales (float16) of one tile's keys, as float32."""
+    if MASK:
+        scales = tl.load(scale_ptr + offsets, mask=valid, other=0.0)
+    else:
+        scales = tl.load(scale_ptr + offsets)
+    return scales.to(tl.float32)
+
+
+@triton.jit
 def attend(
     q,  # [ROWS, BLOCK_D] query rows
     q_pos,  # [ROWS] position of each row
@@ -84,6 +94,10 @@ def attend(
     sliding_window,
     dims,  # [BLOCK_D]
     dim_valid,  # [BLOCK_D]
+    k_scale_ptr,  # INT8: this KV head's K scales, float16, of slot 0 of block 0
+    v_scale_ptr,
+    scale_stride_b,
+    scale_stride_s,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -92,6 +106,7 @@ def attend(
     MASK: tl.constexpr,
     WIDEN_V: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    INT8: tl.constexpr = False,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -109,7 +124,10 @@ def attend(
     ``PREFETCH`` reads each tile's block table entries one step ahead (the
     next tile's while this one's K and V load), and both the K and the V
     tile before the scores, so that no load of a step waits for another of
-    that step."""
+    that step.
+    ``INT8``: the cache holds int8 values with a float16 scale per token
+    (``kv_quant``): each key's scores are multiplied by its K scale and each
+    softmax weight by its value's V scale before the dot with the V tile."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -133,6 +151,11 @@ def attend(
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
         k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        if INT8:
+            scale_offsets = pages * scale_stride_b + (k_pos % BLOCK_SIZE) * scale_stride_s
+            k_scales = load_scales(k_scale_ptr, scale_offsets, k_valid, MASK)
+            if PREFETCH:
+                v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
         if PREFETCH:
             v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
             next_pos = k_pos + BLOCK_N
@@ -140,6 +163,8 @@ def attend(
                 tl.int64
             )
         qk = tl.dot(q, tl.trans(k))
+        if INT8:
+            qk = qk * k_scales[None, :]
         if USE_SOFTCAP:
             scores = qk * scale
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
@@ -156,7 +181,12 @@ def attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
             v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+            if INT8:
+                v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
+        weights = p
+        if INT8:
+            weights = p * v_scales[None, :]
+        acc = tl.dot(weights.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 
@@ -185,6 +215,10 @@ def attend_span(
     sliding_window,
     dims,
     dim_valid,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_stride_b,
+    scale_stride_s,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -192,6 +226,7 @@ def attend_span(
     EVEN_D: tl.constexpr,
     WIDEN_V: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    INT8: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -218,6 +253,10 @@ def attend_span(
         sliding_window,
         dims,
         dim_valid,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_b,
+        scale_stride_s,
         USE_WINDOW,
         USE_SOFTCAP,
         BLOCK_SIZE,
@@ -226,6 +265,7 @@ def attend_span(
         False,
         WIDEN_V,
         PREFETCH,
+        INT8,
     )
     m_i, l_i, acc = attend(
         q,
@@ -249,6 +289,10 @@ def attend_span(
         sliding_window,
         dims,
         dim_valid,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_b,
+        scale_stride_s,
         USE_WINDOW,
         USE_SOFTCAP,
         BLOCK_SIZE,
@@ -257,5 +301,6 @@ def attend_span(
         True,
         WIDEN_V,
         PREFETCH,
+        INT8,
     )
     return m_i, l_i, acc

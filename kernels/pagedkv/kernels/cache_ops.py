@@ -14,8 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.checks import check_block_rows, check_cache, check_int_vector, check_kv_input
-from pagedkv.kernels.kv_quant import quantize, scale_args
+from pagedkv.kernels.checks import (
+    check_block_rows,
+    check_block_storage,
+    check_cache,
+    check_int_vector,
+    check_kv_input,
+)
+from pagedkv.kernels.kv_quant import int8_scale, quantize, quantize_int8, scale_args
 
 
 @triton.jit
@@ -25,9 +31,11 @@ def _reshape_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
-    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32; INT8: per token (kv_quant)
     v_scale_ptr,
     scale_stride,
+    scale_stride_b,
+    scale_stride_s,
     key_stride_t,
     key_stride_h,
     value_stride_t,
@@ -40,6 +48,7 @@ def _reshape_and_cache_kernel(
     head_size,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -52,8 +61,24 @@ def _reshape_and_cache_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = valid & (heads < num_kv_heads) & (dims < head_size)
-    key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
-    value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
+    key = tl.load(
+        key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask, other=0.0
+    )
+    value = tl.load(
+        value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask, other=0.0
+    )
+    if INT8:  # each head's own scale, stored beside its values
+        key = key.to(tl.float32)
+        value = value.to(tl.float32)
+        k_token_scales = int8_scale(key, 1)
+        v_token_scales = int8_scale(value, 1)
+        key = quantize_int8(key, k_token_scales.to(tl.float32)[:, None])
+        value = quantize_int8(value, v_token_scales.to(tl.float32)[:, None])
+        token_heads = tl.arange(0, BLOCK_H)
+        scale_dst = block * scale_stride_b + offset * scale_stride_s + token_heads * scale_stride
+        head_mask = valid & (token_heads < num_kv_heads)
+        tl.store(k_scale_ptr + scale_dst, k_token_scales, mask=head_mask)
+        tl.store(v_scale_ptr + scale_dst, v_token_scales, mask=head_mask)
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
@@ -78,7 +103,9 @@ def reshape_and_cache(
 ) -> None:
     """Writes each token's K and V at its slot; negative slots are skipped.
     An fp8 cache stores them quantized with ``k_scale`` / ``v_scale``
-    (``fp8_kv.quantize``)."""
+    (``fp8_kv.quantize``); an int8 cache stores them quantized with their
+    own scales, written into ``k_scale`` / ``v_scale`` at the same slots
+    (``int8_kv``)."""
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache, like=key_cache)
     num_tokens, num_kv_heads, head_size = key.shape
@@ -104,6 +131,8 @@ def reshape_and_cache(
         scales.k_scale,
         scales.v_scale,
         scales.stride,
+        scales.stride_b,
+        scales.stride_s,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -116,6 +145,7 @@ def reshape_and_cache(
         head_size,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
+        INT8=scales.int8,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
     )
@@ -143,7 +173,9 @@ def copy_blocks(
     value_caches: Sequence[torch.Tensor],
     src_dst: torch.Tensor,
 ) -> None:
-    """Copies block ``src`` into block ``dst`` in every layer, K and V."""
+    """Copies block ``src`` into block ``dst`` in every layer, K and V: each
+    a contiguous ``[num_blocks, ...]`` tensor (a cache, or the storage that
+    holds an int8 cache's values and scales, kv_memory.py)."""
     if (
         src_dst.ndim != 2
         or src_dst.shape[1] != 2
@@ -156,9 +188,7 @@ def copy_blocks(
         return
     src_dst = src_dst.contiguous()
     for i, cache in enumerate((*key_caches, *value_caches)):
-        check_cache(f"caches[{i}]", cache)
-        if not cache.is_contiguous():
-            raise ValueError(f"caches[{i}]: must be contiguous")
+        check_block_storage(f"caches[{i}]", cache)
         block_numel = cache[0].numel()
         block = min(4096, triton.next_power_of_2(block_numel))
         grid = (len(src_dst), triton.cdiv(block_numel, block))

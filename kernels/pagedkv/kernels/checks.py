@@ -8,7 +8,10 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+# Caches whose values are quantized: fp8 (scales per tensor or KV head) and
+# int8 (a scale per token and KV head, ``pagedkv.kernels.int8_kv``).
+QUANTIZED_DTYPES = (*FP8_DTYPES, torch.int8)
+CACHE_DTYPES = FLOAT_DTYPES + QUANTIZED_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -26,27 +29,52 @@ def check_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None
         raise ValueError(f"{name}: must match the key cache in shape, dtype and strides")
 
 
+def check_block_storage(name: str, storage: torch.Tensor) -> None:
+    """What block copies move: a contiguous ``[num_blocks, ...]`` tensor of
+    a cache dtype (a cache, or an int8 cache's storage of values and
+    scales)."""
+    if storage.ndim < 2 or storage.dtype not in CACHE_DTYPES or not storage.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous [num_blocks, ...] tensor of one of {CACHE_DTYPES}"
+        )
+
+
 def check_kv_scales(
     key_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ) -> int:
-    """The scales of an fp8 cache (``pagedkv.kernels.fp8_kv``): float32,
-    contiguous, on the cache's device, ``[1]`` (per tensor) or
-    ``[num_kv_heads]`` (per KV head), both of one shape; a cache in a float
-    dtype takes none. Returns the scales' stride over KV heads: 0 or 1
-    (0 too without scales)."""
-    if key_cache.dtype not in FP8_DTYPES:
+    """The scales of a quantized cache. An fp8 cache's
+    (``pagedkv.kernels.fp8_kv``): float32, contiguous, ``[1]`` (per tensor)
+    or ``[num_kv_heads]`` (per KV head), both of one shape. An int8 cache's
+    (``pagedkv.kernels.int8_kv``): float16 ``[num_blocks, block_size,
+    num_kv_heads]``, the KV heads contiguous, one per token and KV head,
+    written with the values and read with them. On the cache's device; a
+    cache in a float dtype takes none. Returns the scales' stride over KV
+    heads: 0 or 1 (0 too without scales)."""
+    if key_cache.dtype not in QUANTIZED_DTYPES:
         if k_scale is not None or v_scale is not None:
             raise ValueError(
-                f"k_scale, v_scale: only an fp8 cache has scales, not {key_cache.dtype}"
+                f"k_scale, v_scale: only a quantized cache has scales, not {key_cache.dtype}"
             )
         return 0
     num_kv_heads = key_cache.shape[2]
+    per_token = key_cache.dtype == torch.int8
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
-            raise ValueError(f"{name}: an fp8 cache ({key_cache.dtype}) needs its scales")
-        if (
+            raise ValueError(f"{name}: a {key_cache.dtype} cache needs its scales")
+        if per_token:
+            if (
+                tuple(scale.shape) != tuple(key_cache.shape[:3])
+                or scale.dtype != torch.float16
+                or scale.stride(-1) != 1
+                or scale.device != key_cache.device
+            ):
+                raise ValueError(
+                    f"{name}: expected a float16 {list(key_cache.shape[:3])} tensor (a scale "
+                    f"per token and KV head, the heads contiguous) on {key_cache.device}"
+                )
+        elif (
             scale.ndim != 1
             or len(scale) not in (1, num_kv_heads)
             or scale.dtype != torch.float32
@@ -58,16 +86,16 @@ def check_kv_scales(
                 f"{key_cache.device}"
             )
     assert k_scale is not None and v_scale is not None
-    if k_scale.shape != v_scale.shape:
-        raise ValueError("v_scale: must have k_scale's shape")
-    return int(len(k_scale) > 1)
+    if k_scale.shape != v_scale.shape or k_scale.stride() != v_scale.stride():
+        raise ValueError("v_scale: must have k_scale's shape and strides")
+    return int(per_token or len(k_scale) > 1)
 
 
 def check_kv_input(name: str, tensor: torch.Tensor, cache: torch.Tensor) -> None:
     """New K or V (or a query) for ``cache``: of the cache's dtype, or of any
-    float dtype when the cache holds fp8."""
+    float dtype when the cache is quantized."""
     if tensor.dtype not in FLOAT_DTYPES or (
-        cache.dtype not in FP8_DTYPES and tensor.dtype != cache.dtype
+        cache.dtype not in QUANTIZED_DTYPES and tensor.dtype != cache.dtype
     ):
         raise ValueError(f"{name}: dtype {tensor.dtype}, the cache holds {cache.dtype}")
 

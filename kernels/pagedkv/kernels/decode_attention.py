@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
-from pagedkv.kernels.kv_quant import ScaleArgs, quantize
+from pagedkv.kernels.kv_quant import ScaleArgs, int8_scale, quantize, quantize_int8
 from pagedkv.kernels.rotary import hadamard
 
 
@@ -56,9 +56,11 @@ def _decode_split_kernel(
     key_stride_h,
     value_stride_t,
     value_stride_h,
-    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32; INT8: per token (kv_quant)
     v_scale_ptr,
     scale_stride,
+    scale_stride_b,
+    scale_stride_s,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -74,6 +76,7 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     WIDEN_V: tl.constexpr,
     PREFETCH: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -85,8 +88,8 @@ def _decode_split_kernel(
     value at its slot before it reads the cache, as ``rotary_and_cache``
     would have (the same float32 rotation, rounded once to the query's
     dtype; with ``ROTATE`` times the Hadamard matrix before that rounding,
-    as ``rotary_and_cache(rotate=True)``). An fp8 cache is written quantized
-    and read through its scales."""
+    as ``rotary_and_cache(rotate=True)``). An fp8 or int8 cache is written
+    quantized and read through its scales."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -140,7 +143,7 @@ def _decode_split_kernel(
         k = tl.load(k_ptrs + dims, mask=kv_mask, other=0.0).to(tl.float32)
         k_pair = tl.load(k_ptrs + pair, mask=kv_mask, other=0.0).to(tl.float32)
         v_ptrs = value_ptr + seq * value_stride_t + kv_head * value_stride_h
-        v = tl.load(v_ptrs + dims, mask=kv_mask)
+        v = tl.load(v_ptrs + dims, mask=kv_mask, other=0.0)
         dst = (
             (slot // BLOCK_SIZE) * cache_stride_b
             + (slot % BLOCK_SIZE) * cache_stride_s
@@ -152,6 +155,20 @@ def _decode_split_kernel(
         if ROTATE:
             key_out = tl.reshape(hadamard(key_out[None, :], 1, BLOCK_D, LEVELS), [BLOCK_D])
         key_out = key_out.to(query_ptr.dtype.element_ty)
+        if INT8:
+            key_out = key_out.to(tl.float32)
+            v = v.to(tl.float32)
+            k_token_scale = int8_scale(key_out, 0)
+            v_token_scale = int8_scale(v, 0)
+            key_out = quantize_int8(key_out, k_token_scale.to(tl.float32))
+            v = quantize_int8(v, v_token_scale.to(tl.float32))
+            scale_dst = (
+                (slot // BLOCK_SIZE) * scale_stride_b
+                + (slot % BLOCK_SIZE) * scale_stride_s
+                + kv_head * scale_stride
+            )
+            tl.store(k_scale_ptr + scale_dst, k_token_scale, mask=writes)
+            tl.store(v_scale_ptr + scale_dst, v_token_scale, mask=writes)
         key_out = quantize(key_out, k_scale, FP8, FP8_MAX).to(cache_dtype)
         v = quantize(v, v_scale, FP8, FP8_MAX).to(cache_dtype)
         tl.store(key_cache_ptr + dst, key_out, mask=kv_mask)
@@ -159,7 +176,7 @@ def _decode_split_kernel(
         tl.debug_barrier()  # the new key and value are read below, by other threads
         if ROTATE:
             q = tl.load(q_rows, mask=q_mask, other=0.0)
-    if FP8:
+    if FP8 or INT8:
         q = q.to(tl.float16)  # the tiles' dtype too (kv_quant)
     if USE_WINDOW:
         first = tl.maximum(q_pos - sliding_window + 1, 0)
@@ -197,6 +214,10 @@ def _decode_split_kernel(
         sliding_window,
         dims,
         dim_valid,
+        k_scale_ptr + kv_head * scale_stride,
+        v_scale_ptr + kv_head * scale_stride,
+        scale_stride_b,
+        scale_stride_s,
         USE_WINDOW,
         USE_SOFTCAP,
         BLOCK_SIZE,
@@ -204,6 +225,7 @@ def _decode_split_kernel(
         EVEN_D,
         WIDEN_V,
         PREFETCH,
+        INT8,
     )
 
     if SPLIT:
@@ -295,6 +317,8 @@ DECODE_FP8_WIDEN_V = True
 # nothing (689 us against 691), so float caches keep the plain loop.
 DECODE_PREFETCH = False
 DECODE_FP8_PREFETCH = True
+# int8 caches (a scale per token) take the fp8 constants above: their tiles
+# are bytes widened to float16 as fp8's are. They are not tuned for int8.
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 # The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
@@ -342,11 +366,11 @@ def sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def launch_constants(fp8: bool) -> tuple[tuple[int, int, int], int]:
+def launch_constants(quantized: bool) -> tuple[tuple[int, int, int], int]:
     """The decode tile (keys per step, warps, stages) and the programs a
-    multiprocessor holds at once, for an fp8 cache (``DECODE_FP8_*``) or a
-    float one (``DECODE_*``)."""
-    if fp8:
+    multiprocessor holds at once, for a quantized cache (``DECODE_FP8_*``,
+    fp8 or int8) or a float one (``DECODE_*``)."""
+    if quantized:
         return DECODE_FP8_TILE, DECODE_FP8_PROGRAMS_PER_SM
     return DECODE_TILE, DECODE_PROGRAMS_PER_SM
 
@@ -385,7 +409,7 @@ def decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = sm_count(query.device)
-    (block_n, num_warps, num_stages), per_sm = launch_constants(scales.fp8)
+    (block_n, num_warps, num_stages), per_sm = launch_constants(scales.quantized)
     num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms, per_sm)
     split = num_splits > 1
     partials = num_seqs * num_q_heads * num_splits if split else 0
@@ -421,6 +445,8 @@ def decode(
         scales.k_scale,
         scales.v_scale,
         scales.stride,
+        scales.stride_b,
+        scales.stride_s,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         BLOCK_SIZE=key_cache.shape[1],
@@ -434,8 +460,9 @@ def decode(
         LEVELS=block_d.bit_length() - 1,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
-        WIDEN_V=scales.fp8 and DECODE_FP8_WIDEN_V,
-        PREFETCH=DECODE_FP8_PREFETCH if scales.fp8 else DECODE_PREFETCH,
+        WIDEN_V=scales.quantized and DECODE_FP8_WIDEN_V,
+        PREFETCH=DECODE_FP8_PREFETCH if scales.quantized else DECODE_PREFETCH,
+        INT8=scales.int8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

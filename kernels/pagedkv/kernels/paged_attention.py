@@ -46,9 +46,11 @@ def _paged_attention_kernel(
     head_size,
     num_queries_per_kv,
     num_tiles,
-    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32; INT8: per token (kv_quant)
     v_scale_ptr,
     scale_stride,
+    scale_stride_b,
+    scale_stride_s,
     TILED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -60,6 +62,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,  # rows of a decode entry's tile: the query heads of a KV head, padded
     FP8: tl.constexpr,
     WIDEN_V: tl.constexpr,  # attend's: V tiles of an fp8 cache widened before the dot's layout
+    INT8: tl.constexpr,
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -75,6 +78,8 @@ def _paged_attention_kernel(
         tile = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64)
         seq = tl.program_id(2).to(tl.int64)
     kv_head = head // num_queries_per_kv
+    token_k_scales = k_scale_ptr + kv_head * scale_stride  # INT8 (attend)
+    token_v_scales = v_scale_ptr + kv_head * scale_stride
     k_scale = 1.0
     v_scale = 1.0
     if FP8:  # the cache's values times these scales (kv_quant)
@@ -101,7 +106,7 @@ def _paged_attention_kernel(
             q = tl.load(
                 query_ptr + offsets, mask=head_valid[:, None] & dim_valid[None, :], other=0.0
             )
-            if FP8:
+            if FP8 or INT8:
                 q = q.to(tl.float16)  # the tiles' dtype too (kv_quant)
             g_pos = tl.zeros([GROUP], dtype=tl.int64) + context
             g_m = tl.full([GROUP], MASKED, dtype=tl.float32)
@@ -135,12 +140,18 @@ def _paged_attention_kernel(
                 sliding_window,
                 dims,
                 dim_valid,
+                token_k_scales,
+                token_v_scales,
+                scale_stride_b,
+                scale_stride_s,
                 USE_WINDOW,
                 USE_SOFTCAP,
                 BLOCK_SIZE,
                 BLOCK_N,
                 EVEN_D,
                 WIDEN_V,
+                False,
+                INT8,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
             if FP8:
@@ -159,7 +170,7 @@ def _paged_attention_kernel(
             (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
         )
         q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-        if FP8:
+        if FP8 or INT8:
             q = q.to(tl.float16)
 
         # Keys this tile reads: up to its last query's position, from the first
@@ -203,12 +214,18 @@ def _paged_attention_kernel(
             sliding_window,
             dims,
             dim_valid,
+            token_k_scales,
+            token_v_scales,
+            scale_stride_b,
+            scale_stride_s,
             USE_WINDOW,
             USE_SOFTCAP,
             BLOCK_SIZE,
             BLOCK_N,
             EVEN_D,
             WIDEN_V,
+            False,
+            INT8,
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
@@ -228,7 +245,7 @@ def _paged_attention_kernel(
 PREFILL_TILE = (128, 128, 8, 2)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 SHORT_TILE = (16, 16, 4, 2)
-# fp8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
+# fp8 and int8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
 PREFILL_FP8_WIDEN_V = True
 
 
@@ -277,8 +294,9 @@ def paged_attention(
     query heads that share it, and a second pass merges the splits. Other
     batches take the tiled prefill kernel. ``max_query_len`` and
     ``max_seq_len`` size the launch; they are computed, with a device sync,
-    when not given. An fp8 cache is read through ``k_scale`` and ``v_scale``
-    (``kv_quant``).
+    when not given. A quantized cache is read through ``k_scale`` and
+    ``v_scale`` (``kv_quant``): an fp8 cache's per tensor or KV head, an
+    int8 cache's per token and KV head.
     """
     check_attention_args(
         query,
@@ -352,6 +370,8 @@ def paged_attention(
         scales.k_scale,
         scales.v_scale,
         scales.stride,
+        scales.stride_b,
+        scales.stride_s,
         TILED=tiles is not None,
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
@@ -362,7 +382,8 @@ def paged_attention(
         EVEN_D=block_d == head_size,
         GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
         FP8=scales.fp8,
-        WIDEN_V=scales.fp8 and PREFILL_FP8_WIDEN_V,
+        WIDEN_V=scales.quantized and PREFILL_FP8_WIDEN_V,
+        INT8=scales.int8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

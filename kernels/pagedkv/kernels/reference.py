@@ -19,20 +19,50 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.kernels import fp8_kv
+from pagedkv.kernels import fp8_kv, int8_kv
 from pagedkv.kernels.backend import DecodeInputs
 
 
 def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` (``[..., num_kv_heads, head_size]``) as ``cache`` stores it:
-    quantized with ``scale`` for an fp8 cache (``fp8_kv.quantize``), else as it is."""
-    return x if scale is None else fp8_kv.quantize(x, scale, cache.dtype)
+    quantized with ``scale`` for an fp8 cache (``fp8_kv.quantize``), with
+    its own scales (``scale``, ``x.shape[:-1]``) for an int8 cache
+    (``int8_kv.quantize``), else as it is."""
+    if scale is None:
+        return x
+    if cache.dtype == torch.int8:
+        return int8_kv.quantize(x, scale)
+    return fp8_kv.quantize(x, scale, cache.dtype)
 
 
 def from_cache(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """What a kernel reads from a cache (``[..., num_kv_heads, head_size]``),
-    in ``dtype``: fp8 values times their ``scale``, else the values."""
-    return x.to(dtype) if scale is None else fp8_kv.dequantize(x, scale, dtype)
+    in ``dtype``: fp8 values times their ``scale``, int8 values times their
+    tokens' scales (``scale``, ``x.shape[:-1]``), else the values."""
+    if scale is None:
+        return x.to(dtype)
+    if x.dtype == torch.int8:
+        return int8_kv.dequantize(x, scale, dtype)
+    return fp8_kv.dequantize(x, scale, dtype)
+
+
+def token_scales(
+    x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The scales ``x`` is stored with in ``cache``: its own per token and
+    KV head for an int8 cache (``int8_kv.token_scales``), else ``scale``."""
+    return int8_kv.token_scales(x) if cache.dtype == torch.int8 else scale
+
+
+def read_scales(
+    scale: torch.Tensor | None, cache: torch.Tensor, blocks: torch.Tensor
+) -> torch.Tensor | None:
+    """What ``from_cache`` multiplies ``cache[blocks]`` by, flattened to its
+    tokens: an int8 cache's per-token scales of those blocks (``[n *
+    block_size, num_kv_heads]``), else ``scale``."""
+    if scale is None or cache.dtype != torch.int8:
+        return scale
+    return scale[blocks].reshape(-1, cache.shape[2])
 
 
 def reshape_and_cache(
@@ -42,18 +72,24 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int
     *,
-    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # fp8: float32 [1] or [num_kv_heads]; int8: per token
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes each token's K and V at its slot; negative slots are skipped.
-    An fp8 cache stores them quantized with their scales (``to_cache``)."""
+    An fp8 cache stores them quantized with their scales (``to_cache``); an
+    int8 cache with each token's own, written into ``k_scale`` and
+    ``v_scale`` at its slot (``token_scales``)."""
     block_size = key_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        key_cache[block, offset] = to_cache(key[token], key_cache, k_scale)
-        value_cache[block, offset] = to_cache(value[token], value_cache, v_scale)
+        for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+            scales = token_scales(x[token], cache, scale)
+            if scales is not scale:
+                assert scale is not None and scales is not None
+                scale[block, offset] = scales
+            cache[block, offset] = to_cache(x[token], cache, scales)
 
 
 def compute_slot_mapping(
@@ -84,7 +120,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     *,
-    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # fp8: float32 [1] or [num_kv_heads]; int8: per token
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
@@ -109,9 +145,10 @@ def paged_attention(
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[seq, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len]
-        k, v = from_cache(k, k_scale, torch.float32), from_cache(v, v_scale, torch.float32)
+        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[3])
+        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[3])
+        k = from_cache(k, read_scales(k_scale, key_cache, blocks), torch.float32)[:seq_len]
+        v = from_cache(v, read_scales(v_scale, value_cache, blocks), torch.float32)[:seq_len]
         k = k.repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.checks import check_rotary_args, check_rotate
-from pagedkv.kernels.kv_quant import quantize, scale_args
+from pagedkv.kernels.kv_quant import int8_scale, quantize, quantize_int8, scale_args
 
 
 @triton.jit
@@ -70,6 +70,17 @@ def _hadamard_half(x1, x2, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, LEVELS:
 
 
 @triton.jit
+def _int8_halves(x1, x2, scale_ptr, scale_dst, scale_mask):
+    """Each row of ``[x1, x2]`` (float32 halves of KV heads) quantized for
+    an int8 cache with the row's own scale, which is stored at
+    ``scale_ptr + scale_dst`` (``kv_quant``)."""
+    scales = int8_scale(tl.maximum(tl.abs(x1), tl.abs(x2)), 1)
+    tl.store(scale_ptr + scale_dst, scales, mask=scale_mask)
+    divisor = scales.to(tl.float32)[:, None]
+    return quantize_int8(x1, divisor), quantize_int8(x2, divisor)
+
+
+@triton.jit
 def _rotary_and_cache_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_size], rotated in place
     key_ptr,  # [num_tokens, num_kv_heads, head_size]
@@ -79,9 +90,11 @@ def _rotary_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
-    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32
+    k_scale_ptr,  # FP8: [1] or [num_kv_heads], float32; INT8: per token (kv_quant)
     v_scale_ptr,
     scale_stride,
+    scale_stride_b,
+    scale_stride_s,
     query_stride_t,
     query_stride_h,
     key_stride_t,
@@ -97,6 +110,7 @@ def _rotary_and_cache_kernel(
     half,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INT8: tl.constexpr,
     ROTATE: tl.constexpr,  # then times the Hadamard matrix (BLOCK_HALF is half the head)
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
@@ -147,13 +161,29 @@ def _rotary_and_cache_kernel(
     k1, k2 = _rotate(k1, k2, cos, sin)
     if ROTATE:
         k1, k2 = _hadamard_half(k1, k2, BLOCK_HKV, BLOCK_HALF, LEVELS)
-    k1 = quantize(k1.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
-    k2 = quantize(k2.to(dtype), k_scale, FP8, FP8_MAX).to(cache_dtype)
-    tl.store(key_cache_ptr + dst, k1, mask=kv_mask)
-    tl.store(key_cache_ptr + dst + half, k2, mask=kv_mask)
+    k1 = k1.to(dtype)
+    k2 = k2.to(dtype)
     v_ptrs = value_ptr + token * value_stride_t + kv_heads * value_stride_h + dims
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + half, mask=kv_mask, other=0.0)
+    if INT8:
+        heads = tl.arange(0, BLOCK_HKV)
+        scale_dst = (
+            (slot // block_size) * scale_stride_b
+            + (slot % block_size) * scale_stride_s
+            + heads * scale_stride
+        )
+        scale_mask = valid & (heads < num_kv_heads)
+        k1, k2 = _int8_halves(
+            k1.to(tl.float32), k2.to(tl.float32), k_scale_ptr, scale_dst, scale_mask
+        )
+        v1, v2 = _int8_halves(
+            v1.to(tl.float32), v2.to(tl.float32), v_scale_ptr, scale_dst, scale_mask
+        )
+    k1 = quantize(k1, k_scale, FP8, FP8_MAX).to(cache_dtype)
+    k2 = quantize(k2, k_scale, FP8, FP8_MAX).to(cache_dtype)
+    tl.store(key_cache_ptr + dst, k1, mask=kv_mask)
+    tl.store(key_cache_ptr + dst + half, k2, mask=kv_mask)
     v1 = quantize(v1, v_scale, FP8, FP8_MAX).to(cache_dtype)
     v2 = quantize(v2, v_scale, FP8, FP8_MAX).to(cache_dtype)
     tl.store(value_cache_ptr + dst, v1, mask=kv_mask)
@@ -176,7 +206,8 @@ def rotary_and_cache(
 ) -> None:
     """Rotates ``query`` in place; writes the rotated key (rounded to the
     query's dtype, then quantized for an fp8 cache) and the value of each
-    token at its slot (negative slots are skipped). ``positions`` must be
+    token at its slot (negative slots are skipped; an int8 cache's scales
+    written at the same slots). ``positions`` must be
     below ``len(cos_sin)`` (not checked: that would wait for the device).
 
     With ``rotate`` (a head size that is a power of two, at least 32) the
@@ -205,6 +236,8 @@ def rotary_and_cache(
         scales.k_scale,
         scales.v_scale,
         scales.stride,
+        scales.stride_b,
+        scales.stride_s,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -220,6 +253,7 @@ def rotary_and_cache(
         head_size // 2,
         FP8=scales.fp8,
         FP8_MAX=scales.fp8_max,
+        INT8=scales.int8,
         ROTATE=rotate,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),

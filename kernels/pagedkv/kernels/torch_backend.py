@@ -23,6 +23,7 @@ from pagedkv.kernels.checks import (
     FP8_DTYPES,
     check_attention_args,
     check_block_rows,
+    check_block_storage,
     check_cache,
     check_int_vector,
     check_kv_input,
@@ -62,11 +63,12 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int
     *,
-    k_scale: torch.Tensor | None = None,  # fp8 caches: float32 [1] or [num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # fp8: float32 [1] or [num_kv_heads]; int8: per token
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes each token's K and V at its slot; negative slots are skipped;
-    an fp8 cache stores them quantized (``reference.to_cache``).
+    a quantized cache stores them quantized (``reference.to_cache``), an
+    int8 cache's scales written at their slots too.
 
     Mutates ``key_cache`` and ``value_cache`` at the given slots only. Dropping
     the negative slots is a boolean-mask select: one device sync on a GPU.
@@ -88,10 +90,13 @@ def reshape_and_cache(
     slots = slot_mapping[valid].to(torch.int64)
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    _raw(key_cache)[blocks, offsets] = _raw(reference.to_cache(key[valid], key_cache, k_scale))
-    _raw(value_cache)[blocks, offsets] = _raw(
-        reference.to_cache(value[valid], value_cache, v_scale)
-    )
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        x = x[valid]
+        scales = reference.token_scales(x, cache, scale)
+        if scales is not scale:  # an int8 cache: each token's scales beside its values
+            assert scale is not None and scales is not None
+            scale[blocks, offsets] = scales
+        _raw(cache)[blocks, offsets] = _raw(reference.to_cache(x, cache, scales))
 
 
 def compute_slot_mapping(
@@ -129,7 +134,7 @@ def _gather_context(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
     key_valid: torch.Tensor,  # [num_seqs, max_seq_len], bool
     dtype: torch.dtype,
-    scale: torch.Tensor | None,  # an fp8 cache's
+    scale: torch.Tensor | None,  # a quantized cache's
 ) -> torch.Tensor:  # [num_seqs, num_kv_heads, max_seq_len, head_size]
     """Each sequence's K or V in position order, as read (``reference.from_cache``);
     zeros past its ``seq_len``.
@@ -143,6 +148,8 @@ def _gather_context(
     num_blocks = -(-max_seq_len // block_size)
     blocks = block_table[:num_seqs, :num_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
     context = _raw(cache)[blocks].flatten(1, 2)[:, :max_seq_len]  # [S, L, Hkv, D]
+    if scale is not None and cache.dtype == torch.int8:  # per token: [S, L, Hkv]
+        scale = scale[blocks].flatten(1, 2)[:, :max_seq_len]
     context = reference.from_cache(context.view(cache.dtype), scale, dtype)
     context = torch.where(key_valid[:, :, None, None], context, 0)
     return context.transpose(1, 2)
@@ -246,7 +253,8 @@ def copy_blocks(
     value_caches: Sequence[torch.Tensor],  # per layer, same shape
     src_dst: torch.Tensor,  # [num_copies, 2], int: (src block, dst block)
 ) -> None:
-    """Copies block ``src`` into block ``dst`` in every layer, K and V (copy-on-write).
+    """Copies block ``src`` into block ``dst`` in every layer, K and V (copy-on-write):
+    each a contiguous ``[num_blocks, ...]`` tensor (``cache_ops.copy_blocks``).
 
     Mutates the ``dst`` blocks only. All sources are read before any
     destination is written, so a block must not be both a source and a
@@ -263,7 +271,7 @@ def copy_blocks(
         )
     caches = (*key_caches, *value_caches)
     for i, cache in enumerate(caches):
-        check_cache(f"caches[{i}]", cache)
+        check_block_storage(f"caches[{i}]", cache)
     if not len(src_dst):
         return
     for cache in map(_raw, caches):

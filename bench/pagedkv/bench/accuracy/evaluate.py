@@ -24,9 +24,9 @@ the model's corpus (corpus.py):
 Beside the fp8 rows, ``int8/per_token`` and ``int8/per_token_rotated``
 store K and V as int8 with a scale per token and KV head (its largest
 magnitude over 127, the scale itself in float16), as they are or in the
-Hadamard basis (``int8_round_trip``): what a block format of one byte per
-value plus a small scale per token would keep, for comparison with fp8's
-three mantissa bits. No kernel stores them yet.
+Hadamard basis (``int8_round_trip``): what ``--kv-cache-dtype int8``
+keeps (``int8/per_token``; its kernels store exactly ``int8_kv``'s
+values), for comparison with fp8's three mantissa bits.
 
 For scale, ``reference_noise`` gives the same measures for the model run in
 float32 against the reference (the model's dtype, bf16 on the GPU): how far
@@ -52,7 +52,7 @@ from pagedkv.bench.accuracy.corpus import load
 from pagedkv.bench.accuracy.train import as_ids
 from pagedkv.executor.kv_calibration import CALIBRATION_TOKENS, calibration_token_ids
 from pagedkv.executor.kv_memory import CALIBRATION_HEADROOM, calibration_scales
-from pagedkv.kernels import fp8_kv
+from pagedkv.kernels import fp8_kv, int8_kv
 
 ATTENTION_NAME = "pagedkv_kv_emulation"
 # Scales calibrated on a training window (the format's range reached by its
@@ -82,21 +82,17 @@ ROTATED = ("per_head_rotated", "per_head_rotated_centered", "executor_rotated")
 # int8 with a scale per token and KV head, computed as each token is stored
 # (no calibration): as they are, or in the Hadamard basis.
 INT8_GRANULARITIES = ("per_token", "per_token_rotated")
-INT8_MAX = 127
 
 
 def int8_round_trip(x: torch.Tensor, rotate: bool = False) -> torch.Tensor:
-    """``x`` ``[..., head_size]`` stored as int8 with one scale per vector
-    (its largest magnitude over ``INT8_MAX``, the scale rounded to float16
-    as a cache would keep it) and read back in ``x``'s dtype; with
+    """``x`` ``[..., head_size]`` stored as an int8 cache stores it (one
+    scale per vector, ``int8_kv``) and read back in ``x``'s dtype; with
     ``rotate``, stored in the Hadamard basis and read back in the model's."""
     values = x.float()
     rotation = fp8_kv.hadamard(x.shape[-1], x.device) if rotate else None
     if rotation is not None:
         values = values @ rotation
-    scale = values.abs().amax(-1, keepdim=True) / INT8_MAX
-    scale = scale.to(torch.float16).float().clamp_min(torch.finfo(torch.float16).tiny)
-    stored = torch.round(values / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+    stored = int8_kv.round_trip(values)
     if rotation is not None:
         stored = stored @ rotation
     return stored.to(x.dtype)
