@@ -120,10 +120,10 @@ def with_moves(
 
 def kv_of(executor: Executor, block_ids: list[int]) -> list[torch.Tensor]:
     """Each layer's K, then V, of ``block_ids``, copied to the CPU (an fp8
-    cache's as its bytes)."""
+    cache's as its bytes, an int8 one's storage: values and scales)."""
     kv = executor.runner.kv
     index = torch.tensor(block_ids, device=executor.runner.device)
-    return [raw(cache)[index].cpu() for cache in (*kv.key_caches, *kv.value_caches)]
+    return [raw(cache)[index].cpu() for cache in (*kv.key_storage, *kv.value_storage)]
 
 
 def raw(cache: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ def raw(cache: torch.Tensor) -> torch.Tensor:
 def clobber(executor: Executor, block_ids: list[int]) -> None:
     """Overwrites ``block_ids`` in every layer (what another request's KV would do)."""
     kv = executor.runner.kv
-    for cache in (*kv.key_caches, *kv.value_caches):
+    for cache in (*kv.key_storage, *kv.value_storage):
         raw(cache)[block_ids] = -1.0 if cache.element_size() > 1 else 0xB8  # e4m3 -1.0
 
 
@@ -243,11 +243,15 @@ def continued_tokens(
     return seq.output
 
 
-def test_fp8_blocks_go_to_the_host_and_back_as_their_bytes(model_dir: Path) -> None:
-    # The host rows hold the fp8 bytes (half a bf16 row); a request continued
-    # on loaded fp8 blocks samples what it samples without the round trip.
-    executor = make_executor(model_dir, HOST_KV_GIB, kv_cache_dtype="fp8_e4m3")
-    assert executor.runner.kv.key_caches[0].dtype == torch.float8_e4m3fn
+@pytest.mark.parametrize(("kv", "dtype"), [("fp8_e4m3", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_quantized_blocks_go_to_the_host_and_back_as_their_bytes(
+    model_dir: Path, kv: str, dtype: torch.dtype
+) -> None:
+    # The host rows hold the blocks' bytes (about half a bf16 row; an int8
+    # block's scales with its values); a request continued on loaded blocks
+    # samples what it samples without the round trip.
+    executor = make_executor(model_dir, HOST_KV_GIB, kv_cache_dtype=kv)
+    assert executor.runner.kv.key_caches[0].dtype == dtype
     round_trip_is_byte_exact(executor)
     want = continued_tokens(executor, 1, round_trip=False)
     assert continued_tokens(executor, 1, round_trip=True) == want
@@ -318,15 +322,21 @@ def test_a_host_hit_computes_the_rest_of_its_prompt_on_the_blocks_it_loads(
 
 
 def layered_kv(shapes: list[tuple[int, ...]]) -> Any:
-    """What a pool reads of ``KVMemory``: K and V per layer (``shapes``:
-    each layer's block shape), block b of layer l holding ``100 * l + b``
-    in K and its negative in V."""
+    """What a pool reads of ``KVMemory``: K and V per layer, as caches and
+    as the storage block moves take (the same tensors for a float memory;
+    ``shapes``: each layer's block shape), block b of layer l holding
+    ``100 * l + b`` in K and its negative in V."""
     keys, values = [], []
     for layer, shape in enumerate(shapes):
         key = torch.arange(NUM_BLOCKS, dtype=torch.float32).add(100 * layer)
         keys.append(key.view(-1, *[1] * len(shape)).expand(NUM_BLOCKS, *shape).contiguous())
         values.append(keys[-1].neg())
-    return SimpleNamespace(key_caches=tuple(keys), value_caches=tuple(values))
+    return SimpleNamespace(
+        key_caches=tuple(keys),
+        value_caches=tuple(values),
+        key_storage=tuple(keys),
+        value_storage=tuple(values),
+    )
 
 
 @pytest.mark.parametrize(

@@ -344,3 +344,19 @@ def test_integrity_check_reports_a_block_held_at_two_places() -> None:
     kv.pool.free_block_queue.append(kv.pool.blocks[2])
     report = kv.check_integrity()
     assert any("held at" in e for e in report.errors)
+
+
+def test_a_blocks_bytes_count_an_int8_blocks_scales() -> None:
+    from pagedkv.common.kv_cache_spec import KVCacheSpec
+
+    def spec(dtype: str) -> KVCacheSpec:
+        return KVCacheSpec(block_size=16, num_layers=2, num_kv_heads=4, head_size=64, dtype=dtype)
+
+    assert spec("bfloat16").page_size_bytes == 2 * 16 * 4 * 64 * 2
+    assert spec("float8_e4m3fn").page_size_bytes == 2 * 16 * 4 * 64
+    # A float16 scale per token and KV head beside each value's byte: 1.94x
+    # bf16's blocks in the same memory at head size 64.
+    assert spec("int8").page_size_bytes == 2 * 16 * 4 * (64 + 2)
+    assert spec("int8").bytes_per_block == 2 * spec("int8").page_size_bytes
+    with pytest.raises(ValueError, match=r"KVCacheSpec\.dtype 'int4' is not one of"):
+        spec("int4")

@@ -16,7 +16,11 @@ _DTYPE_BYTES = {
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "int8": 1,
 }
+# Bytes a dtype's blocks keep per token and KV head beside the values: an
+# int8 block's float16 scale for each (pagedkv.kernels.int8_kv).
+_TOKEN_SCALE_BYTES = {"int8": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +57,10 @@ class KVCacheSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes one block takes in one layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_size
+        """Bytes one block takes in one layer, K and V together (an int8
+        block's per-token scales included)."""
+        per_token = self.head_size * self.dtype_size + _TOKEN_SCALE_BYTES.get(self.dtype, 0)
+        return 2 * self.block_size * self.num_kv_heads * per_token
 
     @property
     def bytes_per_block(self) -> int:

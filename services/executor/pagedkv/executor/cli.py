@@ -42,9 +42,11 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"),
         help="the KV blocks' dtype (default auto: the model's); fp8_e4m3 or fp8_e5m2 halve a "
-        "bf16 block's bytes, with per-KV-head scales calibrated at start",
+        "bf16 block's bytes, with per-KV-head scales calibrated at start; int8 takes "
+        "(head size + 2) / (2 head size) of them, with a scale per token written with it, "
+        "and keeps more of the model's accuracy (docs/memory.md)",
     )
     parser.add_argument(
         "--kv-cache-rotation",

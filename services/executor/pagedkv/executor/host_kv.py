@@ -127,17 +127,17 @@ def _chunks(
     kv: KVMemory, num_blocks: int, count: int, pinned: bool
 ) -> tuple[torch.Tensor, list[_Chunk]]:
     """The pool's memory and its ``count`` (at most) chunks of layers."""
-    num_layers = len(kv.key_caches)
+    num_layers = len(kv.key_storage)
     per_chunk = -(-num_layers // max(1, min(count, num_layers)))
     layers = [
         range(first, min(first + per_chunk, num_layers))
         for first in range(0, num_layers, per_chunk)
     ]
     groups = [
-        [c for layer in r for c in (kv.key_caches[layer], kv.value_caches[layer])] for r in layers
+        [c for layer in r for c in (kv.key_storage[layer], kv.value_storage[layer])] for r in layers
     ]
     sizes = [sum(cache[0].numel() for cache in caches) for caches in groups]
-    memory = torch.empty(num_blocks * sum(sizes), dtype=kv.key_caches[0].dtype, pin_memory=pinned)
+    memory = torch.empty(num_blocks * sum(sizes), dtype=kv.key_storage[0].dtype, pin_memory=pinned)
     chunks, offset = [], 0
     for r, caches, size in zip(layers, groups, sizes, strict=True):
         parts, column = [], 0
@@ -158,7 +158,8 @@ class HostKVPool:
     The layers are split into at most ``chunks`` (``LOAD_CHUNKS``) chunks of
     consecutive layers. Host block ``h`` is row ``h`` of every chunk's
     ``[num_blocks, elements]`` region of ``blocks``: its layers' K, then V,
-    each ``[block_size, num_kv_heads, head_size]`` of its group. So a chunk
+    each ``[block_size, num_kv_heads, head_size]`` of its group (an int8
+    block's scales after its values, kv_memory.py). So a chunk
     of a run of consecutive host ids moves in one contiguous copy.
 
     On CUDA the memory is pinned, and the copies between device and host
@@ -203,7 +204,7 @@ class HostKVPool:
         chunk's blocks of its layers in one launch when their caches have
         one shape (else, or without one, an ``index_select`` /
         ``index_copy_`` per layer and K/V)."""
-        caches = [*kv.key_caches, *kv.value_caches]
+        caches = [*kv.key_storage, *kv.value_storage]  # an int8 block's scales with it
         dtypes = {cache.dtype for cache in caches}
         assert len(dtypes) == 1 and all(c.is_contiguous() for c in caches)
         self.device = caches[0].device

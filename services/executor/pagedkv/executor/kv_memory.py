@@ -13,6 +13,14 @@ layer's K and V scales, float32 ``[num_kv_heads]`` on the device
 or the executor's first forward (``calibrate``) sets them, once, before it
 serves (kv_calibration.py). The tensors stay where they are, so CUDA graphs
 captured over them read the values set.
+
+An int8 memory (``--kv-cache-dtype int8``) keeps a float16 scale per token
+and KV head, computed as each token is written (``pagedkv.kernels.int8_kv``;
+nothing to calibrate). Each layer's K (and V) is one allocation, its
+``storage``: block after block, each its values then its scales. The
+caches the kernels read are views of its values, the scales views of its
+tails, so a block copy or a move to the host tier (which move the storage)
+carries a block's scales with its values.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.kernels.backend import KernelBackend
 from pagedkv.kernels.checks import FP8_DTYPES
 from pagedkv.kernels.fp8_kv import calibrated_scale
+from pagedkv.kernels.int8_kv import block_storage
 
 # The calibration's largest magnitude lands at 1/HEADROOM of the format's
 # largest value: later activations up to twice as large still fit, and the
@@ -68,23 +77,35 @@ class KVMemory:
         self.groups = groups
         self.num_blocks = num_blocks
         self.layer_groups = [0] * num_layers
-        keys: list[torch.Tensor | None] = [None] * num_layers
-        values: list[torch.Tensor | None] = [None] * num_layers
+        # Per layer, K then V: (storage, cache, per-token scales or None).
+        parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = [
+            [] for _ in range(num_layers)
+        ]
         for g, group in enumerate(groups):
             spec = group.spec
             shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
             for layer in group.layer_indices:
                 self.layer_groups[layer] = g
-                keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
-                values[layer] = torch.zeros(shape, dtype=dtype, device=device)
-        assert all(k is not None for k in keys), "every layer belongs to a group"
-        self.key_caches: tuple[torch.Tensor, ...] = tuple(k for k in keys if k is not None)
-        self.value_caches: tuple[torch.Tensor, ...] = tuple(v for v in values if v is not None)
+                for _ in range(2):
+                    if dtype == torch.int8:
+                        parts[layer].append(block_storage(*shape, device=device))
+                    else:
+                        cache = torch.zeros(shape, dtype=dtype, device=device)
+                        parts[layer].append((cache, cache, None))
+        assert all(parts), "every layer belongs to a group"
+        self.key_caches: tuple[torch.Tensor, ...] = tuple(p[0][1] for p in parts)
+        self.value_caches: tuple[torch.Tensor, ...] = tuple(p[1][1] for p in parts)
+        # What block copies move: the caches themselves, or an int8 memory's storage.
+        self.key_storage: tuple[torch.Tensor, ...] = tuple(p[0][0] for p in parts)
+        self.value_storage: tuple[torch.Tensor, ...] = tuple(p[1][0] for p in parts)
         self.dtype = dtype
         self.rotation = rotation
         self.k_scales: tuple[torch.Tensor, ...] | None = None
         self.v_scales: tuple[torch.Tensor, ...] | None = None
         self.calibrated = dtype not in FP8_DTYPES
+        if dtype == torch.int8:
+            self.k_scales = tuple(p[0][2] for p in parts if p[0][2] is not None)
+            self.v_scales = tuple(p[1][2] for p in parts if p[1][2] is not None)
         if not self.calibrated:
             self.k_scales, self.v_scales = (
                 tuple(
@@ -116,9 +137,10 @@ class KVMemory:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches))
+        return sum(t.numel() * t.element_size() for t in (*self.key_storage, *self.value_storage))
 
     def copy_blocks(self, backend: KernelBackend, src_dst: torch.Tensor) -> None:
-        """Copies block src into dst in every layer, K and V (``[n, 2]`` int64)."""
+        """Copies block src into dst in every layer, K and V (``[n, 2]``
+        int64), an int8 block's scales with its values."""
         if len(src_dst):
-            backend.copy_blocks(self.key_caches, self.value_caches, src_dst)
+            backend.copy_blocks(self.key_storage, self.value_storage, src_dst)

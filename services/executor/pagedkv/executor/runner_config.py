@@ -11,7 +11,13 @@ import torch
 
 from pagedkv.executor.kv_rotation import ROTATIONS
 from pagedkv.executor.model_loading import DTYPES
-from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
+from pagedkv.kernels import fp8_kv, int8_kv
+
+# The quantized formats ``--kv-cache-dtype`` names beside the model's dtype.
+QUANTIZED_KV_DTYPES: dict[str, torch.dtype] = {
+    **fp8_kv.KV_CACHE_DTYPES,
+    **int8_kv.KV_CACHE_DTYPES,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +41,9 @@ class RunnerConfig:
     mixed_graphs: bool = True  # and steps that compute prompts, up to 1,024 tokens
     fused_ops: bool = True  # the fused decoder stack, for the model types it supports
     host_kv_gib: float = 0.0  # the host tier's size (host_kv.py); 0: none
-    # The KV memory's dtype: auto (the model's), the model's by name, or
-    # fp8_e4m3 / fp8_e5m2 with scales calibrated at start (kv_calibration.py).
+    # The KV memory's dtype: auto (the model's), the model's by name,
+    # fp8_e4m3 / fp8_e5m2 with scales calibrated at start (kv_calibration.py),
+    # or int8 with a scale per token written with it (kv_memory.py).
     kv_cache_dtype: str = "auto"
     # K and V stored in the Hadamard basis (kv_rotation.py): auto (for fp8
     # blocks, when the model allows it and its checkpoint stores no scales),
@@ -56,7 +63,7 @@ class RunnerConfig:
             raise ValueError(f"load_format: {self.load_format!r} is not auto or dummy")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
-        kv_names = ("auto", *DTYPES, *KV_CACHE_DTYPES)
+        kv_names = ("auto", *DTYPES, *QUANTIZED_KV_DTYPES)
         if self.kv_cache_dtype not in kv_names:
             raise ValueError(
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(kv_names)}"
@@ -73,13 +80,14 @@ class RunnerConfig:
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV memory's dtype for ``--kv-cache-dtype`` ``name``: a float cache
-    holds the model's dtype (the kernels read it as the query's), fp8 any."""
-    if name in KV_CACHE_DTYPES:
-        return KV_CACHE_DTYPES[name]
+    holds the model's dtype (the kernels read it as the query's), fp8 and
+    int8 any."""
+    if name in QUANTIZED_KV_DTYPES:
+        return QUANTIZED_KV_DTYPES[name]
     if name != "auto" and DTYPES[name] != model_dtype:
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"kv_cache_dtype: {name} differs from the model's dtype {model} "
-            "(a float cache holds the model's dtype; fp8_e4m3 or fp8_e5m2 compress it)"
+            "(a float cache holds the model's dtype; fp8_e4m3, fp8_e5m2 or int8 compress it)"
         )
     return model_dtype

@@ -46,8 +46,8 @@ from pagedkv.common.logging import get_logger
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.model_spec import ModelSpec
 from pagedkv.executor.rows import Rows
+from pagedkv.executor.runner_config import QUANTIZED_KV_DTYPES
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
-from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES
 
 
 class WarmUpLimits(Protocol):
@@ -155,19 +155,19 @@ def warm_up_steps(
 
 
 def decode_steps(
-    max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool = False
+    max_model_len: int, num_kv_heads: int, num_sms: int, quantized: bool = False
 ) -> tuple[WarmUpStep, ...]:
     """One-entry decodes, one per variant of the flash-decoding launch an
     eager decode step can reach: the split count's class (1, a multiple of
     16, other) with the merge's width (its next power of two), each at the
     shortest context that gives it. One entry at the model's length has the
-    most splits any step has (more entries share the GPU's programs). ``fp8``:
-    the launch constants of an fp8 cache."""
+    most splits any step has (more entries share the GPU's programs).
+    ``quantized``: the launch constants of an fp8 or int8 cache."""
     # Imported here, as the backends import their kernel modules: the
     # Triton interpreter must be chosen before any kernel is defined.
     from pagedkv.kernels.decode_attention import launch_constants, split_count
 
-    (block_n, _, _), per_sm = launch_constants(fp8)
+    (block_n, _, _), per_sm = launch_constants(quantized)
     most = split_count(num_kv_heads, max_model_len, block_n, num_sms, per_sm)
     steps, seen = [], set()
     for num_splits in range(1, most + 1):
@@ -198,9 +198,9 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
     from pagedkv.kernels.decode_attention import sm_count  # see decode_steps
 
     spec = runner.spec
-    fp8 = config.kv_cache_dtype in KV_CACHE_DTYPES
+    quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
     steps = decode_steps(
-        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), fp8
+        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), quantized
     ) + warm_up_steps(config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows)
     if profile:
         steps = steps[-1:]

@@ -260,9 +260,9 @@ def register_serve(subparsers: Any, name: str) -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+        choices=("auto", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"),
         help="the executors' KV block dtype (default: theirs, auto: the model's); fp8 halves a "
-        "bf16 block (docs/memory.md)",
+        "bf16 block, int8 nearly (a scale per token beside it; docs/memory.md)",
     )
     parser.add_argument(
         "--kv-cache-rotation",

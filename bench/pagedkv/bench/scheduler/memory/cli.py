@@ -46,7 +46,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+        choices=("auto", "fp8_e4m3", "fp8_e5m2", "int8"),
         help="the executor's KV blocks (default auto: the model's dtype)",
     )
     parser.add_argument(
