@@ -240,3 +240,25 @@ def test_int8_with_a_scale_per_token_rounds_finer_than_e4m3_in_the_rotated_basis
     assert error(int8_round_trip(keys)) < error(e4m3.store(0, 0, keys))
     zeros = torch.zeros(1, 1, 4, 64)
     assert torch.equal(int8_round_trip(zeros, rotate=True), zeros)
+
+
+def test_the_int8_rows_emulate_what_the_int8_cache_kernels_store() -> None:
+    """The accuracy bench's ``int8/per_token`` round trip reads back, value
+    for value, what the executor's cache write stores and its kernels read
+    (the torch backend's write and the oracle's read; the Triton ones are
+    checked against the same oracle in tests/kernels)."""
+    from pagedkv.bench.accuracy.evaluate import int8_round_trip
+    from pagedkv.kernels import int8_kv, reference, torch_backend
+
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randn(12, 2, 64, generator=gen).to(torch.bfloat16)
+    keys[3, 1, 5] = 90.0  # one vector with an outlier channel
+    _, cache, scales = int8_kv.block_storage(2, 8, 2, 64)
+    _, values, value_scales = int8_kv.block_storage(2, 8, 2, 64)
+    slots = torch.arange(12)
+    torch_backend.reshape_and_cache(
+        keys, keys, cache, values, slots, k_scale=scales, v_scale=value_scales
+    )
+    stored = cache.reshape(-1, 2, 64)[:12]
+    read = reference.from_cache(stored, scales.reshape(-1, 2)[:12], torch.bfloat16)
+    assert torch.equal(read, int8_round_trip(keys))

@@ -3,7 +3,8 @@
 # (tests/gpu/run-gpu-tests.sh: the wheels of tests/gpu/device-wheels.sh in
 # .whl/, installed into SITE), each mode well within one ten-minute call:
 #
-#   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 kernel tests on the GPU (a minute)
+#   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 and int8 kernel tests on the GPU (a
+#                                             # minute or two)
 #   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks: decode
 #                                             # and prefill attention (a minute)
 #   bash tests/gpu/run-fp8-bench.sh tune      # the decode kernel's DECODE_FP8_* constants swept
@@ -26,9 +27,15 @@
 #                                             # prompt Poisson mix (mean prompt 3,000, 60%
 #                                             # sharing one of two 2,048-token system
 #                                             # prompts), bf16 then fp8_e4m3 blocks
+#   bash tests/gpu/run-fp8-bench.sh int8      # int8 blocks (a scale per token): the kernel
+#                                             # bench over them, then the executor bench (~1.1B)
+#                                             # with bf16, fp8_e4m3 and int8 blocks (five
+#                                             # minutes); serving them: KV="auto int8" with
+#                                             # serve-1b or serve-8b
 #
 # Results go to OUT when set, else tests/benchmarks/results:
 # kernels-fp8-e4m3-NAME, kernels-tune-fp8-{128,64}-NAME.json, executor-kv-{auto,fp8_e4m3}-NAME,
+# kernels-int8-NAME, executor-kv-int8-NAME,
 # serve-kv-{auto,fp8_e4m3}-{1b,8b,8b-mix}-NAME (.json and .md), NAME being
 # DEVICE_NAME (h200). The accuracy side: tests/gpu/run-accuracy.sh.
 # A dry run of the serve modes on a machine without a GPU: DEVICE=cpu
@@ -50,7 +57,16 @@ mkdir -p "$RESULTS"
 case "${1:-tests}" in
   tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
-      tests/kernels/test_rotary_decode.py tests/kernels/test_gpu.py -k "fp8 or cache or rotate"
+      tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
+      tests/kernels/test_gpu.py -k "fp8 or int8 or cache or rotate"
+    ;;
+  int8)
+    "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype int8 \
+      --output "$RESULTS/kernels-int8-$NAME.json"
+    for kv in ${KV:-auto fp8_e4m3 int8}; do
+      "$PYTHON" -m pagedkv.bench.executor.bench --kv-cache-dtype "$kv" \
+        --output "$RESULTS/executor-kv-$kv-$NAME.json"
+    done
     ;;
   kernels)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \

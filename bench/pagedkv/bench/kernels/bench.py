@@ -10,7 +10,10 @@ before each call, by a read (clean lines) and, in extra columns, by a write
 summary. With ``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) the paged
 K/V are stored in fp8 with per-tensor scales (``pagedkv.kernels.fp8_kv``):
 bandwidth counts fp8 bytes, SDPA still reads bf16, and the error against it
-includes the quantization's.
+includes the quantization's. ``--kv-cache-dtype int8`` stores them as int8
+with a scale per token and KV head (``pagedkv.kernels.int8_kv``, laid out
+as the executor lays them out): bandwidth counts the values' bytes and the
+scales'.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from pagedkv.kernels import fp8_kv
+from pagedkv.kernels import fp8_kv, int8_kv
 from pagedkv.kernels.paged_attention import paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -119,7 +122,14 @@ class Case:
         self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, head_size).transpose(1, 2)
         self.scale = head_size**-0.5
         self.kv_scales: dict[str, torch.Tensor] = {}
-        if kv_dtype != DTYPE:  # fp8: the paged copies quantized, SDPA's kept
+        if kv_dtype == torch.int8:  # the paged copies quantized per token, SDPA's kept
+            for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
+                _, values, scales = int8_kv.block_storage(*shape, device="cuda")
+                scales.copy_(int8_kv.token_scales(cache))
+                values.copy_(int8_kv.quantize(cache, scales))
+                self.kv_scales[f"{name}_scale"] = scales
+                setattr(self, f"{'key' if name == 'k' else 'value'}_cache", values)
+        elif kv_dtype != DTYPE:  # fp8: the paged copies quantized, SDPA's kept
             for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
                 scale = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
                 self.kv_scales[f"{name}_scale"] = scale
@@ -167,8 +177,12 @@ class Case:
         return float((ours.float() - ref.float()).abs().max())
 
     def kv_bytes(self) -> int:
+        """K and V bytes read, an int8 cache's scales included."""
         tokens = self.batch * (self.context + self.new_tokens)
-        return 2 * tokens * NUM_KV_HEADS * self.head_size * self.key_cache.element_size()
+        per_token = self.head_size * self.key_cache.element_size()
+        if self.key_cache.dtype == torch.int8:
+            per_token += int8_kv.SCALE_BYTES
+        return 2 * tokens * NUM_KV_HEADS * per_token
 
     def flops(self) -> float:
         q, ctx = self.new_tokens, self.context
@@ -226,14 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES),
+        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES, *int8_kv.KV_CACHE_DTYPES),
         default="bfloat16",
-        help="the paged K/V's dtype (default bfloat16); fp8 runs leave the fused ops out",
+        help="the paged K/V's dtype (default bfloat16); fp8 and int8 runs leave the fused ops out",
     )
     args = parser.parse_args(argv)
     from pagedkv.bench.kernels import bench_fused
 
-    kv_dtype = fp8_kv.KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
+    formats = {**fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}
+    kv_dtype = formats.get(args.kv_cache_dtype, DTYPE)
     fused_rows = bench_fused.run(args.quick) if kv_dtype == DTYPE else []
     if args.fused_only:
         results = _environment() | {"fused_ops": fused_rows}

@@ -22,7 +22,7 @@ import triton
 
 from pagedkv.bench.kernels.bench import DTYPE, HEAD_SIZE, Case, time_us
 from pagedkv.kernels import decode_attention as da
-from pagedkv.kernels import fp8_kv
+from pagedkv.kernels import fp8_kv, int8_kv
 from pagedkv.kernels import paged_attention as pa
 
 DECODE_SHAPES = [
@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-cache-dtype",
         default="bfloat16",
-        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES),
-        help="the paged K/V's dtype (default bfloat16); fp8 sweeps the DECODE_FP8_* constants",
+        choices=("bfloat16", *fp8_kv.KV_CACHE_DTYPES, *int8_kv.KV_CACHE_DTYPES),
+        help="the paged K/V's dtype (default bfloat16); fp8 and int8 sweep the DECODE_FP8_* "
+        "constants (int8 shares them)",
     )
     parser.add_argument(
         "--switch",
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     if args.only != "prefill":
-        kv_dtype = fp8_kv.KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
+        formats = {**fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}
+        kv_dtype = formats.get(args.kv_cache_dtype, DTYPE)
         if args.switch and not isinstance(getattr(da, args.switch, None), bool):
             parser.error(f"--switch: {args.switch} is not a boolean DECODE_ constant")
         rows += sweep_decode(args.quick, args.decode_shapes, args.head_size, kv_dtype, args.switch)
