@@ -81,3 +81,38 @@ def test_a_block_copy_carries_its_scales(llama: Path) -> None:
     runner.copy_blocks(np.array([[source, 0]], dtype=np.int64))
     copied = [t[0] for t in (*kv.key_caches, *kv.k_scales, *kv.v_scales)]
     assert all(torch.equal(a, b) for a, b in zip(written, copied, strict=True))
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama with heads of 32 (a rotation's smallest)."""
+    path = tmp_path_factory.mktemp("int8-kv") / "llama-32"
+    make_tiny_model(path, "llama", seed=5, head_dim=32)
+    return path
+
+
+def test_int8_blocks_rotate_by_default_where_the_model_allows_it(
+    wide_heads: Path, llama: Path
+) -> None:
+    """In the Hadamard basis a vector's largest magnitude is no longer set
+    by a few large channels (docs/memory.md, "int8 blocks"): an int8 memory
+    rotates by default, the fused stack and transformers' modules alike,
+    and its logits stay near the float cache's, rotated or not."""
+    from pagedkv.kernels.fp8_kv import hadamard
+
+    exact = step_logits(make_runner(wide_heads, "torch", False, kv_cache_rotation="none"))
+    runs = []
+    for backend, fused in (("triton", True), ("torch", False)):
+        rotated = make_runner(wide_heads, backend, fused, kv_cache_dtype="int8")
+        assert rotated.kv_rotation is not None
+        torch.testing.assert_close(rotated.kv_rotation, hadamard(32))
+        runs.append(step_logits(rotated))
+    plain = make_runner(wide_heads, "triton", True, kv_cache_dtype="int8", kv_cache_rotation="none")
+    assert plain.kv_rotation is None
+    runs.append(step_logits(plain))
+    for logits in runs:
+        assert all(e < 0.05 for e in errors(logits, exact)), errors(logits, exact)
+    for got, other in zip(runs[0], runs[1], strict=True):
+        assert float((got - other).norm() / other.norm()) < 0.005
+    # Heads of 16 cannot be rotated: auto leaves them as they are.
+    assert make_runner(llama, "torch", False, kv_cache_dtype="int8").kv_rotation is None

@@ -52,9 +52,10 @@ def register(subparsers: Any, name: str) -> None:
         "--kv-cache-rotation",
         default="auto",
         choices=("auto", "none", "hadamard"),
-        help="store K and V in the Hadamard basis of the head size, which spreads fp8's "
-        "rounding error over every channel at no read cost (default auto: for fp8 blocks, "
-        "when the model allows it and its checkpoint stores no KV scales; docs/memory.md)",
+        help="store K and V in the Hadamard basis of the head size, which spreads fp8's and "
+        "int8's rounding error over every channel at no read cost (default auto: for fp8 "
+        "blocks when the model allows it and its checkpoint stores no KV scales, for int8 "
+        "blocks when the model allows it; docs/memory.md)",
     )
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument(

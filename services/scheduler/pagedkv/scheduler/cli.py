@@ -267,8 +267,8 @@ def register_serve(subparsers: Any, name: str) -> None:
     parser.add_argument(
         "--kv-cache-rotation",
         choices=("auto", "none", "hadamard"),
-        help="the executors' KV rotation (default: theirs, auto: Hadamard for fp8 blocks where "
-        "the model allows it; docs/memory.md)",
+        help="the executors' KV rotation (default: theirs, auto: Hadamard for fp8 and int8 "
+        "blocks where the model allows it; docs/memory.md)",
     )
     parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
