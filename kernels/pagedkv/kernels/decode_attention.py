@@ -2,7 +2,7 @@
 
 One program per (sequence, KV head, split of the context) reads each K/V
 byte once for all the query heads that share it; a second kernel merges the
-splits by their log-sum-exp. Launch constants come from
+splits by their log-sum-exp (``decode_merge``). Launch constants come from
 ``python -m pagedkv.bench.kernels.tune`` on the H200. Oracle:
 ``reference.paged_attention``; the entry point is
 ``paged_attention.paged_attention``, which checks the arguments.
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
+from pagedkv.kernels.decode_merge import merge_splits
 from pagedkv.kernels.kv_quant import ScaleArgs, int8_scale, quantize, quantize_int8
 from pagedkv.kernels.rotary import hadamard
 
@@ -81,7 +82,7 @@ def _decode_split_kernel(
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
     byte is read once for all of them. With ``SPLIT`` each program stores its
-    partial output and log-sum-exp for ``_decode_merge_kernel``; without,
+    partial output and log-sum-exp for ``decode_merge``; without,
     there is one split and the program stores the output. With ``ROTARY``
     the query is rotated here (left as it is in memory), and the program
     whose split holds the new token rotates its key and writes it and its
@@ -253,44 +254,6 @@ def _decode_split_kernel(
         )
 
 
-@triton.jit
-def _decode_merge_kernel(
-    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_size], float32
-    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits], float32
-    out_ptr,  # [num_seqs, num_q_heads, head_size]
-    out_stride_t,
-    out_stride_h,
-    num_q_heads,
-    num_splits,
-    head_size,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Flash-decoding, second pass: one program per (sequence, query head,
-    ``BLOCK_D`` dims) weighs its splits' outputs by their sums, all
-    ``num_splits <= BLOCK_S`` splits in one load."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dim_valid = dims < head_size
-    row = (seq * num_q_heads + head) * num_splits
-    splits = tl.arange(0, BLOCK_S)
-    split_valid = splits < num_splits
-    lse = tl.load(partial_lse_ptr + row + splits, mask=split_valid, other=MASKED)
-    weights = tl.exp2(lse - tl.max(lse, 0))  # 0 for empty splits
-    parts = tl.load(
-        partial_out_ptr + (row + splits)[:, None] * head_size + dims[None, :],
-        mask=split_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(
-        out_ptr + seq * out_stride_t + head * out_stride_h + dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dim_valid,
-    )
-
-
 # Decode tuning, from ``python -m pagedkv.bench.kernels.tune`` on the H200 (results
 # in tests/benchmarks/results/kernels-tune-h200.json). DECODE_TILE: keys per
 # step, warps and pipeline stages. DECODE_PROGRAMS_PER_SM: how many of those
@@ -321,12 +284,6 @@ DECODE_FP8_PREFETCH = True
 # are bytes widened to float16 as fp8's are. They are not tuned for int8.
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# The merge kernel's load per program: about DECODE_MERGE_ELEMENTS partial
-# values (splits x dims), at least DECODE_MERGE_MIN_DIMS dims: a long split
-# list is spread over more programs, a short one kept whole (on the H200,
-# 32-dim slices were the fastest with tens of splits, whole heads with two).
-DECODE_MERGE_ELEMENTS = 4096
-DECODE_MERGE_MIN_DIMS = 32
 
 
 class Rotary(NamedTuple):
@@ -467,17 +424,4 @@ def decode(
         num_stages=num_stages,
     )
     if split:
-        block_s = triton.next_power_of_2(num_splits)
-        merge_dims = min(block_d, max(DECODE_MERGE_MIN_DIMS, DECODE_MERGE_ELEMENTS // block_s))
-        _decode_merge_kernel[(num_seqs, num_q_heads, triton.cdiv(head_size, merge_dims))](
-            partial_out,
-            partial_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_q_heads,
-            num_splits,
-            head_size,
-            BLOCK_S=block_s,
-            BLOCK_D=merge_dims,
-        )
+        merge_splits(partial_out, partial_lse, out, num_splits, block_d)
