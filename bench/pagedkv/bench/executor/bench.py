@@ -206,7 +206,7 @@ def time_decode(executor: Any, step_id: int, iters: int = 30) -> tuple[dict[str,
         logits = runner.logits(inputs)
         t3 = time.perf_counter()
         host_rows = plan.rows[plan.needs_sample]
-        params = runner._sampling_params(host_rows, inputs.sample_positions)
+        params = runner.sampling_params.get(host_rows, inputs.sample_positions)
         result = runner._sample(logits, params)
         runner.rows.record_samples(host_rows, inputs.sampled_rows, result.token_ids)
         t4 = time.perf_counter()

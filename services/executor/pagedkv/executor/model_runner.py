@@ -11,9 +11,7 @@ head runs only at the last token of each entry that needs a sample
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ from pagedkv.executor.kv_rotation import fold_value_rotation, resolve_rotation
 from pagedkv.executor.mixed_graphs import MixedGraphs
 from pagedkv.executor.model_loading import fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
+from pagedkv.executor.row_sampling import RowSamplingParams
 from pagedkv.executor.rows import Rows, to_device
 from pagedkv.executor.runner_config import RunnerConfig, kv_cache_dtype
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
@@ -44,17 +43,6 @@ from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
 # CPU fallback when --num-blocks is not given (no device memory to measure).
 DEFAULT_CPU_NUM_BLOCKS = 2048
-
-
-class _ParamsCache(NamedTuple):
-    """The sampling params last built, for the rows (and their params'
-    version) of ``key``; ``minimums``: (index, position from which its
-    banned tokens may be sampled, those tokens) of each row with a minimum
-    of outputs (``sampling.min_tokens``)."""
-
-    key: tuple[int, bytes]
-    params: SamplingParamsBatch
-    minimums: list[tuple[int, int, tuple[int, ...]]]
 
 
 class ModelRunner:
@@ -114,7 +102,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None  # captured by warm_up
         self.mixed_graphs: MixedGraphs | None = None  # likewise
-        self._params_cache: _ParamsCache | None = None
+        self.sampling_params = RowSamplingParams(self.rows, self.device)
         self.host_kv: BlockStore | None = None  # after the pool, which a measurement may size
         num_blocks = config.num_blocks or self._measure_num_blocks()
         self._attach_kv(num_blocks)
@@ -334,7 +322,7 @@ class ModelRunner:
         """Samples the logits of ``rows[needs_sample]`` (``sampled_rows`` on
         the device), whose samples become those rows' last samples."""
         host_rows = rows[needs_sample]
-        params = self._sampling_params(host_rows, sample_positions)
+        params = self.sampling_params.get(host_rows, sample_positions)
         result = self._sample(logits, params)
         self.rows.record_samples(host_rows, sampled_rows, result.token_ids)
         return result
@@ -392,52 +380,3 @@ class ModelRunner:
             )
         logits: torch.Tensor = output.logits[0]
         return logits
-
-    def _sampling_params(self, rows: np.ndarray, positions: np.ndarray) -> SamplingParamsBatch:
-        """The params of ``rows`` sampling at ``positions``. Decode steps
-        sample the same rows step after step: their params are built once
-        and kept while no row changes (only seeded rows read the positions,
-        which then go to the device each step, and rows with a minimum of
-        outputs not reached, whose banned tokens are set each step)."""
-        key = (self.rows.sampling_version, rows.tobytes())
-        cached = self._params_cache
-        if cached is not None and cached.key == key:
-            params = cached.params
-            if params.any_seeded:
-                params = dataclasses.replace(params, positions=to_device(positions, self.device))
-        else:
-            params = self._build_sampling_params(rows, positions)
-            minimums = [
-                (i, s.min_tokens_until, s.min_tokens_ids)
-                for i, row in enumerate(rows.tolist())
-                if (s := self.rows.sampling[row]) is not None and s.min_tokens_ids
-            ]
-            cached = self._params_cache = _ParamsCache(key, params, minimums)
-        if cached.minimums or params.num_banned:
-            params = params.with_banned(
-                [(i, ids) for i, until, ids in cached.minimums if positions[i] < until]
-            )
-        return params
-
-    def _build_sampling_params(
-        self, rows: np.ndarray, positions: np.ndarray
-    ) -> SamplingParamsBatch:
-        sampling = [self.rows.sampling[row] for row in rows.tolist()]
-        if any(s is None for s in sampling):  # scratch rows of the warm-up
-            return SamplingParamsBatch.build(
-                temperature=[0.0] * len(rows),
-                top_k=[0] * len(rows),
-                top_p=[1.0] * len(rows),
-                seeds=[None] * len(rows),
-                positions=positions.tolist(),
-                device=self.device,
-            )
-        return SamplingParamsBatch.build(
-            temperature=[s.temperature for s in sampling if s],
-            top_k=[s.top_k for s in sampling if s],
-            top_p=[s.top_p for s in sampling if s],
-            seeds=[s.seed for s in sampling if s],
-            positions=positions.tolist(),
-            max_num_logprobs=max((s.num_logprobs for s in sampling if s), default=0),
-            device=self.device,
-        )
