@@ -26,8 +26,8 @@ from pagedkv.bench.scheduler.serving.workload import (
     sharegpt_like,
 )
 from pagedkv.common.step_trace import StepTrace
-from pagedkv.executor.engine import TRACE_FIELDS as EXECUTOR_FIELDS
 from pagedkv.executor.gpu_idle import STEP_ANNOTATION, gpu_busy, gpu_idle, gpu_time_by_name
+from pagedkv.executor.launched import TRACE_FIELDS as EXECUTOR_FIELDS
 from pagedkv.scheduler.step_loop import TRACE_FIELDS as SCHEDULER_FIELDS
 
 

@@ -52,6 +52,7 @@ from pagedkv.executor.block_store import move_blocks
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing
 from pagedkv.executor.host_costs import HostCosts
 from pagedkv.executor.launched import (
+    TRACE_FIELDS,
     DeviceOrigin,
     HostSamples,
     LaunchedStep,
@@ -70,31 +71,6 @@ DRAIN_IDLE_S = 2.0
 """A draining executor whose live rows nobody has stepped for this long
 stops: a running row is stepped every few milliseconds while its owner
 lives."""
-# A step's record in a step trace (pagedkv.common.step_trace): perf_counter
-# times when it came in, was decoded (its plan), applied to the rows, run
-# (its device work enqueued), launched, seen done and answered; the
-# launching thread's CPU seconds over its launch (against the launch's wall
-# time: the rest waited, for the GIL or the device); when its device work
-# started and ended (CUDA events, on the same clock); the process's CPU
-# seconds; the host tier's blocks it offloaded and loaded.
-TRACE_FIELDS = (
-    "step_id",
-    "rows",
-    "num_steps",
-    "received",
-    "planned",
-    "applied",
-    "ran",
-    "launched",
-    "launch_cpu",
-    "done",
-    "completed",
-    "device_start",
-    "device_end",
-    "cpu",
-    "offloads",
-    "loads",
-)
 
 
 def _check_owner_fields(owner: common_pb2.Owner) -> None:

@@ -20,6 +20,32 @@ from pagedkv.executor.block_tags import TagColumns
 from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.v1 import executor_pb2
 
+# A step's record in a step trace (pagedkv.common.step_trace): perf_counter
+# times when it came in, was decoded (its plan), applied to the rows, run
+# (its device work enqueued), launched, seen done and answered; the
+# launching thread's CPU seconds over its launch (against the launch's wall
+# time: the rest waited, for the GIL or the device); when its device work
+# started and ended (CUDA events, on the same clock); the process's CPU
+# seconds; the host tier's blocks it offloaded and loaded.
+TRACE_FIELDS = (
+    "step_id",
+    "rows",
+    "num_steps",
+    "received",
+    "planned",
+    "applied",
+    "ran",
+    "launched",
+    "launch_cpu",
+    "done",
+    "completed",
+    "device_start",
+    "device_end",
+    "cpu",
+    "offloads",
+    "loads",
+)
+
 
 class HostSamples:
     """A step's samples on their way to host memory (no wait at creation)."""
