@@ -15,7 +15,6 @@ single_group.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import islice
 from operator import attrgetter
 
 from pagedkv.common.block_hash import root_hash
@@ -24,7 +23,7 @@ from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
 from pagedkv.scheduler.holders_audit import audit_holders
 from pagedkv.scheduler.host_tier import UNMEASURED, HostCopy, HostTier, LoadCosts
-from pagedkv.scheduler.kv_cache_block import KVCacheBlock
+from pagedkv.scheduler.host_traffic import HostTraffic
 from pagedkv.scheduler.kv_cache_types import (
     NO_TABLE_CHANGE,
     Allocation,
@@ -114,8 +113,6 @@ class KVCacheManager:
             only if len(self.managers) == 1 and type(only) is SingleTypeKVCacheManager else None
         )
         self.host: HostTier | None = None
-        self._written_through: list[KVCacheBlock] = []  # entered for the step last sent
-        self._write_through = host_write_through
         if (
             num_host_blocks
             and enable_caching
@@ -124,6 +121,7 @@ class KVCacheManager:
         ):
             tier = HostTier(num_host_blocks, host_costs, host_loads)
             self.host = self.pool.host = self._lookup.host = tier
+        self._traffic = HostTraffic(self.pool, self.host, host_write_through)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -346,46 +344,14 @@ class KVCacheManager:
 
     def take_host_copies(self) -> tuple[list[HostCopy], list[HostCopy]]:
         """The host tier's offloads and loads for the step being sent (none
-        without a tier); counts a step sent (host_tier.py). With write-through,
-        the blocks the step before it entered into the index, computed by
-        then, are written through to the host first, unless their hash is
-        there already or they have been reused since; without, a cached block
-        goes to the host only when evicted (``BlockPool._evict_all``)."""
-        pool = self.pool
-        pool.step += 1
-        host = self.host
-        if host is None:
-            return [], []
-        if self._write_through:
-            previous = pool.step - 2  # the step count while the step before was made
-            host.offload_all(
-                (block.block_id, block.block_hash)
-                for block in self._written_through
-                if block.block_hash is not None and block.cached_step == previous
-            )
-            self._written_through, pool.fresh = pool.fresh, []
-        else:
-            pool.fresh.clear()
-        return host.take_copies()
+        without a tier); counts a step sent (``HostTraffic.take_copies``)."""
+        return self._traffic.take_copies()
 
     def offload_ahead(self, num_blocks: int) -> int:
-        """Queues the offload to the host tier of the cached blocks among the
-        next ``num_blocks`` the pool hands out (the free queue's head) whose
-        hash the tier lacks, ahead of their eviction, which then finds them
-        there and sends no copy. Only for a step sent while no other is in
-        flight or being made, when every cached block's tokens are computed
-        (``ExecutorScheduler.idle_step``). Returns how many it queued."""
-        host = self.host
-        if host is None or num_blocks <= 0:
-            return 0
-        ahead = [
-            (block.block_id, block.block_hash)
-            for block in islice(self.pool.free_block_queue, num_blocks)
-            if block.block_hash is not None and block.block_hash not in host
-        ]
-        if ahead:
-            host.offload_all(ahead)
-        return len(ahead)
+        """Queues the offload of the cached blocks the pool hands out next,
+        ahead of their eviction (``HostTraffic.offload_ahead``). Returns how
+        many it queued."""
+        return self._traffic.offload_ahead(num_blocks)
 
     # -- ending and sharing ------------------------------------------------------------
 
