@@ -111,6 +111,16 @@ def test_runner_without_num_blocks_measures_its_pool_on_cuda(model_dirs: dict[st
     assert runner.limits.num_blocks > 2
     assert runner.forward_inputs.kv is runner.kv
     assert runner.kv.num_bytes == runner.limits.num_blocks * runner.bytes_per_block
+    # The graphs captured after the pool keep their logits: the sizing left
+    # room for exactly those bytes.
+    from pagedkv.executor.model_runner import graph_logits_bytes
+
+    runner.warm_up()
+    assert runner.graphs is not None and runner.mixed_graphs is not None
+    outputs = [*runner.graphs.logits.values()]
+    outputs += [g.logits for g in runner.mixed_graphs.graphs if g.logits is not None]
+    kept = sum(t.numel() * t.element_size() for t in outputs)
+    assert kept == graph_logits_bytes(config, runner.spec.vocab_size, runner.dtype)
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

@@ -250,3 +250,22 @@ def test_importing_the_runner_defines_no_kernel() -> None:
     loaded = set(result.stdout.split())
     assert "pagedkv.kernels.backend" in loaded
     assert not loaded & {"pagedkv.kernels.decode_attention", "pagedkv.kernels.paged_attention"}
+
+
+def test_the_pools_sizing_leaves_room_for_every_graphs_logits() -> None:
+    """``graph_logits_bytes``: a decode graph per batch size keeps
+    ``[batch, vocab]`` logits, a mixed graph per token count ``[entries,
+    vocab]`` (at most a row per entry); on the GPU the test of the measured
+    pool checks it against the captured graphs."""
+    from pagedkv.executor.model_runner import graph_logits_bytes
+    from pagedkv.executor.runner_config import RunnerConfig
+
+    config = RunnerConfig(model="m", max_num_rows=256, max_num_batched_tokens=2048)
+    decode_rows = 1 + 2 + 4 + 8 + 16 + 24 + 32 + 48 + 64 + 96 + 128 + 160 + 192 + 224 + 256
+    mixed_rows = 32 + 64 + 96 + 128 + 192 + 256 * 7  # token counts 32 .. 1,024, entries <= 256
+    want = (decode_rows + mixed_rows) * 1000 * 2
+    assert graph_logits_bytes(config, 1000, torch.bfloat16) == want
+    eager_mixed = RunnerConfig(
+        model="m", max_num_rows=4, max_num_batched_tokens=64, mixed_graphs=False
+    )
+    assert graph_logits_bytes(eager_mixed, 10, torch.float32) == (1 + 2 + 4) * 10 * 4

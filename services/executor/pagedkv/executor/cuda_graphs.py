@@ -57,12 +57,17 @@ log = get_logger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes ``DecodeGraphs`` captures for ``max_batch`` rows."""
+    return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+
+
 class DecodeGraphs:
     """One captured decode forward per batch size up to ``max_batch``."""
 
     def __init__(self, runner: GraphRunner, max_batch: int) -> None:
         self.runner = runner
-        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.sizes = graph_batch_sizes(max_batch)
         largest = self.sizes[-1]
         device = runner.device
         # Row 0: each entry's row; row 1: the position of its token (-1: padding).

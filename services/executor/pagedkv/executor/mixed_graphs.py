@@ -105,6 +105,14 @@ class _Graph:
         return out
 
 
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """The token counts ``MixedGraphs`` captures for steps of at most
+    ``max_tokens``; each graph samples at most ``min(max_entries, tokens)``
+    entries."""
+    top = min(max_tokens, TOKEN_SIZES[-1])
+    return [t for t in TOKEN_SIZES if t < top] + [top]
+
+
 class MixedGraphs:
     """One captured packed forward per token count up to ``max_tokens``."""
 
@@ -123,8 +131,7 @@ class MixedGraphs:
         assert starts and starts[0] == 0 and list(starts) == sorted(set(starts))
         self.runner = runner
         self.starts = tuple(starts)
-        top = min(max_tokens, TOKEN_SIZES[-1])
-        sizes = [t for t in TOKEN_SIZES if t < top] + [top]
+        sizes = graph_token_sizes(max_tokens)
         head_size = runner.spec.head_size
         self.graphs: list[_Graph] = []
         for tokens in sizes:

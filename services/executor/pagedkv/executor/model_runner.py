@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.executor import attention
 from pagedkv.executor.block_store import BlockStore, num_host_blocks
-from pagedkv.executor.cuda_graphs import DecodeGraphs
+from pagedkv.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
 from pagedkv.executor.host_costs import HostCosts, measure_host_costs
 from pagedkv.executor.host_kv import HostKVPool
@@ -29,7 +29,7 @@ from pagedkv.executor.kv_calibration import (
 )
 from pagedkv.executor.kv_memory import KVMemory, bytes_per_block
 from pagedkv.executor.kv_rotation import fold_value_rotation, resolve_rotation
-from pagedkv.executor.mixed_graphs import MixedGraphs
+from pagedkv.executor.mixed_graphs import MixedGraphs, graph_token_sizes
 from pagedkv.executor.model_loading import fused_decoder, load_model
 from pagedkv.executor.model_spec import KVCacheGroup, ModelSpec
 from pagedkv.executor.row_sampling import RowSamplingParams
@@ -43,6 +43,20 @@ from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
 # CPU fallback when --num-blocks is not given (no device memory to measure).
 DEFAULT_CPU_NUM_BLOCKS = 2048
+
+
+def graph_logits_bytes(config: RunnerConfig, vocab_size: int, dtype: torch.dtype) -> int:
+    """Device bytes of the logits every captured CUDA graph keeps as its
+    output, ``[rows, vocab_size]`` in the model's ``dtype`` each: a decode
+    graph's rows are its batch size, a mixed graph's the entries it
+    samples. They are allocated when the graphs are captured, after the KV
+    memory, and live as long as the graphs: the KV memory's sizing leaves
+    room for them."""
+    rows = sum(graph_batch_sizes(min(config.max_num_rows, config.max_num_batched_tokens)))
+    if config.mixed_graphs:
+        tokens = graph_token_sizes(config.max_num_batched_tokens)
+        rows += sum(min(config.max_num_rows, t) for t in tokens)
+    return rows * vocab_size * dtype.itemsize
 
 
 class ModelRunner:
@@ -146,6 +160,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.gpu_memory_utilization - others - peak
+        if self.uses_cuda_graphs:  # captured after the KV memory, kept while it lives
+            budget -= graph_logits_bytes(self.config, self.spec.vocab_size, self.dtype)
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 2:
             raise ValueError(
