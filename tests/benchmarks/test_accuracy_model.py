@@ -262,3 +262,32 @@ def test_the_int8_rows_emulate_what_the_int8_cache_kernels_store() -> None:
     stored = cache.reshape(-1, 2, 64)[:12]
     read = reference.from_cache(stored, scales.reshape(-1, 2)[:12], torch.bfloat16)
     assert torch.equal(read, int8_round_trip(keys))
+
+
+def test_the_served_path_measures_each_kv_dtype_against_the_models_own_blocks(
+    trained: tuple[Path, dict[str, Any]],
+) -> None:
+    """``served``: the executor's own runners (cache writes, scales,
+    attention) over the trained model, each KV dtype against blocks in the
+    model's dtype; int8 keeps at least as many top-1 tokens as e4m3."""
+    from pagedkv.bench.accuracy.served import evaluate_served
+
+    path, _ = trained
+    report = evaluate_served(
+        path,
+        windows=4,
+        window_len=64,
+        prompts=2,
+        prompt_len=32,
+        continue_tokens=8,
+        max_corpus_bytes=300_000,
+    )
+    rows = report["kv"]
+    assert set(rows) == {"int8", "fp8_e4m3"}
+    for name, row in rows.items():
+        assert row["top1_agreement"] >= 0.9, name
+        assert abs(row["perplexity_increase"]) < 0.05, name
+        assert 0 <= row["greedy_equal_prefix_mean"] <= 8, name
+        assert row["bytes_per_block"] < report["reference"]["bytes_per_block"], name
+    assert rows["int8"]["kv_cache_dtype"] == "int8"
+    assert rows["int8"]["top1_agreement"] >= rows["fp8_e4m3"]["top1_agreement"]

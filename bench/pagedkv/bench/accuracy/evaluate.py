@@ -208,7 +208,7 @@ def _register(model: Any) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
 
 
-def _windows(data: bytes, length: int, count: int) -> torch.Tensor:
+def held_windows(data: bytes, length: int, count: int) -> torch.Tensor:
     """``[count, length]``: the first ``count`` consecutive windows of ``data``."""
     ids = as_ids(data)
     count = min(count, len(ids) // length)
@@ -237,7 +237,7 @@ def _greedy(model: Any, prompts: torch.Tensor, new: int, device: torch.device) -
     return out[:, prompts.shape[1] :].cpu()
 
 
-def _agreement(
+def agreement(
     run: dict[str, Any],
     reference: dict[str, Any],
     ref_loss: float,
@@ -339,9 +339,9 @@ def evaluate(
     model = model.to(where).eval()
     _register(model)
     corpus = load(max_bytes=max_corpus_bytes)
-    held = _windows(corpus.held_out, window_len + 1, windows)
-    starts = _windows(corpus.held_out, prompt_len, prompts)
-    calibration = _windows(corpus.train, window_len, 1).to(where)
+    held = held_windows(corpus.held_out, window_len + 1, windows)
+    starts = held_windows(corpus.held_out, prompt_len, prompts)
+    calibration = held_windows(corpus.train, window_len, 1).to(where)
     count = min(CALIBRATION_TOKENS, int(model.config.max_position_embeddings))
     executor_calibration = calibration_token_ids(model.config.vocab_size, count)[None].to(where)
 
@@ -370,7 +370,7 @@ def evaluate(
             EMULATION.calibrating = False
         run = _teacher_forced(model, held, where)
         greedy = _greedy(model, starts, continue_tokens, where)
-        row = _agreement(run, reference, ref_loss, greedy, reference_greedy)
+        row = agreement(run, reference, ref_loss, greedy, reference_greedy)
         if kinds != "kv":
             results[f"{name}/{granularity}/{kinds}-only"] = row
             continue
@@ -384,7 +384,7 @@ def evaluate(
         exact = exact.to(where).eval()
         _register(exact)
         run = _teacher_forced(exact, held, where)
-        noise = _agreement(
+        noise = agreement(
             run,
             reference,
             ref_loss,
