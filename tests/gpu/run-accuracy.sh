@@ -3,14 +3,17 @@
 # machine (docs/benchmarks.md, "A model that has learned something"): trains
 # the small llama on the text Python ships for MINUTES (default 5), then
 # evaluates fp8 KV (e4m3 and e5m2, scales per tensor and per KV head, centered
-# or not) on it against bf16 KV. About MINUTES + 2 minutes.
+# or not; int8 with a scale per token) on it against bf16 KV, emulated in
+# transformers' attention, then int8 and e4m3 blocks through the executor's
+# own runners (served.py). About MINUTES + 4 minutes.
 #
 #   bash tests/gpu/run-accuracy.sh
 #
 # The model stays in MODEL_DIR (/tmp/accuracy-model: about 380 MB, too big
 # to bring back); the reports go to OUT when set, else
-# tests/benchmarks/results: accuracy-model-NAME.json (the training) and
-# kv-fp8-accuracy-NAME.json (the evaluation), NAME being DEVICE_NAME (h200).
+# tests/benchmarks/results: accuracy-model-NAME.json (the training),
+# kv-fp8-accuracy-NAME.json (the emulation) and kv-served-accuracy-NAME.json
+# (through the executor), NAME being DEVICE_NAME (h200).
 # A dry run on a machine without a GPU (about two minutes): DEVICE=cpu
 # SHAPE=tiny MINUTES=0.2 PYTHON=.venv/bin/python WHEEL_DIR=none.
 set -euo pipefail
@@ -30,3 +33,5 @@ device=(--device "${DEVICE:-cuda}")
   --minutes "${MINUTES:-5}" "${device[@]}" --report "$RESULTS/accuracy-model-$NAME.json"
 "$PYTHON" -m pagedkv.bench.accuracy.evaluate --model "$MODEL_DIR" "${device[@]}" \
   --output "$RESULTS/kv-fp8-accuracy-$NAME.json"
+"$PYTHON" -m pagedkv.bench.accuracy.served --model "$MODEL_DIR" "${device[@]}" \
+  --window-len 1024 --continue-tokens 256 --output "$RESULTS/kv-served-accuracy-$NAME.json"
