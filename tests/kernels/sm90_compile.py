@@ -1,0 +1,159 @@
+"""Compiles the cache and attention kernels for an H100/H200 (sm_90) on a
+machine without a GPU: every launch of the kernels' own launchers only
+compiles (Triton's warm-up path, down to ``ptxas``), through a driver that
+names the target and launches nothing. Triton's interpreter accepts code
+the GPU compiler refuses (a shape it broadcasts, a type it promotes), so
+this is the CPU's check that every variant a GPU would build does build:
+each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
+not), prefill and decode attention (window, soft-cap, a tile schedule,
+the block table's read-ahead and widened V tiles on and off), the
+one-launch decode (rotated or not) and the block moves.
+
+    python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
+
+Run in a process of its own: ``TRITON_INTERPRET`` must be unset before
+any kernel is defined (tests/kernels/conftest.py sets it for the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+BUILT: Counter[str] = Counter()
+
+
+class CompileOnly(CudaDriver):
+    """A CUDA driver with no device: it names the target, and nothing
+    asks it for more on Triton's warm-up path."""
+
+    def __init__(self) -> None:  # no libcuda to load
+        pass
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _install() -> None:
+    """Every kernel launch compiles (and is counted) instead of running."""
+    driver.set_active(CompileOnly())
+    run = JITFunction.run
+
+    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if not kernel.asm.get("cubin"):
+            raise RuntimeError(f"{self.fn.__name__}: no cubin")
+        BUILT[self.fn.__name__] += 1
+        return kernel
+
+    JITFunction.run = compile_only  # type: ignore[method-assign]
+
+
+def _caches(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """K and V caches of ``dtype`` (as the executor lays them out) and
+    their scale arguments; the storage the block moves take."""
+    from pagedkv.kernels import int8_kv
+
+    if dtype == torch.int8:
+        key, value = (int8_kv.block_storage(*shape) for _ in range(2))
+        scales = {"k_scale": key[2], "v_scale": value[2]}
+        return [key[1], value[1], key[0], value[0]], scales
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    scales = {}
+    if dtype.itemsize == 1:
+        scales = {name: torch.ones(shape[2]) for name in ("k_scale", "v_scale")}
+    return [*caches, *caches], scales
+
+
+def _variants(dtype: torch.dtype) -> None:
+    from pagedkv.kernels import cache_ops, decode_attention, paged_attention, rotary
+
+    model_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    heads, kv_heads, head_size, block_size, num_blocks = 8, 2, 64, 16, 64
+    (key_cache, value_cache, *storage), scales = _caches(
+        dtype, (num_blocks, block_size, kv_heads, head_size)
+    )
+    tokens = 40
+    query = torch.zeros(tokens, heads, head_size, dtype=model_dtype)
+    key = torch.zeros(tokens, kv_heads, head_size, dtype=model_dtype)
+    slots = torch.arange(tokens, dtype=torch.int64)
+    positions = torch.arange(tokens, dtype=torch.int64)
+    cos_sin = torch.zeros(128, head_size, dtype=model_dtype)
+    cache_ops.reshape_and_cache(key, key, key_cache, value_cache, slots, **scales)
+    for rotate in (False, True):
+        rotary.rotary_and_cache(
+            query, key, key, cos_sin, positions, key_cache, value_cache, slots,
+            rotate=rotate, **scales,
+        )  # fmt: skip
+    table = torch.arange(1, 1 + 4 * 8, dtype=torch.int32).view(4, 8)
+    mixed = (torch.tensor([40, 20, 17, 1], dtype=torch.int32), [0, 16, 17, 18, 19])
+    decodes = (torch.tensor([40, 100, 17, 1], dtype=torch.int32), [0, 1, 2, 3, 4])
+    settings = [(None, None), (7, None), (None, 5.0)]
+    flags = [(True, True), (False, False)]  # read-ahead and widened V tiles, on and off
+    for prefetch, widen in flags:
+        decode_attention.DECODE_FP8_PREFETCH = decode_attention.DECODE_PREFETCH = prefetch
+        decode_attention.DECODE_FP8_WIDEN_V = paged_attention.PREFILL_FP8_WIDEN_V = widen
+        for seq_lens, starts in (mixed, decodes):
+            start_loc = torch.tensor(starts, dtype=torch.int32)
+            q = query[: starts[-1]]
+            for window, softcap in settings:
+                paged_attention.paged_attention(
+                    q, key_cache, value_cache, table, seq_lens, start_loc, 0.125,
+                    window, softcap, **scales,
+                )  # fmt: skip
+        tiles = torch.tensor([[1, 0, 2, -1], [0, 0, 0, 0]], dtype=torch.int32)
+        paged_attention.paged_attention(
+            query[:19], key_cache, value_cache, table, mixed[0], torch.tensor(mixed[1],
+            dtype=torch.int32), 0.125, max_query_len=16, max_seq_len=40, tiles=tiles, **scales,
+        )  # fmt: skip
+        for rotate in (False, True):
+            paged_attention.rotary_decode_attention(
+                query[:4], key[:4], key[:4], cos_sin, positions[:4], key_cache, value_cache,
+                slots[:4], table, decodes[0], 0.125, rotate=rotate, **scales,
+            )  # fmt: skip
+    pairs = torch.tensor([[1, 2], [3, 4]])
+    cache_ops.copy_blocks(storage[:1], storage[1:], pairs)
+    ids = torch.tensor([5, 6])
+    rows = torch.zeros(2, 2 * storage[0][0].numel(), dtype=storage[0].dtype)
+    cache_ops.gather_blocks(storage, ids, rows)
+    cache_ops.scatter_blocks(storage, ids, rows)
+
+
+def main() -> int:
+    _install()
+    failures = {}
+    for dtype in CACHE_DTYPES:
+        try:
+            _variants(dtype)
+        except Exception as error:  # each dtype's failure is reported
+            failures[str(dtype)] = f"{type(error).__name__}: {error}"[:2000]
+    print(json.dumps({"target": "sm_90", "built": dict(BUILT), "failures": failures}, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
