@@ -39,6 +39,23 @@ def load_tile(
 
 
 @triton.jit
+def widen(tile, like, INT8: tl.constexpr):
+    """``tile`` in ``like``'s dtype. An int8 tile (``INT8``) goes to
+    float16 through its bits: ``x ^ 0x80`` is ``x + 128`` as a byte, which
+    under the exponent bits ``0x64`` is the float16 ``1024 + x + 128``
+    (the step there is 1), less 1152: exact, in logic ops and
+    half-precision subtractions of two values at a time, where the
+    compiler's int8-to-float16 conversion takes an instruction a value and
+    byte permutes besides (fewer instructions in the decode kernel for
+    sm_90, by ``cuobjdump -sass`` of sm90_compile.py's build)."""
+    if INT8:
+        biased = tile.to(tl.uint8, bitcast=True) ^ 0x80
+        half = (biased.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        return half - 1152.0
+    return tile.to(like.dtype)
+
+
+@triton.jit
 def load_values(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     kv_ptrs,  # [BLOCK_N, BLOCK_D] offsets of the tile's values
@@ -48,16 +65,18 @@ def load_values(
     MASK: tl.constexpr,
     EVEN_D: tl.constexpr,
     WIDEN_V: tl.constexpr,
+    INT8: tl.constexpr = False,
 ):
-    """One V tile ``[BLOCK_N, BLOCK_D]`` in ``like``'s dtype; with
-    ``WIDEN_V`` loaded as its transpose and widened before it is transposed
-    back (see ``attend``)."""
+    """One V tile ``[BLOCK_N, BLOCK_D]`` in ``like``'s dtype (``widen``);
+    with ``WIDEN_V`` loaded as its transpose and widened before it is
+    transposed back (see ``attend``)."""
     if WIDEN_V:
         v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
-        tile = tl.trans(load_tile(v_ptrs, row_valid, dim_valid, MASK, EVEN_D, True).to(like.dtype))
+        tile = load_tile(v_ptrs, row_valid, dim_valid, MASK, EVEN_D, True)
+        tile = tl.trans(widen(tile, like, INT8))
     else:
         tile = load_tile(value_cache_ptr + kv_ptrs, row_valid, dim_valid, MASK, EVEN_D)
-        tile = tile.to(like.dtype)
+        tile = widen(tile, like, INT8)
     return tile
 
 
@@ -150,14 +169,16 @@ def attend(
         )
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
-        k = load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D).to(q.dtype)
+        k = widen(load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D), q, INT8)
         if INT8:
             scale_offsets = pages * scale_stride_b + (k_pos % BLOCK_SIZE) * scale_stride_s
             k_scales = load_scales(k_scale_ptr, scale_offsets, k_valid, MASK)
             if PREFETCH:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
         if PREFETCH:
-            v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
+            v = load_values(
+                value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V, INT8
+            )
             next_pos = k_pos + BLOCK_N
             pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
                 tl.int64
@@ -180,7 +201,9 @@ def attend(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
-            v = load_values(value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V)
+            v = load_values(
+                value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V, INT8
+            )
             if INT8:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
         weights = p
