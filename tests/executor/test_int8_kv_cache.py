@@ -39,14 +39,15 @@ def test_int8_logits_stay_nearer_the_float_caches_than_fp8s(llama: Path) -> None
     # Prefill, a mixed step and decodes (test_fused_model.step_logits). The
     # Triton kernels with the fused stack and the torch ones with
     # transformers' modules store the same values but where their rotations
-    # round a key apart across a rounding boundary (one int8 step there).
+    # round a key apart across a rounding boundary (one int8 step there); the
+    # Triton prefill reads tiles dequantized in float16.
     exact = step_logits(make_runner(llama, "torch", fused=False))
     fused = make_runner(llama, "triton", True, kv_cache_dtype="int8")
     modules = make_runner(llama, "torch", False, kv_cache_dtype="int8")
     assert fused.kv.key_caches[0].dtype == torch.int8 and fused.kv.calibrated
     int8_logits = step_logits(fused)
     for got, other in zip(int8_logits, step_logits(modules), strict=True):
-        assert float((got - other).norm() / (other.norm())) < 0.005
+        assert float((got - other).norm() / other.norm()) < 0.01
     int8_errors = errors(int8_logits, exact)
     fp8 = make_runner(llama, "triton", True, kv_cache_dtype="fp8_e4m3")
     fp8_errors = errors(step_logits(fp8), exact)
@@ -112,7 +113,9 @@ def test_int8_blocks_rotate_by_default_where_the_model_allows_it(
     runs.append(step_logits(plain))
     for logits in runs:
         assert all(e < 0.05 for e in errors(logits, exact)), errors(logits, exact)
+    # The Triton prefill reads tiles dequantized in float16, the torch
+    # backend in float32: about 0.5% apart here.
     for got, other in zip(runs[0], runs[1], strict=True):
-        assert float((got - other).norm() / other.norm()) < 0.005
+        assert float((got - other).norm() / other.norm()) < 0.01
     # Heads of 16 cannot be rotated: auto leaves them as they are.
     assert make_runner(llama, "torch", False, kv_cache_dtype="int8").kv_rotation is None

@@ -26,49 +26,10 @@ from typing import Any
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
-TARGET = GPUTarget("cuda", 90, 32)
+from pagedkv.bench.kernels.compile_only import BUILT, install
+
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
-BUILT: Counter[str] = Counter()
-
-
-class CompileOnly(CudaDriver):
-    """A CUDA driver with no device: it names the target, and nothing
-    asks it for more on Triton's warm-up path."""
-
-    def __init__(self) -> None:  # no libcuda to load
-        pass
-
-    def get_current_target(self) -> GPUTarget:
-        return TARGET
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-def _install() -> None:
-    """Every kernel launch compiles (and is counted) instead of running."""
-    driver.set_active(CompileOnly())
-    run = JITFunction.run
-
-    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        if not kernel.asm.get("cubin"):
-            raise RuntimeError(f"{self.fn.__name__}: no cubin")
-        BUILT[self.fn.__name__] += 1
-        return kernel
-
-    JITFunction.run = compile_only  # type: ignore[method-assign]
 
 
 def _caches(
@@ -144,14 +105,15 @@ def _variants(dtype: torch.dtype) -> None:
 
 
 def main() -> int:
-    _install()
+    install()
     failures = {}
     for dtype in CACHE_DTYPES:
         try:
             _variants(dtype)
         except Exception as error:  # each dtype's failure is reported
             failures[str(dtype)] = f"{type(error).__name__}: {error}"[:2000]
-    print(json.dumps({"target": "sm_90", "built": dict(BUILT), "failures": failures}, indent=1))
+    built = Counter(kernel.name for kernel in BUILT)
+    print(json.dumps({"target": "sm_90", "built": dict(built), "failures": failures}, indent=1))
     return 1 if failures else 0
 
 

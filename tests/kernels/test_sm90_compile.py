@@ -43,3 +43,38 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     report = json.loads(done.stdout)
     assert report["failures"] == {}
     assert set(report["built"]) == KERNELS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")
+def test_the_machine_code_report_counts_each_build(tmp_path: Path) -> None:
+    """``pagedkv.bench.kernels.sass``: a row per kernel, cache dtype and
+    head size, from ``cuobjdump``; a launch constant set off is named."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    output = tmp_path / "sass.json"
+    setting = "paged_attention.PREFILL_INT8_SCALE_TILES=off"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.bench.kernels.sass",
+            "--output",
+            str(output),
+            "--set",
+            setting,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(output.read_text())
+    assert report["settings"] == {"paged_attention.PREFILL_INT8_SCALE_TILES": False}
+    keys = {(r["kernel"], r["kv_cache_dtype"], r["head_size"]) for r in report["rows"]}
+    assert len(keys) == len(report["rows"]) == 2 * 3 * 2
+    for row in report["rows"]:
+        assert row["instructions"] > 500 and 0 < row["registers"] <= 255, row
+        assert sum(row["top_opcodes"].values()) <= row["instructions"]
+    assert output.with_suffix(".md").read_text().startswith("# Attention kernels")

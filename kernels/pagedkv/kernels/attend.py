@@ -45,9 +45,8 @@ def widen(tile, like, INT8: tl.constexpr):
     under the exponent bits ``0x64`` is the float16 ``1024 + x + 128``
     (the step there is 1), less 1152: exact, in logic ops and
     half-precision subtractions of two values at a time, where the
-    compiler's int8-to-float16 conversion takes an instruction a value and
-    byte permutes besides (fewer instructions in the decode kernel for
-    sm_90, by ``cuobjdump -sass`` of sm90_compile.py's build)."""
+    compiler's int8-to-float16 conversion takes an instruction a value
+    (``I2F``) and byte permutes besides."""
     if INT8:
         biased = tile.to(tl.uint8, bitcast=True) ^ 0x80
         half = (biased.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -126,6 +125,7 @@ def attend(
     WIDEN_V: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     INT8: tl.constexpr = False,
+    SCALE_TILES: tl.constexpr = False,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -146,7 +146,11 @@ def attend(
     that step.
     ``INT8``: the cache holds int8 values with a float16 scale per token
     (``kv_quant``): each key's scores are multiplied by its K scale and each
-    softmax weight by its value's V scale before the dot with the V tile."""
+    softmax weight by its value's V scale before the dot with the V tile;
+    with ``SCALE_TILES``, each K and V tile's rows are multiplied by their
+    tokens' scales instead, in float16. Scaling the scores keeps a decode
+    program's registers (its rows are few); scaling the tiles keeps the
+    prefill's (``paged_attention.PREFILL_INT8_SCALE_TILES``)."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -183,8 +187,10 @@ def attend(
             pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
                 tl.int64
             )
+        if INT8 and SCALE_TILES:
+            k = k * k_scales.to(tl.float16)[:, None]
         qk = tl.dot(q, tl.trans(k))
-        if INT8:
+        if INT8 and not SCALE_TILES:
             qk = qk * k_scales[None, :]
         if USE_SOFTCAP:
             scores = qk * scale
@@ -207,7 +213,9 @@ def attend(
             if INT8:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
         weights = p
-        if INT8:
+        if INT8 and SCALE_TILES:
+            v = v * v_scales.to(tl.float16)[:, None]
+        elif INT8:
             weights = p * v_scales[None, :]
         acc = tl.dot(weights.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -250,6 +258,7 @@ def attend_span(
     WIDEN_V: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     INT8: tl.constexpr = False,
+    SCALE_TILES: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -289,6 +298,7 @@ def attend_span(
         WIDEN_V,
         PREFETCH,
         INT8,
+        SCALE_TILES,
     )
     m_i, l_i, acc = attend(
         q,
@@ -325,5 +335,6 @@ def attend_span(
         WIDEN_V,
         PREFETCH,
         INT8,
+        SCALE_TILES,
     )
     return m_i, l_i, acc

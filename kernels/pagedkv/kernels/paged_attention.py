@@ -63,6 +63,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr,
     WIDEN_V: tl.constexpr,  # attend's: V tiles of an fp8 cache widened before the dot's layout
     INT8: tl.constexpr,
+    SCALE_TILES: tl.constexpr,  # attend's: INT8 tiles scaled, not their scores
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -152,6 +153,7 @@ def _paged_attention_kernel(
                 WIDEN_V,
                 False,
                 INT8,
+                SCALE_TILES,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
             if FP8:
@@ -226,6 +228,7 @@ def _paged_attention_kernel(
             WIDEN_V,
             False,
             INT8,
+            SCALE_TILES,
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
@@ -247,6 +250,13 @@ PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 SHORT_TILE = (16, 16, 4, 2)
 # fp8 and int8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
 PREFILL_FP8_WIDEN_V = True
+# int8 caches: each K and V tile's rows scaled by their tokens' scales
+# (attend's SCALE_TILES), not the scores' columns and the softmax weights:
+# the prefill's 128 rows of scores would hold each column's scales in
+# registers. For sm_90 the kernel then needs no stack at head size 64 or
+# 128, where scaling the scores spilled into a stack of 296 and 904 bytes
+# (kernels-sass-sm90{,-scaled-scores}.md, pagedkv.bench.kernels.sass).
+PREFILL_INT8_SCALE_TILES = True
 
 
 def prefill_tiling(max_query_len: int, head_size: int) -> tuple[int, int, int, int]:
@@ -384,6 +394,7 @@ def paged_attention(
         FP8=scales.fp8,
         WIDEN_V=scales.quantized and PREFILL_FP8_WIDEN_V,
         INT8=scales.int8,
+        SCALE_TILES=PREFILL_INT8_SCALE_TILES,
         num_warps=num_warps,
         num_stages=num_stages,
     )
