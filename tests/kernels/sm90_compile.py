@@ -6,8 +6,8 @@ the GPU compiler refuses (a shape it broadcasts, a type it promotes), so
 this is the CPU's check that every variant a GPU would build does build:
 each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
 not), prefill and decode attention (window, soft-cap, a tile schedule,
-the block table's read-ahead and widened V tiles on and off), the
-one-launch decode (rotated or not) and the block moves.
+the block table's read-ahead, widened V tiles and scaled int8 tiles on
+and off), the one-launch decode (rotated or not) and the block moves.
 
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
 
@@ -74,10 +74,13 @@ def _variants(dtype: torch.dtype) -> None:
     mixed = (torch.tensor([40, 20, 17, 1], dtype=torch.int32), [0, 16, 17, 18, 19])
     decodes = (torch.tensor([40, 100, 17, 1], dtype=torch.int32), [0, 1, 2, 3, 4])
     settings = [(None, None), (7, None), (None, 5.0)]
-    flags = [(True, True), (False, False)]  # read-ahead and widened V tiles, on and off
-    for prefetch, widen in flags:
+    # Read-ahead, widened V tiles and scaled int8 tiles (their defaults, then flipped).
+    flags = [(True, True, False, True), (False, False, True, False)]
+    for prefetch, widen, decode_tiles, prefill_tiles in flags:
         decode_attention.DECODE_FP8_PREFETCH = decode_attention.DECODE_PREFETCH = prefetch
         decode_attention.DECODE_FP8_WIDEN_V = paged_attention.PREFILL_FP8_WIDEN_V = widen
+        decode_attention.DECODE_INT8_SCALE_TILES = decode_tiles
+        paged_attention.PREFILL_INT8_SCALE_TILES = prefill_tiles
         for seq_lens, starts in (mixed, decodes):
             start_loc = torch.tensor(starts, dtype=torch.int32)
             q = query[: starts[-1]]

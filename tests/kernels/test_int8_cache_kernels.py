@@ -213,10 +213,12 @@ def test_attention_over_an_int8_cache_matches_the_oracle(
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["read-ahead", "plain"])
+@pytest.mark.parametrize("scale_tiles", [False, True], ids=["scaled-scores", "scaled-tiles"])
 def test_decode_over_an_int8_cache_with_the_table_read_ahead_or_not_matches_the_oracle(
-    prefetch: bool, monkeypatch: pytest.MonkeyPatch
+    prefetch: bool, scale_tiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(decode_attention, "DECODE_FP8_PREFETCH", prefetch)
+    monkeypatch.setattr(decode_attention, "DECODE_INT8_SCALE_TILES", scale_tiles)
     check_attention(DECODES, 7, None, (paged_attention,))
     check_attention(DECODES, None, None, (paged_attention,), dtype=torch.float32)
 
