@@ -28,14 +28,15 @@
 #                                             # sharing one of two 2,048-token system
 #                                             # prompts), bf16 then fp8_e4m3 blocks
 #   bash tests/gpu/run-fp8-bench.sh int8      # int8 blocks (a scale per token): the kernel
-#                                             # bench over them, then the executor bench (~1.1B)
-#                                             # with bf16, fp8_e4m3 and int8 blocks (five
-#                                             # minutes); serving them: KV="auto int8" with
-#                                             # serve-1b or serve-8b
+#                                             # bench over them, DECODE_INT8_SCALE_TILES off
+#                                             # and on (head size 64 and 128), then the
+#                                             # executor bench (~1.1B) with bf16, fp8_e4m3
+#                                             # and int8 blocks (six minutes); serving them:
+#                                             # KV="auto int8" with serve-1b or serve-8b
 #
 # Results go to OUT when set, else tests/benchmarks/results:
 # kernels-fp8-e4m3-NAME, kernels-tune-fp8-{128,64}-NAME.json, executor-kv-{auto,fp8_e4m3}-NAME,
-# kernels-int8-NAME, executor-kv-int8-NAME,
+# kernels-int8-NAME, kernels-int8-scale-tiles-{64,128}-NAME.json, executor-kv-int8-NAME,
 # serve-kv-{auto,fp8_e4m3}-{1b,8b,8b-mix}-NAME (.json and .md), NAME being
 # DEVICE_NAME (h200). The accuracy side: tests/gpu/run-accuracy.sh.
 # A dry run of the serve modes on a machine without a GPU: DEVICE=cpu
@@ -63,6 +64,12 @@ case "${1:-tests}" in
   int8)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype int8 \
       --output "$RESULTS/kernels-int8-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_SCALE_TILES \
+      --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
+      --output "$RESULTS/kernels-int8-scale-tiles-64-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_SCALE_TILES \
+      --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024 --head-size 128 \
+      --output "$RESULTS/kernels-int8-scale-tiles-128-$NAME.json"
     for kv in ${KV:-auto fp8_e4m3 int8}; do
       "$PYTHON" -m pagedkv.bench.executor.bench --kv-cache-dtype "$kv" \
         --output "$RESULTS/executor-kv-$kv-$NAME.json"
