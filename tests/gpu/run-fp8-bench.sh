@@ -27,6 +27,8 @@
 #                                             # prompt Poisson mix (mean prompt 3,000, 60%
 #                                             # sharing one of two 2,048-token system
 #                                             # prompts), bf16 then fp8_e4m3 blocks
+#   bash tests/gpu/run-fp8-bench.sh int8-tests  # the int8 kernel tests alone, and the pool's
+#                                             # sizing against the captured graphs' logits
 #   bash tests/gpu/run-fp8-bench.sh int8      # int8 blocks (a scale per token): the kernel
 #                                             # bench over them, DECODE_INT8_SCALE_TILES off
 #                                             # and on (head size 64 and 128), then the
@@ -60,6 +62,11 @@ case "${1:-tests}" in
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
       tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
       tests/kernels/test_gpu.py -k "fp8 or int8 or cache or rotate"
+    ;;
+  int8-tests)
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
+    "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/executor/test_gpu.py \
+      -k measures_its_pool
     ;;
   int8)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype int8 \
