@@ -29,6 +29,9 @@
 #                                             # prompts), bf16 then fp8_e4m3 blocks
 #   bash tests/gpu/run-fp8-bench.sh int8-tests  # the int8 kernel tests alone, and the pool's
 #                                             # sizing against the captured graphs' logits
+#   bash tests/gpu/run-fp8-bench.sh int8-tiles  # DECODE_INT8_SCALE_TILES off and on at head
+#                                             # size 64: the kernel, and the executor bench's
+#                                             # decode step over int8 blocks
 #   bash tests/gpu/run-fp8-bench.sh int8      # int8 blocks (a scale per token): the kernel
 #                                             # bench over them, DECODE_INT8_SCALE_TILES off
 #                                             # and on (head size 64 and 128), then the
@@ -67,6 +70,19 @@ case "${1:-tests}" in
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
     "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/executor/test_gpu.py \
       -k measures_its_pool
+    ;;
+  int8-tiles)
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_SCALE_TILES \
+      --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
+      --output "$RESULTS/kernels-int8-scale-tiles-64-$NAME.json"
+    for tiles in False True; do
+      "$PYTHON" -c 'import sys
+from pagedkv.kernels import decode_attention
+decode_attention.DECODE_INT8_SCALE_TILES = sys.argv[1] == "True"
+from pagedkv.bench.executor.bench import main
+sys.exit(main(sys.argv[2:]))' "$tiles" --kv-cache-dtype int8 \
+        --output "$RESULTS/executor-kv-int8-scale-tiles-$tiles-$NAME.json"
+    done
     ;;
   int8)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype int8 \
