@@ -96,7 +96,8 @@ def test_a_block_stores_its_values_then_its_scales() -> None:
     scales[1, 3, 1] = 1.0
     block = storage[1]
     assert (block[: 4 * 2 * 64].reshape(4, 2, 64)[3, 1] == 7).all()
-    assert block[4 * 2 * 64 :].view(torch.float16).reshape(4, 2)[3, 1] == 1.0
+    # Each KV head's scales of the block together: [num_kv_heads, block_size].
+    assert block[4 * 2 * 64 :].view(torch.float16).reshape(2, 4)[1, 3] == 1.0
     assert int(storage.count_nonzero()) == 64 + 1  # nothing else written (1.0 is 0x3c00)
 
 

@@ -48,10 +48,10 @@ def check_kv_scales(
     (``pagedkv.kernels.fp8_kv``): float32, contiguous, ``[1]`` (per tensor)
     or ``[num_kv_heads]`` (per KV head), both of one shape. An int8 cache's
     (``pagedkv.kernels.int8_kv``): float16 ``[num_blocks, block_size,
-    num_kv_heads]``, the KV heads contiguous, one per token and KV head,
-    written with the values and read with them. On the cache's device; a
-    cache in a float dtype takes none. Returns the scales' stride over KV
-    heads: 0 or 1 (0 too without scales)."""
+    num_kv_heads]``, any strides, one per token and KV head, written with
+    the values and read with them. On the cache's device; a cache in a
+    float dtype takes none. Returns the scales' stride over KV heads: 0 or
+    1 for fp8 (0 too without scales), the tensor's for int8."""
     if key_cache.dtype not in QUANTIZED_DTYPES:
         if k_scale is not None or v_scale is not None:
             raise ValueError(
@@ -67,12 +67,11 @@ def check_kv_scales(
             if (
                 tuple(scale.shape) != tuple(key_cache.shape[:3])
                 or scale.dtype != torch.float16
-                or scale.stride(-1) != 1
                 or scale.device != key_cache.device
             ):
                 raise ValueError(
                     f"{name}: expected a float16 {list(key_cache.shape[:3])} tensor (a scale "
-                    f"per token and KV head, the heads contiguous) on {key_cache.device}"
+                    f"per token and KV head) on {key_cache.device}"
                 )
         elif (
             scale.ndim != 1
@@ -88,7 +87,9 @@ def check_kv_scales(
     assert k_scale is not None and v_scale is not None
     if k_scale.shape != v_scale.shape or k_scale.stride() != v_scale.stride():
         raise ValueError("v_scale: must have k_scale's shape and strides")
-    return int(per_token or len(k_scale) > 1)
+    if per_token:
+        return int(k_scale.stride(2))
+    return int(len(k_scale) > 1)
 
 
 def check_kv_input(name: str, tensor: torch.Tensor, cache: torch.Tensor) -> None:

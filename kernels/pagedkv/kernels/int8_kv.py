@@ -62,7 +62,9 @@ def block_storage(
     the values, ``[num_blocks, block_size, num_kv_heads, head_size]`` (a
     view whose blocks are ``block_bytes`` apart); and the scales, float16
     ``[num_blocks, block_size, num_kv_heads]`` (a view of the blocks'
-    tails). Copies of the storage's blocks move both."""
+    tails, each KV head's ``block_size`` scales together, so a program
+    reading one KV head loads a block's scales in one piece). Copies of the
+    storage's blocks move both."""
     values_bytes = block_size * num_kv_heads * head_size
     block_bytes = values_bytes + block_size * num_kv_heads * SCALE_BYTES
     storage = torch.zeros(num_blocks, block_bytes, dtype=torch.int8, device=device)
@@ -70,7 +72,8 @@ def block_storage(
         (num_blocks, block_size, num_kv_heads, head_size),
         (block_bytes, num_kv_heads * head_size, head_size, 1),
     )
-    scales = storage[:, values_bytes:].view(SCALE_DTYPE).view(num_blocks, block_size, num_kv_heads)
+    tails = storage[:, values_bytes:].view(SCALE_DTYPE)
+    scales = tails.view(num_blocks, num_kv_heads, block_size).transpose(1, 2)
     return storage, values, scales
 
 
