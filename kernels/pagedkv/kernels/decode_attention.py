@@ -289,8 +289,12 @@ DECODE_FP8_PREFETCH = True
 # Built for sm_90 (pagedkv.bench.kernels.sass, kernels-sass-sm90*.md) it
 # made the decode kernel 12% shorter at head size 64 (1,800 instructions
 # against 2,040; 102 registers against 96) and no shorter at 128 (192
-# registers against 140: two programs a multiprocessor instead of three);
-# off until a GPU times it (``tune --switch DECODE_INT8_SCALE_TILES``).
+# registers against 140: two programs a multiprocessor instead of three).
+# Timed on an H100 it was slower at head size 64 all the same: 42.0 us
+# against 41.4 at 64 x 768 and 147.2 against 141.0 at 256 x 768
+# (``tune --switch``, kernels-int8-scale-tiles-64-h100.json), and the
+# executor bench's decode kernel 700.5 us against 652.5 a step
+# (executor-kv-int8-scale-tiles-{True,False}-h100). So it stays off.
 DECODE_INT8_SCALE_TILES = False
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
