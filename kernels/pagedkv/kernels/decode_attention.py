@@ -287,9 +287,9 @@ DECODE_FP8_PREFETCH = True
 # DECODE_INT8_SCALE_TILES scales each K and V tile's rows by their tokens'
 # scales (attend's SCALE_TILES) instead of the scores and softmax weights.
 # Built for sm_90 (pagedkv.bench.kernels.sass, kernels-sass-sm90*.md) it
-# made the decode kernel 12% shorter at head size 64 (1,800 instructions
-# against 2,040; 102 registers against 96) and no shorter at 128 (192
-# registers against 140: two programs a multiprocessor instead of three).
+# made the decode kernel 9% shorter at head size 64 (1,808 instructions
+# against 1,992; 104 registers against 96) and 2% at 128 (with 192
+# registers against 146: two programs a multiprocessor instead of three).
 # Timed on an H100 it was slower at head size 64 all the same: 42.0 us
 # against 41.4 at 64 x 768 and 147.2 against 141.0 at 256 x 768
 # (``tune --switch``, kernels-int8-scale-tiles-64-h100.json), and the

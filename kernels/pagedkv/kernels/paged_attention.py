@@ -254,7 +254,7 @@ PREFILL_FP8_WIDEN_V = True
 # (attend's SCALE_TILES), not the scores' columns and the softmax weights:
 # the prefill's 128 rows of scores would hold each column's scales in
 # registers. For sm_90 the kernel then needs no stack at head size 64 or
-# 128, where scaling the scores spilled into a stack of 296 and 904 bytes
+# 128, where scaling the scores spilled into a stack of 328 and 776 bytes
 # (kernels-sass-sm90{,-scaled-scores}.md, pagedkv.bench.kernels.sass).
 PREFILL_INT8_SCALE_TILES = True
 
