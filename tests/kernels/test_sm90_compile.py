@@ -27,11 +27,12 @@ KERNELS = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")
-def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
+def _run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ARGS`` from the repository, without the interpreter
+    (kernels must be defined compiled); asserts it exits 0."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_compile"],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -40,6 +41,12 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")
+def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
+    done = _run_module("tests.kernels.sm90_compile")
     report = json.loads(done.stdout)
     assert report["failures"] == {}
     assert set(report["built"]) == KERNELS
@@ -49,27 +56,9 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
 def test_the_machine_code_report_counts_each_build(tmp_path: Path) -> None:
     """``pagedkv.bench.kernels.sass``: a row per kernel, cache dtype and
     head size, from ``cuobjdump``; a launch constant set off is named."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     output = tmp_path / "sass.json"
     setting = "paged_attention.PREFILL_INT8_SCALE_TILES=off"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pagedkv.bench.kernels.sass",
-            "--output",
-            str(output),
-            "--set",
-            setting,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    _run_module("pagedkv.bench.kernels.sass", "--output", str(output), "--set", setting)
     report = json.loads(output.read_text())
     assert report["settings"] == {"paged_attention.PREFILL_INT8_SCALE_TILES": False}
     keys = {(r["kernel"], r["kv_cache_dtype"], r["head_size"]) for r in report["rows"]}
