@@ -38,6 +38,11 @@
 #                                             # executor bench (~1.1B) with bf16, fp8_e4m3
 #                                             # and int8 blocks (six minutes); serving them:
 #                                             # KV="auto int8" with serve-1b or serve-8b
+#   bash tests/gpu/run-fp8-bench.sh int8-ptx  # int8 tiles widened in inline PTX, off and on:
+#                                             # the int8 kernel tests, the decode kernel
+#                                             # (head size 64 and 128), the kernel bench's
+#                                             # decode and prefill, the executor bench's
+#                                             # step (five minutes)
 #
 # Results go to OUT when set, else tests/benchmarks/results:
 # kernels-fp8-e4m3-NAME, kernels-tune-fp8-{128,64}-NAME.json, executor-kv-{auto,fp8_e4m3}-NAME,
@@ -96,6 +101,26 @@ sys.exit(main(sys.argv[2:]))' "$tiles" --kv-cache-dtype int8 \
     for kv in ${KV:-auto fp8_e4m3 int8}; do
       "$PYTHON" -m pagedkv.bench.executor.bench --kv-cache-dtype "$kv" \
         --output "$RESULTS/executor-kv-$kv-$NAME.json"
+    done
+    ;;
+  int8-ptx)
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_PTX \
+      --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
+      --output "$RESULTS/kernels-int8-ptx-64-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_PTX \
+      --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024 --head-size 128 \
+      --output "$RESULTS/kernels-int8-ptx-128-$NAME.json"
+    for ptx in False True; do
+      for module in kernels.bench executor.bench; do
+        "$PYTHON" -c 'import sys
+from pagedkv.kernels import decode_attention, paged_attention
+decode_attention.DECODE_INT8_PTX = paged_attention.PREFILL_INT8_PTX = sys.argv[1] == "True"
+import importlib
+sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3:]))' \
+          "$ptx" "$module" --kv-cache-dtype int8 \
+          --output "$RESULTS/${module%.bench}-int8-ptx-$ptx-$NAME.json"
+      done
     done
     ;;
   kernels)

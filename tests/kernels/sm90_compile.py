@@ -74,13 +74,15 @@ def _variants(dtype: torch.dtype) -> None:
     mixed = (torch.tensor([40, 20, 17, 1], dtype=torch.int32), [0, 16, 17, 18, 19])
     decodes = (torch.tensor([40, 100, 17, 1], dtype=torch.int32), [0, 1, 2, 3, 4])
     settings = [(None, None), (7, None), (None, 5.0)]
-    # Read-ahead, widened V tiles and scaled int8 tiles (their defaults, then flipped).
-    flags = [(True, True, False, True), (False, False, True, False)]
-    for prefetch, widen, decode_tiles, prefill_tiles in flags:
+    # Read-ahead, widened V tiles, scaled int8 tiles and int8 widened in
+    # PTX (their defaults, then flipped).
+    flags = [(True, True, False, True, False), (False, False, True, False, True)]
+    for prefetch, widen, decode_tiles, prefill_tiles, ptx in flags:
         decode_attention.DECODE_FP8_PREFETCH = decode_attention.DECODE_PREFETCH = prefetch
         decode_attention.DECODE_FP8_WIDEN_V = paged_attention.PREFILL_FP8_WIDEN_V = widen
         decode_attention.DECODE_INT8_SCALE_TILES = decode_tiles
         paged_attention.PREFILL_INT8_SCALE_TILES = prefill_tiles
+        decode_attention.DECODE_INT8_PTX = paged_attention.PREFILL_INT8_PTX = ptx
         for seq_lens, starts in (mixed, decodes):
             start_loc = torch.tensor(starts, dtype=torch.int32)
             q = query[: starts[-1]]

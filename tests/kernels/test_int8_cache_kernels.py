@@ -8,15 +8,20 @@ the Triton ones on the GPU when there is one, else under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pagedkv.kernels import (
+    attend,
     cache_ops,
     decode_attention,
     int8_kv,
+    kv_quant,
     paged_attention,
     reference,
     rotary,
@@ -29,6 +34,12 @@ from tests.kernels.test_triton_kernels import DEVICE
 
 NAMES = ("query", "block_table", "seq_lens", "query_start_loc")
 DECODES = ([0, 15, 16, 40, 300], [1, 1, 1, 1, 1])
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The packed PTX widening runs only where the kernels compile for a GPU.
+PTX = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(INTERPRETED, reason="the interpreter runs no PTX")),
+]
 
 
 class Int8Cache:
@@ -86,6 +97,29 @@ def test_the_oracle_rounds_each_vector_on_its_own_range() -> None:
     assert int8_kv.quantize(ties, torch.ones(1, dtype=torch.float16)).tolist() == [
         [127, 0, 2, 2, 0, -2]
     ]
+
+
+@triton.jit
+def _widen_kernel(in_ptr, out_ptr, like_ptr, INT8: tl.constexpr, TRANSPOSED: tl.constexpr):
+    rows = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if TRANSPOSED:  # as attend's WIDEN_V loads a V tile
+        rows = tl.trans(rows)
+    like = tl.load(like_ptr + rows)
+    tl.store(out_ptr + rows, attend.widen(tl.load(in_ptr + rows), like, INT8))
+
+
+@pytest.mark.parametrize("ptx", PTX, ids=["ops", "ptx"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["tile", "transposed"])
+def test_widening_gives_every_int8_value_exactly(ptx: bool, transposed: bool) -> None:
+    """``attend.widen`` turns each of the 256 int8 values into the float16
+    of the same value, each in its own place (the PTX path packs four)."""
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    values = values[torch.randperm(256, generator=torch.Generator().manual_seed(0))].to(DEVICE)
+    out = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    like = torch.zeros(256, dtype=torch.float16, device=DEVICE)
+    mode = kv_quant.INT8_PTX if ptx else kv_quant.INT8_OPS
+    _widen_kernel[(1,)](values, out, like, INT8=mode, TRANSPOSED=transposed)
+    assert torch.equal(out.cpu(), values.cpu().to(torch.float16))
 
 
 def test_a_block_stores_its_values_then_its_scales() -> None:
@@ -200,15 +234,19 @@ def check_attention(
 
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
 @pytest.mark.parametrize("widen_v", [True, False], ids=["widen-v", "int8-v"])
+@pytest.mark.parametrize("ptx", PTX, ids=["ops", "ptx"])
 def test_attention_over_an_int8_cache_matches_the_oracle(
     sliding_window: int | None,
     softcap: float | None,
     widen_v: bool,
+    ptx: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Mixed batches take the prefill kernel, decode-only ones flash decoding.
     monkeypatch.setattr(paged_attention, "PREFILL_FP8_WIDEN_V", widen_v)
     monkeypatch.setattr(decode_attention, "DECODE_FP8_WIDEN_V", widen_v)
+    monkeypatch.setattr(paged_attention, "PREFILL_INT8_PTX", ptx)
+    monkeypatch.setattr(decode_attention, "DECODE_INT8_PTX", ptx)
     for lens in (MIXED, DECODES):
         check_attention(lens, sliding_window, softcap, (paged_attention, torch_backend))
 
@@ -225,7 +263,11 @@ def test_decode_over_an_int8_cache_with_the_table_read_ahead_or_not_matches_the_
 
 
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
-def test_fused_rotary_decode_writes_and_reads_an_int8_cache(rotate: bool) -> None:
+@pytest.mark.parametrize("ptx", PTX, ids=["ops", "ptx"])
+def test_fused_rotary_decode_writes_and_reads_an_int8_cache(
+    rotate: bool, ptx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_attention, "DECODE_INT8_PTX", ptx)
     case = decode_case([0, 15, 16, 31, 300, 7], 2, torch.float16, pad_last=True)
     want_cache = Int8Cache.holding(case["key_cache"], case["value_cache"], torch.device("cpu"))
     args = {n: t for n, t in case.items() if n not in ("key_cache", "value_cache")}

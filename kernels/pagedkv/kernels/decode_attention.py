@@ -296,6 +296,9 @@ DECODE_FP8_PREFETCH = True
 # executor bench's decode kernel 700.5 us against 652.5 a step
 # (executor-kv-int8-scale-tiles-{True,False}-h100). So it stays off.
 DECODE_INT8_SCALE_TILES = False
+# DECODE_INT8_PTX widens int8 tiles four values at a time in inline PTX
+# (attend.widen, kv_quant.INT8_PTX) instead of through Triton's ops.
+DECODE_INT8_PTX = False
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 
@@ -433,7 +436,7 @@ def decode(
         FP8_MAX=scales.fp8_max,
         WIDEN_V=scales.quantized and DECODE_FP8_WIDEN_V,
         PREFETCH=DECODE_FP8_PREFETCH if scales.quantized else DECODE_PREFETCH,
-        INT8=scales.int8,
+        INT8=scales.int8_reads(DECODE_INT8_PTX),
         SCALE_TILES=DECODE_INT8_SCALE_TILES,
         num_warps=num_warps,
         num_stages=num_stages,

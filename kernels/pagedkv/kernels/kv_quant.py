@@ -20,6 +20,7 @@ weights by its V scale (``attend``): a multiply per score, not per value.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -71,6 +72,12 @@ def quantize(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     return x
 
 
+# The readers' ``INT8`` constexpr: not int8; int8 widened by Triton's ops;
+# int8 widened four values at a time in inline PTX (``attend.widen``).
+INT8_OPS = 1
+INT8_PTX = 2
+
+
 class ScaleArgs(NamedTuple):
     """A launch's scale arguments: the two pointers (placeholders, never
     read, for a float cache), the stride over KV heads, an int8 cache's
@@ -90,6 +97,16 @@ class ScaleArgs(NamedTuple):
     def quantized(self) -> bool:
         """The cache's tiles are read as float16 (fp8 or int8)."""
         return self.fp8 or self.int8
+
+    def int8_reads(self, ptx: bool) -> int:
+        """A reader's ``INT8``: 0 for a float or fp8 cache; for an int8
+        one ``INT8_PTX`` when ``ptx`` asks for it and the kernel compiles
+        for a GPU, else ``INT8_OPS`` (Triton's interpreter runs no PTX)."""
+        if not self.int8:
+            return 0
+        if ptx and os.environ.get("TRITON_INTERPRET") != "1":
+            return INT8_PTX
+        return INT8_OPS
 
 
 def scale_args(

@@ -257,6 +257,8 @@ PREFILL_FP8_WIDEN_V = True
 # 128, where scaling the scores spilled into a stack of 328 and 776 bytes
 # (kernels-sass-sm90{,-scaled-scores}.md, pagedkv.bench.kernels.sass).
 PREFILL_INT8_SCALE_TILES = True
+# int8 caches: tiles widened four values at a time in inline PTX (attend.widen).
+PREFILL_INT8_PTX = False
 
 
 def prefill_tiling(max_query_len: int, head_size: int) -> tuple[int, int, int, int]:
@@ -393,7 +395,7 @@ def paged_attention(
         GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
         FP8=scales.fp8,
         WIDEN_V=scales.quantized and PREFILL_FP8_WIDEN_V,
-        INT8=scales.int8,
+        INT8=scales.int8_reads(PREFILL_INT8_PTX),
         SCALE_TILES=PREFILL_INT8_SCALE_TILES,
         num_warps=num_warps,
         num_stages=num_stages,
