@@ -65,6 +65,17 @@ read -r -a KV_DTYPES <<< "${KV:-auto fp8_e4m3}"
 setup
 report
 mkdir -p "$RESULTS"
+
+# tune --switch CONSTANT over int8 blocks at head sizes 64 and 128, into
+# kernels-int8-TAG-{64,128}-NAME.json.
+switch_int8() {
+  "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch "$1" \
+    --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
+    --output "$RESULTS/kernels-int8-$2-64-$NAME.json"
+  "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch "$1" \
+    --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024 --head-size 128 \
+    --output "$RESULTS/kernels-int8-$2-128-$NAME.json"
+}
 case "${1:-tests}" in
   tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
@@ -92,12 +103,7 @@ sys.exit(main(sys.argv[2:]))' "$tiles" --kv-cache-dtype int8 \
   int8)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype int8 \
       --output "$RESULTS/kernels-int8-$NAME.json"
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_SCALE_TILES \
-      --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
-      --output "$RESULTS/kernels-int8-scale-tiles-64-$NAME.json"
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_SCALE_TILES \
-      --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024 --head-size 128 \
-      --output "$RESULTS/kernels-int8-scale-tiles-128-$NAME.json"
+    switch_int8 DECODE_INT8_SCALE_TILES scale-tiles
     for kv in ${KV:-auto fp8_e4m3 int8}; do
       "$PYTHON" -m pagedkv.bench.executor.bench --kv-cache-dtype "$kv" \
         --output "$RESULTS/executor-kv-$kv-$NAME.json"
@@ -105,12 +111,7 @@ sys.exit(main(sys.argv[2:]))' "$tiles" --kv-cache-dtype int8 \
     ;;
   int8-ptx)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_PTX \
-      --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
-      --output "$RESULTS/kernels-int8-ptx-64-$NAME.json"
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_PTX \
-      --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024 --head-size 128 \
-      --output "$RESULTS/kernels-int8-ptx-128-$NAME.json"
+    switch_int8 DECODE_INT8_PTX ptx
     for ptx in False True; do
       for module in kernels.bench executor.bench; do
         "$PYTHON" -c 'import sys
