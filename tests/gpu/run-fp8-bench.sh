@@ -43,6 +43,8 @@
 #                                             # (head size 64 and 128), the kernel bench's
 #                                             # decode and prefill, the executor bench's
 #                                             # step (five minutes)
+#   bash tests/gpu/run-fp8-bench.sh int8-ptx-bench  # the same without the tests and the
+#                                             # decode kernel's sweep: the benches alone
 #
 # Results go to OUT when set, else tests/benchmarks/results:
 # kernels-fp8-e4m3-NAME, kernels-tune-fp8-{128,64}-NAME.json, executor-kv-{auto,fp8_e4m3}-NAME,
@@ -109,9 +111,11 @@ sys.exit(main(sys.argv[2:]))' "$tiles" --kv-cache-dtype int8 \
         --output "$RESULTS/executor-kv-$kv-$NAME.json"
     done
     ;;
-  int8-ptx)
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
-    switch_int8 DECODE_INT8_PTX ptx
+  int8-ptx | int8-ptx-bench)
+    if [[ $1 == int8-ptx ]]; then
+      "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
+      switch_int8 DECODE_INT8_PTX ptx
+    fi
     for ptx in False True; do
       for module in kernels.bench executor.bench; do
         "$PYTHON" -c 'import sys

@@ -76,13 +76,14 @@ def _variants(dtype: torch.dtype) -> None:
     settings = [(None, None), (7, None), (None, 5.0)]
     # Read-ahead, widened V tiles, scaled int8 tiles and int8 widened in
     # PTX (their defaults, then flipped).
-    flags = [(True, True, False, True, False), (False, False, True, False, True)]
-    for prefetch, widen, decode_tiles, prefill_tiles, ptx in flags:
+    flags = [(True, True, False, True, False, True), (False, False, True, False, True, False)]
+    for prefetch, widen, decode_tiles, prefill_tiles, decode_ptx, prefill_ptx in flags:
         decode_attention.DECODE_FP8_PREFETCH = decode_attention.DECODE_PREFETCH = prefetch
         decode_attention.DECODE_FP8_WIDEN_V = paged_attention.PREFILL_FP8_WIDEN_V = widen
         decode_attention.DECODE_INT8_SCALE_TILES = decode_tiles
         paged_attention.PREFILL_INT8_SCALE_TILES = prefill_tiles
-        decode_attention.DECODE_INT8_PTX = paged_attention.PREFILL_INT8_PTX = ptx
+        decode_attention.DECODE_INT8_PTX = decode_ptx
+        paged_attention.PREFILL_INT8_PTX = prefill_ptx
         for seq_lens, starts in (mixed, decodes):
             start_loc = torch.tensor(starts, dtype=torch.int32)
             q = query[: starts[-1]]

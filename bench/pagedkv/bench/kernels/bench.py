@@ -125,8 +125,10 @@ class Case:
         if kv_dtype == torch.int8:  # the paged copies quantized per token, SDPA's kept
             for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
                 _, values, scales = int8_kv.block_storage(*shape, device="cuda")
-                scales.copy_(int8_kv.token_scales(cache))
-                values.copy_(int8_kv.quantize(cache, scales))
+                for start in range(0, num_blocks, 4096):  # float32 copies a slice at a time
+                    part = slice(start, start + 4096)
+                    scales[part] = int8_kv.token_scales(cache[part])
+                    values[part] = int8_kv.quantize(cache[part], scales[part])
                 self.kv_scales[f"{name}_scale"] = scales
                 setattr(self, f"{'key' if name == 'k' else 'value'}_cache", values)
         elif kv_dtype != DTYPE:  # fp8: the paged copies quantized, SDPA's kept
