@@ -43,6 +43,9 @@
 #                                             # (head size 64 and 128), the kernel bench's
 #                                             # decode and prefill, the executor bench's
 #                                             # step (five minutes)
+#   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
+#                                             # over bf16, fp8_e4m3 and int8 blocks (a minute
+#                                             # or two)
 #   bash tests/gpu/run-fp8-bench.sh int8-ptx-bench  # the same without the tests and the
 #                                             # decode kernel's sweep: the benches alone
 #
@@ -126,6 +129,22 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
           "$ptx" "$module" --kv-cache-dtype int8 \
           --output "$RESULTS/${module%.bench}-int8-ptx-$ptx-$NAME.json"
       done
+    done
+    ;;
+  ncu)
+    # Nsight Compute on the decode kernel, one profile a case (the second
+    # call of pagedkv.bench.kernels.profile_decode): speed of light,
+    # occupancy, launch, scheduler, warp stalls and memory. CASES: each
+    # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE. Files: ncu-decode-CASE-NAME.txt.
+    ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
+    for spec in ${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
+      bfloat16:64x768:64 fp8_e4m3:64x768:64}; do
+      IFS=: read -r kv shape size <<< "$spec"
+      "$ncu_bin" --clock-control none --kernel-name _decode_split_kernel --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size" \
+        > "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME.txt"
     done
     ;;
   kernels)
