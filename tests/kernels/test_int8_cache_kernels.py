@@ -251,6 +251,30 @@ def test_attention_over_an_int8_cache_matches_the_oracle(
         check_attention(lens, sliding_window, softcap, (paged_attention, torch_backend))
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs no PTX")
+def test_the_ptx_widening_attends_bit_for_bit_as_the_ops_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both widenings give every int8 value exactly, so the kernels' outputs
+    # must not differ by a bit, prefill (mixed batches) and decode alike.
+    for lens in (MIXED, DECODES):
+        batch = build_batch(*lens, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+        keys, values = batch["key_cache"], batch["value_cache"]
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+        cache = Int8Cache.holding(keys.to(DEVICE), values.to(DEVICE), DEVICE)
+        on = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
+        outputs = []
+        for ptx in (False, True):
+            monkeypatch.setattr(paged_attention, "PREFILL_INT8_PTX", ptx)
+            monkeypatch.setattr(decode_attention, "DECODE_INT8_PTX", ptx)
+            outputs.append(
+                paged_attention.paged_attention(
+                    on[0], *cache.caches, *on[1:], scale=0.125, **cache.scales
+                )
+            )
+        assert torch.equal(*outputs)
+
+
 @pytest.mark.parametrize("prefetch", [True, False], ids=["read-ahead", "plain"])
 @pytest.mark.parametrize("scale_tiles", [False, True], ids=["scaled-scores", "scaled-tiles"])
 def test_decode_over_an_int8_cache_with_the_table_read_ahead_or_not_matches_the_oracle(
