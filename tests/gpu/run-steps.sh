@@ -91,4 +91,5 @@ for step in "$@"; do
     status=$rc
   fi
 done
+pack
 exit "$status"
