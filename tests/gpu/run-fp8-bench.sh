@@ -134,8 +134,10 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
   ncu)
     # Nsight Compute on the decode kernel, one profile a case (the second
     # call of pagedkv.bench.kernels.profile_decode): speed of light,
-    # occupancy, launch, scheduler, warp stalls and memory. CASES: each
-    # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE. Files: ncu-decode-CASE-NAME.txt.
+    # occupancy, launch, scheduler, warp stalls, memory, the pipes' use,
+    # the instruction mix and the SASS lines warps stall at most. CASES: each
+    # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE. Files: ncu-decode-CASE-NAME.txt, the
+    # report (.ncu-rep) and its SASS lines with their stalls (-sass.csv).
     ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
     for spec in ${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
       bfloat16:64x768:64 fp8_e4m3:64x768:64}; do
@@ -143,8 +145,14 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
       "$ncu_bin" --clock-control none --kernel-name _decode_split_kernel --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
+        --export "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME" --force-overwrite \
         "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size" \
         > "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME.txt"
+      # Each SASS instruction with its samples of stalled warps (ncu's
+      # source page); an ncu without that page leaves the file empty.
+      "$ncu_bin" --import "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME.ncu-rep" --page source \
+        --print-source sass --csv > "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME-sass.csv" || true
     done
     ;;
   kernels)
