@@ -43,6 +43,12 @@
 #                                             # (head size 64 and 128), the kernel bench's
 #                                             # decode and prefill, the executor bench's
 #                                             # step (five minutes)
+#   bash tests/gpu/run-fp8-bench.sh words     # V tiles read as 32-bit words (DECODE_FP8_WORDS):
+#                                             # their tests, the decode kernel off and on at
+#                                             # 3-8 programs a multiprocessor (fp8_e4m3 and
+#                                             # int8, head sizes 128 and 64; a few minutes)
+#   bash tests/gpu/run-fp8-bench.sh words-executor  # the executor bench's step, the same
+#                                             # off and on (KV: fp8_e4m3 int8)
 #   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
 #                                             # over bf16, fp8_e4m3 and int8 blocks (a minute
 #                                             # or two)
@@ -128,6 +134,33 @@ import importlib
 sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3:]))' \
           "$ptx" "$module" --kv-cache-dtype int8 \
           --output "$RESULTS/${module%.bench}-int8-ptx-$ptx-$NAME.json"
+      done
+    done
+    ;;
+  words)
+    # Quantized V tiles read as 32-bit words (DECODE_FP8_WORDS): their tests,
+    # then the decode kernel off and on at 3-8 programs a multiprocessor,
+    # over fp8_e4m3 and int8 blocks, head sizes 128 and 64.
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_word_reads.py
+    for kv in fp8_e4m3 int8; do
+      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_WORDS \
+        --per-sm 3,4,6,8 --kv-cache-dtype "$kv" --decode-shapes 32x8192,128x1024,8x32768 \
+        --output "$RESULTS/kernels-$kv-words-128-$NAME.json"
+      "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_WORDS \
+        --per-sm 3,4,6,8 --kv-cache-dtype "$kv" --decode-shapes 64x768,256x768 --head-size 64 \
+        --output "$RESULTS/kernels-$kv-words-64-$NAME.json"
+    done
+    ;;
+  words-executor)
+    # The executor bench's decode step (~1.1B) with the word reads off and on.
+    for words in False True; do
+      for kv in ${KV:-fp8_e4m3 int8}; do
+        "$PYTHON" -c 'import sys
+from pagedkv.kernels import decode_attention
+decode_attention.DECODE_FP8_WORDS = sys.argv[1] == "True"
+from pagedkv.bench.executor.bench import main
+sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
+          --output "$RESULTS/executor-kv-$kv-words-$words-$NAME.json"
       done
     done
     ;;

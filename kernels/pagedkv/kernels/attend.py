@@ -76,10 +76,96 @@ def widen(tile, like, INT8: tl.constexpr):
     return tile.to(like.dtype)
 
 
+# ``widen_words``' inline PTX: one 32-bit word of four cache bytes to four
+# float16 values (outputs 0-3: bytes 0-3), two at a time: e4m3 through the
+# hardware's pair conversion, e5m2 (float16's high byte) by byte permutes,
+# int8 as INT8_WIDEN_PTX widens it.
+_WORD_OUT = "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}"
+WORD_E4M3_PTX = tl.constexpr(
+    "{\n.reg .b16 lo, hi;\n.reg .b32 a, b;\nmov.b32 {lo, hi}, $4;\n"
+    "cvt.rn.f16x2.e4m3x2 a, lo;\ncvt.rn.f16x2.e4m3x2 b, hi;\n" + _WORD_OUT
+)
+WORD_E5M2_PTX = tl.constexpr(
+    "{\n.reg .b32 a, b;\nprmt.b32 a, $4, 0, 0x1404;\nprmt.b32 b, $4, 0, 0x3424;\n" + _WORD_OUT
+)
+WORD_INT8_PTX = tl.constexpr(
+    "{\n.reg .b32 biased, bias, a, b;\nxor.b32 biased, $4, 0x80808080;\n"
+    "prmt.b32 a, biased, 0x64646464, 0x4140;\nprmt.b32 b, biased, 0x64646464, 0x4342;\n"
+    "mov.b32 bias, 0x64806480;\nsub.f16x2 a, a, bias;\nsub.f16x2 b, b, bias;\n" + _WORD_OUT
+)
+# ``load_values``' WORDS constexpr: off; words widened in inline PTX; words
+# widened by Triton's ops (the interpreter runs no PTX).
+WORDS_PTX = tl.constexpr(1)
+WORDS_OPS = tl.constexpr(2)
+
+
+@triton.jit
+def word_byte(packed, J: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    """Byte ``J`` of each int32 word, as ``CACHE_DTYPE`` widened to float16."""
+    byte = ((packed >> (8 * J)) & 0xFF).to(tl.uint8).to(CACHE_DTYPE, bitcast=True)
+    if CACHE_DTYPE.is_int8():
+        return widen(byte, byte, 1)
+    return byte.to(tl.float16)
+
+
+@triton.jit
+def widen_words(packed, CACHE_DTYPE: tl.constexpr, WORDS: tl.constexpr):
+    """``[R, W]`` int32 words of four bytes of a quantized cache
+    (``CACHE_DTYPE``: fp8 e4m3 or e5m2, or int8) as float16 ``[R, W, 2,
+    2]``: byte ``j`` of word ``w`` at ``[.., w, j // 2, j % 2]``, exactly
+    as ``widen`` widens it; in inline PTX (``WORDS_PTX``) or Triton's ops."""
+    if WORDS == WORDS_PTX:
+        if CACHE_DTYPE.is_int8():
+            asm: tl.constexpr = WORD_INT8_PTX
+        elif CACHE_DTYPE.is_fp8e5():
+            asm: tl.constexpr = WORD_E5M2_PTX
+        else:
+            asm: tl.constexpr = WORD_E4M3_PTX
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm,
+            "=h,=h,=h,=h,r",
+            [packed],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        o0 = word_byte(packed, 0, CACHE_DTYPE)
+        o1 = word_byte(packed, 1, CACHE_DTYPE)
+        o2 = word_byte(packed, 2, CACHE_DTYPE)
+        o3 = word_byte(packed, 3, CACHE_DTYPE)
+    # join's new axis is the last: [.., i, j] holds o(2 i + j).
+    return tl.join(tl.join(o0, o2), tl.join(o1, o3))
+
+
+@triton.jit
+def load_words(
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], one byte a value
+    kv_offsets,  # [BLOCK_N] offsets of the tile's rows (multiples of 4)
+    row_valid,  # [BLOCK_N]
+    BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    """One V tile ``[BLOCK_N, BLOCK_D]`` of a quantized cache as float16,
+    read as 32-bit words (``BLOCK_D == head_size``) and widened four values
+    a word (``widen_words``)."""
+    BLOCK_N: tl.constexpr = kv_offsets.shape[0]
+    words = tl.arange(0, BLOCK_D // 4)
+    word_ptr = value_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    # Transposed, as WIDEN_V loads it: the words of a value vector are contiguous.
+    ptrs = word_ptr + (kv_offsets // 4)[None, :] + words[:, None]
+    packed = tl.load(ptrs, mask=row_valid[None, :], other=0) if MASK else tl.load(ptrs)
+    tile = widen_words(packed, value_cache_ptr.dtype.element_ty, WORDS)  # [D/4, N, 2, 2]
+    tile = tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_D, BLOCK_N))
+    return tl.trans(tile)
+
+
 @triton.jit
 def load_values(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     kv_ptrs,  # [BLOCK_N, BLOCK_D] offsets of the tile's values
+    kv_offsets,  # [BLOCK_N] offsets of its rows
     row_valid,  # [BLOCK_N]
     dim_valid,  # [BLOCK_D]
     like,  # a tensor of the dtype the tile is widened to (the query)
@@ -87,11 +173,15 @@ def load_values(
     EVEN_D: tl.constexpr,
     WIDEN_V: tl.constexpr,
     INT8: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """One V tile ``[BLOCK_N, BLOCK_D]`` in ``like``'s dtype (``widen``);
     with ``WIDEN_V`` loaded as its transpose and widened before it is
-    transposed back (see ``attend``)."""
-    if WIDEN_V:
+    transposed back (see ``attend``); with ``WORDS`` (a quantized cache)
+    read as 32-bit words (``load_words``)."""
+    if WORDS:
+        tile = load_words(value_cache_ptr, kv_offsets, row_valid, kv_ptrs.shape[1], MASK, WORDS)
+    elif WIDEN_V:
         v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
         tile = load_tile(v_ptrs, row_valid, dim_valid, MASK, EVEN_D, True)
         tile = tl.trans(widen(tile, like, INT8))
@@ -148,6 +238,7 @@ def attend(
     PREFETCH: tl.constexpr = False,
     INT8: tl.constexpr = False,
     SCALE_TILES: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -172,7 +263,11 @@ def attend(
     with ``SCALE_TILES``, each K and V tile's rows are multiplied by their
     tokens' scales instead, in float16. Scaling the scores keeps a decode
     program's registers (its rows are few); scaling the tiles keeps the
-    prefill's (``paged_attention.PREFILL_INT8_SCALE_TILES``)."""
+    prefill's (``paged_attention.PREFILL_INT8_SCALE_TILES``).
+    ``WORDS`` (a quantized cache, ``BLOCK_D == head_size``): V tiles are
+    read as 32-bit words and widened four values a word (``load_words``),
+    where the compiler, given a byte tile, unpacks each byte to a register
+    and packs pairs again for the conversion."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -203,7 +298,17 @@ def attend(
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
         if PREFETCH:
             v = load_values(
-                value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V, INT8
+                value_cache_ptr,
+                kv_ptrs,
+                kv_offsets,
+                k_valid,
+                dim_valid,
+                q,
+                MASK,
+                EVEN_D,
+                WIDEN_V,
+                INT8,
+                WORDS,
             )
             next_pos = k_pos + BLOCK_N
             pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
@@ -230,7 +335,17 @@ def attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
             v = load_values(
-                value_cache_ptr, kv_ptrs, k_valid, dim_valid, q, MASK, EVEN_D, WIDEN_V, INT8
+                value_cache_ptr,
+                kv_ptrs,
+                kv_offsets,
+                k_valid,
+                dim_valid,
+                q,
+                MASK,
+                EVEN_D,
+                WIDEN_V,
+                INT8,
+                WORDS,
             )
             if INT8:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
@@ -281,6 +396,7 @@ def attend_span(
     PREFETCH: tl.constexpr = False,
     INT8: tl.constexpr = False,
     SCALE_TILES: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -321,6 +437,7 @@ def attend_span(
         PREFETCH,
         INT8,
         SCALE_TILES,
+        WORDS,
     )
     m_i, l_i, acc = attend(
         q,
@@ -358,5 +475,6 @@ def attend_span(
         PREFETCH,
         INT8,
         SCALE_TILES,
+        WORDS,
     )
     return m_i, l_i, acc

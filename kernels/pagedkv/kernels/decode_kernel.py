@@ -71,6 +71,7 @@ def _decode_split_kernel(
     PREFETCH: tl.constexpr,
     INT8: tl.constexpr,
     SCALE_TILES: tl.constexpr,  # attend's: INT8 tiles scaled, not their scores
+    WORDS: tl.constexpr,  # attend's: V tiles read as 32-bit words
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -221,6 +222,7 @@ def _decode_split_kernel(
         PREFETCH,
         INT8,
         SCALE_TILES,
+        WORDS,
     )
 
     if SPLIT:

@@ -71,12 +71,16 @@ FP8_TILES = ((64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4,
 
 
 def decode_settings(
-    wide: bool, fp8: bool = False, switch: str | None = None
+    wide: bool, fp8: bool = False, switch: str | None = None, per_sm: tuple[int, ...] = ()
 ) -> list[dict[str, Any]]:
     """The decode constants to try: the default grid, the wide one, an fp8
     cache's, or (``switch``) one boolean constant off then on, the rest as
-    they are."""
+    they are or, with ``per_sm``, at each of those programs per
+    multiprocessor (the cache's DECODE_FP8_ or DECODE_PROGRAMS_PER_SM)."""
     if switch:
+        name = "DECODE_FP8_PROGRAMS_PER_SM" if fp8 else "DECODE_PROGRAMS_PER_SM"
+        if per_sm:
+            return [{switch: on, name: n} for on in (False, True) for n in per_sm]
         return [{switch: False}, {switch: True}]
     if fp8:
         return [
@@ -115,14 +119,16 @@ def sweep_decode(
     head_size: int = HEAD_SIZE,
     kv_dtype: torch.dtype = DTYPE,
     switch: str | None = None,
+    per_sm: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Programs per multiprocessor the splits aim for, tiles and split limits,
     at the benchmark's shapes or at ``shapes`` (batch, context) with the wide
     grid; over an fp8 cache (``kv_dtype``), its own grid; with ``switch``,
-    that boolean constant off and on (``decode_settings``)."""
+    that boolean constant off and on, at each of ``per_sm`` programs per
+    multiprocessor when given (``decode_settings``)."""
     rows = []
     defaults = {name: getattr(da, name) for name in dir(da) if name.startswith("DECODE_")}
-    settings_list = decode_settings(shapes is not None, kv_dtype != DTYPE, switch)
+    settings_list = decode_settings(shapes is not None, kv_dtype != DTYPE, switch, per_sm)
     if quick:
         settings_list = settings_list[:2]
     shapes = shapes or DECODE_SHAPES
@@ -241,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         "at the decode shapes, instead of a grid",
     )
     parser.add_argument(
+        "--per-sm",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        default=(),
+        metavar="N,...",
+        help="with --switch: time it off and on at each of these programs per multiprocessor",
+    )
+    parser.add_argument(
         "--best",
         metavar="FILE",
         help="print, as JSON, the decode constants of FILE (a sweep's output) "
@@ -256,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_dtype = formats.get(args.kv_cache_dtype, DTYPE)
         if args.switch and not isinstance(getattr(da, args.switch, None), bool):
             parser.error(f"--switch: {args.switch} is not a boolean DECODE_ constant")
-        rows += sweep_decode(args.quick, args.decode_shapes, args.head_size, kv_dtype, args.switch)
+        rows += sweep_decode(
+            args.quick, args.decode_shapes, args.head_size, kv_dtype, args.switch, args.per_sm
+        )
     if args.only != "decode":
         rows += sweep_prefill(args.quick)
     header = {
