@@ -75,21 +75,23 @@ def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
 @pytest.mark.parametrize(
     ("max_model_len", "num_kv_heads", "num_sms"), [(8192, 8, 132), (2048, 2, 8)]
 )
-@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize(
+    ("fp8", "words"), [(False, False), (True, False), (True, True)], ids=["float", "fp8", "words"]
+)
 def test_decode_steps_reach_each_split_variant_once_at_its_shortest_context(
-    max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool
+    max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool, words: bool
 ) -> None:
     from pagedkv.kernels.decode_attention import (
         launch_constants,
         split_count,
     )  # here: see above _split_variant
 
-    (block_n, _, _), per_sm = launch_constants(fp8)
+    (block_n, _, _), per_sm = launch_constants(fp8, words)
 
     def count(pairs: int, seq_len: int) -> int:
         return split_count(pairs, seq_len, block_n, num_sms, per_sm)
 
-    steps = decode_steps(max_model_len, num_kv_heads, num_sms, fp8)
+    steps = decode_steps(max_model_len, num_kv_heads, num_sms, fp8, words)
     reachable = {  # every decode step: any entries, any contexts
         _split_variant(count(num_seqs * num_kv_heads, seq_len))
         for num_seqs in (1, 2, 3, 64)

@@ -69,12 +69,22 @@ DECODE_INT8_SCALE_TILES = False
 # against 40.8 at 64 x 768 (64; kernels-int8-ptx-{128,64}-h100), so it
 # stays off.
 DECODE_INT8_PTX = False
-# DECODE_FP8_WORDS reads a quantized cache's V tiles (fp8 or int8) as 32-bit
-# words and widens them four values a word (attend's WORDS): given byte
-# tiles, the compiler unpacks every byte into a register of its own and
-# packs pairs again for the conversion. Built for sm_90 it takes the fp8
-# program from 141 registers to 104 at head size 128 (102 to 80 at 64).
-DECODE_FP8_WORDS = False
+# DECODE_FP8_WORDS reads an fp8 cache's V tiles as 32-bit words and widens
+# them four values a word (attend's WORDS; DECODE_INT8_WORDS an int8
+# cache's): given byte tiles, the compiler unpacks every byte into a
+# register of its own and packs pairs again for the conversion. Built for
+# sm_90 the fp8 program drops from 141 registers to 108 at head size 128
+# (102 to 80 at 64), so four programs fit a multiprocessor
+# (DECODE_WORDS_PROGRAMS_PER_SM; six would leave a second, partial wave).
+# On an H100 (``run-fp8-bench.sh words``, kernels-{fp8_e4m3,int8}-words-*)
+# fp8 at head size 128 took 229 us against 245 at 32 x 8k, 231 against 237
+# at 8 x 32k and 131 against 146 at 128 x 1k; at 64, 119 against 126 at
+# 256 x 768 and 36 against 35 at 64 x 768. int8 gained at long contexts
+# (261 us against 287 at 32 x 8k) but lost at 128 x 1k (173 against 159),
+# and its program spills 16 bytes: it stays off.
+DECODE_FP8_WORDS = True
+DECODE_INT8_WORDS = False
+DECODE_WORDS_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 
@@ -116,7 +126,7 @@ def sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def words(wanted: bool) -> int:
+def words_mode(wanted: bool) -> int:
     """attend's ``WORDS``: off, else ``WORDS_PTX`` on a GPU and ``WORDS_OPS``
     under Triton's interpreter (which runs no PTX)."""
     if not wanted:
@@ -124,10 +134,20 @@ def words(wanted: bool) -> int:
     return WORDS_OPS if os.environ.get("TRITON_INTERPRET") == "1" else WORDS_PTX
 
 
-def launch_constants(quantized: bool) -> tuple[tuple[int, int, int], int]:
+def reads_words(int8: bool, head_size: int) -> bool:
+    """Whether decode reads a quantized cache's V tiles as words: an int8
+    (``int8``) or fp8 cache's switch, at a head size of a power of two."""
+    wanted = DECODE_INT8_WORDS if int8 else DECODE_FP8_WORDS
+    return wanted and head_size == triton.next_power_of_2(head_size)
+
+
+def launch_constants(quantized: bool, words: bool = False) -> tuple[tuple[int, int, int], int]:
     """The decode tile (keys per step, warps, stages) and the programs a
     multiprocessor holds at once, for a quantized cache (``DECODE_FP8_*``,
-    fp8 or int8) or a float one (``DECODE_*``)."""
+    fp8 or int8; ``DECODE_WORDS_PROGRAMS_PER_SM`` when it ``reads_words``)
+    or a float one (``DECODE_*``)."""
+    if quantized and words:
+        return DECODE_FP8_TILE, DECODE_WORDS_PROGRAMS_PER_SM
     if quantized:
         return DECODE_FP8_TILE, DECODE_FP8_PROGRAMS_PER_SM
     return DECODE_TILE, DECODE_PROGRAMS_PER_SM
@@ -167,7 +187,8 @@ def decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = sm_count(query.device)
-    (block_n, num_warps, num_stages), per_sm = launch_constants(scales.quantized)
+    words = scales.quantized and reads_words(scales.int8, head_size)
+    (block_n, num_warps, num_stages), per_sm = launch_constants(scales.quantized, words)
     num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms, per_sm)
     split = num_splits > 1
     partials = num_seqs * num_q_heads * num_splits if split else 0
@@ -222,7 +243,7 @@ def decode(
         PREFETCH=DECODE_FP8_PREFETCH if scales.quantized else DECODE_PREFETCH,
         INT8=scales.int8_reads(DECODE_INT8_PTX),
         SCALE_TILES=DECODE_INT8_SCALE_TILES,
-        WORDS=words(scales.quantized and DECODE_FP8_WORDS and block_d == head_size),
+        WORDS=words_mode(words),
         num_warps=num_warps,
         num_stages=num_stages,
     )

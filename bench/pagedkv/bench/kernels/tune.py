@@ -77,15 +77,21 @@ def decode_settings(
     cache's, or (``switch``) one boolean constant off then on, the rest as
     they are or, with ``per_sm``, at each of those programs per
     multiprocessor (the cache's DECODE_FP8_ or DECODE_PROGRAMS_PER_SM)."""
+    # A quantized cache's programs per multiprocessor: its bytes' and its
+    # words' (DECODE_WORDS_PROGRAMS_PER_SM), set alike.
+    names = ("DECODE_FP8_PROGRAMS_PER_SM", "DECODE_WORDS_PROGRAMS_PER_SM")
+    if not fp8:
+        names = ("DECODE_PROGRAMS_PER_SM",)
     if switch:
-        name = "DECODE_FP8_PROGRAMS_PER_SM" if fp8 else "DECODE_PROGRAMS_PER_SM"
         if per_sm:
-            return [{switch: on, name: n} for on in (False, True) for n in per_sm]
+            return [
+                {switch: on, **dict.fromkeys(names, n)} for on in (False, True) for n in per_sm
+            ]
         return [{switch: False}, {switch: True}]
     if fp8:
         return [
             {
-                "DECODE_FP8_PROGRAMS_PER_SM": per_sm,
+                **dict.fromkeys(names, per_sm),
                 "DECODE_FP8_TILE": tile,
                 "DECODE_FP8_WIDEN_V": widen,
             }

@@ -155,19 +155,24 @@ def warm_up_steps(
 
 
 def decode_steps(
-    max_model_len: int, num_kv_heads: int, num_sms: int, quantized: bool = False
+    max_model_len: int,
+    num_kv_heads: int,
+    num_sms: int,
+    quantized: bool = False,
+    words: bool = False,
 ) -> tuple[WarmUpStep, ...]:
     """One-entry decodes, one per variant of the flash-decoding launch an
     eager decode step can reach: the split count's class (1, a multiple of
     16, other) with the merge's width (its next power of two), each at the
     shortest context that gives it. One entry at the model's length has the
     most splits any step has (more entries share the GPU's programs).
-    ``quantized``: the launch constants of an fp8 or int8 cache."""
+    ``quantized``: the launch constants of an fp8 or int8 cache (``words``:
+    one whose V tiles decode reads as words, ``decode_attention.reads_words``)."""
     # Imported here, as the backends import their kernel modules: the
     # Triton interpreter must be chosen before any kernel is defined.
     from pagedkv.kernels.decode_attention import launch_constants, split_count
 
-    (block_n, _, _), per_sm = launch_constants(quantized)
+    (block_n, _, _), per_sm = launch_constants(quantized, words)
     most = split_count(num_kv_heads, max_model_len, block_n, num_sms, per_sm)
     steps, seen = [], set()
     for num_splits in range(1, most + 1):
@@ -195,12 +200,13 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
     compiles = KernelCompiles.install() if full else KernelCompiles()
     start, compiled_before = time.perf_counter(), compiles.count
     config = runner.config
-    from pagedkv.kernels.decode_attention import sm_count  # see decode_steps
+    from pagedkv.kernels.decode_attention import reads_words, sm_count  # see decode_steps
 
     spec = runner.spec
     quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
+    words = quantized and reads_words(config.kv_cache_dtype == "int8", spec.head_size)
     steps = decode_steps(
-        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), quantized
+        spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), quantized, words
     ) + warm_up_steps(config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows)
     if profile:
         steps = steps[-1:]
