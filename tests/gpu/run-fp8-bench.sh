@@ -91,7 +91,8 @@ case "${1:-tests}" in
   tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
       tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
-      tests/kernels/test_gpu.py -k "fp8 or int8 or cache or rotate"
+      tests/kernels/test_word_reads.py tests/kernels/test_gpu.py \
+      -k "fp8 or int8 or cache or rotate or word"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
