@@ -171,7 +171,8 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # occupancy, launch, scheduler, warp stalls, memory, the pipes' use,
     # the instruction mix and the SASS lines warps stall at most. CASES: each
     # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE. Files: ncu-decode-CASE-NAME.txt, the
-    # report (.ncu-rep) and its SASS lines with their stalls (-sass.csv).
+    # report (.ncu-rep) and its SASS lines with their stalls (-sass.csv), and
+    # their summary, ncu-decode-NAME.md (pagedkv.bench.kernels.ncu_summary).
     ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
     for spec in ${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
       bfloat16:64x768:64 fp8_e4m3:64x768:64}; do
@@ -181,13 +182,16 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
         --export "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME" --force-overwrite \
-        "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size" \
-        > "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME.txt"
+        "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size"
+      report="$RESULTS/ncu-decode-$kv-$shape-$size-$NAME"
+      "$ncu_bin" --import "$report.ncu-rep" > "$report.txt"
       # Each SASS instruction with its samples of stalled warps (ncu's
       # source page); an ncu without that page leaves the file empty.
-      "$ncu_bin" --import "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME.ncu-rep" --page source \
-        --print-source sass --csv > "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME-sass.csv" || true
+      "$ncu_bin" --import "$report.ncu-rep" --page source --print-source sass --csv \
+        > "$report-sass.csv" || true
     done
+    "$PYTHON" -m pagedkv.bench.kernels.ncu_summary --output "$RESULTS/ncu-decode-$NAME.md" \
+      "$RESULTS"/ncu-decode-*-"$NAME"-sass.csv
     ;;
   kernels)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \

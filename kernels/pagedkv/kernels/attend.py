@@ -109,6 +109,19 @@ def word_byte(packed, J: tl.constexpr, CACHE_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def word_ptx(packed, ASM: tl.constexpr):
+    """Each int32 word's four bytes as four float16 tensors, by ``ASM``."""
+    return tl.inline_asm_elementwise(
+        ASM,
+        "=h,=h,=h,=h,r",
+        [packed],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def widen_words(packed, CACHE_DTYPE: tl.constexpr, WORDS: tl.constexpr):
     """``[R, W]`` int32 words of four bytes of a quantized cache
     (``CACHE_DTYPE``: fp8 e4m3 or e5m2, or int8) as float16 ``[R, W, 2,
@@ -116,19 +129,11 @@ def widen_words(packed, CACHE_DTYPE: tl.constexpr, WORDS: tl.constexpr):
     as ``widen`` widens it; in inline PTX (``WORDS_PTX``) or Triton's ops."""
     if WORDS == WORDS_PTX:
         if CACHE_DTYPE.is_int8():
-            asm: tl.constexpr = WORD_INT8_PTX
+            o0, o1, o2, o3 = word_ptx(packed, WORD_INT8_PTX)
         elif CACHE_DTYPE.is_fp8e5():
-            asm: tl.constexpr = WORD_E5M2_PTX
+            o0, o1, o2, o3 = word_ptx(packed, WORD_E5M2_PTX)
         else:
-            asm: tl.constexpr = WORD_E4M3_PTX
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            asm,
-            "=h,=h,=h,=h,r",
-            [packed],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
+            o0, o1, o2, o3 = word_ptx(packed, WORD_E4M3_PTX)
     else:
         o0 = word_byte(packed, 0, CACHE_DTYPE)
         o1 = word_byte(packed, 1, CACHE_DTYPE)

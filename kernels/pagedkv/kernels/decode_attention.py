@@ -131,14 +131,15 @@ def words_mode(wanted: bool) -> int:
     under Triton's interpreter (which runs no PTX)."""
     if not wanted:
         return 0
-    return WORDS_OPS if os.environ.get("TRITON_INTERPRET") == "1" else WORDS_PTX
+    mode = WORDS_OPS if os.environ.get("TRITON_INTERPRET") == "1" else WORDS_PTX
+    return int(mode.value)
 
 
 def reads_words(int8: bool, head_size: int) -> bool:
     """Whether decode reads a quantized cache's V tiles as words: an int8
     (``int8``) or fp8 cache's switch, at a head size of a power of two."""
     wanted = DECODE_INT8_WORDS if int8 else DECODE_FP8_WORDS
-    return wanted and head_size == triton.next_power_of_2(head_size)
+    return bool(wanted and head_size == triton.next_power_of_2(head_size))
 
 
 def launch_constants(quantized: bool, words: bool = False) -> tuple[tuple[int, int, int], int]:

@@ -79,14 +79,12 @@ def decode_settings(
     multiprocessor (the cache's DECODE_FP8_ or DECODE_PROGRAMS_PER_SM)."""
     # A quantized cache's programs per multiprocessor: its bytes' and its
     # words' (DECODE_WORDS_PROGRAMS_PER_SM), set alike.
-    names = ("DECODE_FP8_PROGRAMS_PER_SM", "DECODE_WORDS_PROGRAMS_PER_SM")
+    names: tuple[str, ...] = ("DECODE_FP8_PROGRAMS_PER_SM", "DECODE_WORDS_PROGRAMS_PER_SM")
     if not fp8:
         names = ("DECODE_PROGRAMS_PER_SM",)
     if switch:
         if per_sm:
-            return [
-                {switch: on, **dict.fromkeys(names, n)} for on in (False, True) for n in per_sm
-            ]
+            return [{switch: on, **dict.fromkeys(names, n)} for on in (False, True) for n in per_sm]
         return [{switch: False}, {switch: True}]
     if fp8:
         return [
