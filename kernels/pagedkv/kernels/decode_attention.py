@@ -188,7 +188,12 @@ def decode(
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_sms = sm_count(query.device)
-    words = scales.quantized and reads_words(scales.int8, head_size)
+    # Words need every value vector on a 4-byte boundary (a cache the
+    # executor allocates has it; a view that lacks it reads bytes).
+    aligned = value_cache.data_ptr() % 4 == 0 and all(
+        stride % 4 == 0 for stride in value_cache.stride()[:3]
+    )
+    words = scales.quantized and aligned and reads_words(scales.int8, head_size)
     (block_n, num_warps, num_stages), per_sm = launch_constants(scales.quantized, words)
     num_splits = split_count(num_seqs * num_kv_heads, max_seq_len, block_n, num_sms, per_sm)
     split = num_splits > 1
