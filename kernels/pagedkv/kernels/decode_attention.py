@@ -85,6 +85,14 @@ DECODE_INT8_PTX = False
 DECODE_FP8_WORDS = True
 DECODE_INT8_WORDS = False
 DECODE_WORDS_PROGRAMS_PER_SM = 4
+# DECODE_FP8_KEYS_AS_ROWS: decode over words takes attend_rows, the keys as
+# the rows of both dots (scores K @ q^T, output V^T @ P^T): the tile fills
+# the 64 rows of a warpgroup's wgmma, which reads the query from shared
+# memory, where the query's 16 rows (mma.sync) have it reloaded into
+# registers and shuffled every step. Built for sm_90 at head size 128 the
+# steady loop is 500 instructions a warp against 583, with no register
+# moves feeding the tensor cores and 128 registers.
+DECODE_FP8_KEYS_AS_ROWS = False
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 
@@ -250,6 +258,7 @@ def decode(
         INT8=scales.int8_reads(DECODE_INT8_PTX),
         SCALE_TILES=DECODE_INT8_SCALE_TILES,
         WORDS=words_mode(words),
+        KEYS_AS_ROWS=words and DECODE_FP8_KEYS_AS_ROWS,
         num_warps=num_warps,
         num_stages=num_stages,
     )
