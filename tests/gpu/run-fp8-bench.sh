@@ -48,8 +48,9 @@
 #                                             # 3-8 programs a multiprocessor (fp8_e4m3 and
 #                                             # int8, head sizes 128 and 64; a few minutes)
 #   bash tests/gpu/run-fp8-bench.sh rows      # decode with the keys as rows (DECODE_FP8_KEYS_AS_ROWS):
-#                                             # its tests, the kernel off and on, the kernel
-#                                             # bench on, the executor bench off and on
+#                                             # its tests, the kernel off and on (3 and 4
+#                                             # programs a multiprocessor at head size 128),
+#                                             # the kernel bench on, the executor bench off and on
 #   bash tests/gpu/run-fp8-bench.sh words-executor  # the executor bench's step, the same
 #                                             # off and on (KV: fp8_e4m3 int8)
 #   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
@@ -163,7 +164,7 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_keys_as_rows.py \
       tests/kernels/test_word_reads.py
     "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_KEYS_AS_ROWS \
-      --kv-cache-dtype fp8_e4m3 --decode-shapes 32x8192,128x1024,8x32768 \
+      --per-sm 3,4 --kv-cache-dtype fp8_e4m3 --decode-shapes 32x8192,128x1024,8x32768 \
       --output "$RESULTS/kernels-fp8_e4m3-rows-128-$NAME.json"
     "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_KEYS_AS_ROWS \
       --kv-cache-dtype fp8_e4m3 --decode-shapes 64x768,256x768 --head-size 64 \
