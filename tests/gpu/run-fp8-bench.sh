@@ -51,6 +51,9 @@
 #                                             # its tests, the kernel off and on (3 and 4
 #                                             # programs a multiprocessor at head size 128),
 #                                             # the kernel bench on, the executor bench off and on
+#   bash tests/gpu/run-fp8-bench.sh int8-words  # int8 K and V tiles read as words
+#                                             # (DECODE_INT8_WORDS): tests, the kernel off
+#                                             # and on at 3, 4 and 6 programs a multiprocessor
 #   bash tests/gpu/run-fp8-bench.sh words-executor  # the executor bench's step, the same
 #                                             # off and on (KV: fp8_e4m3 int8)
 #   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
@@ -181,6 +184,19 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
           --output "$RESULTS/${module%.bench}-fp8-e4m3-rows-$rows-$NAME.json"
       done
     done
+    ;;
+  int8-words)
+    # int8 blocks read as words, K and V (DECODE_INT8_WORDS): the word and
+    # int8 tests, then the decode kernel off and on at 3, 4 and 6 programs a
+    # multiprocessor, head sizes 128 and 64.
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_word_reads.py \
+      tests/kernels/test_int8_cache_kernels.py
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_WORDS \
+      --per-sm 3,4,6 --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024,8x32768 \
+      --output "$RESULTS/kernels-int8-kv-words-128-$NAME.json"
+    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_WORDS \
+      --per-sm 3,4,6 --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
+      --output "$RESULTS/kernels-int8-kv-words-64-$NAME.json"
     ;;
   words-executor)
     # The executor bench's decode step (~1.1B) with the word reads off and on.

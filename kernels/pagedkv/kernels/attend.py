@@ -167,6 +167,26 @@ def load_words(
 
 
 @triton.jit
+def load_key_words(
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], one byte a value
+    kv_offsets,  # [BLOCK_N] offsets of the tile's rows (multiples of 4)
+    row_valid,  # [BLOCK_N]
+    BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    """One K tile ``[BLOCK_N, BLOCK_D]`` of a quantized cache as float16,
+    read as 32-bit words (``load_words``, not transposed)."""
+    BLOCK_N: tl.constexpr = kv_offsets.shape[0]
+    words = tl.arange(0, BLOCK_D // 4)
+    word_ptr = key_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ptrs = word_ptr + (kv_offsets // 4)[:, None] + words[None, :]
+    packed = tl.load(ptrs, mask=row_valid[:, None], other=0) if MASK else tl.load(ptrs)
+    tile = widen_words(packed, key_cache_ptr.dtype.element_ty, WORDS)  # [N, D/4, 2, 2]
+    return tl.reshape(tile, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def load_values(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     kv_ptrs,  # [BLOCK_N, BLOCK_D] offsets of the tile's values
@@ -272,7 +292,9 @@ def attend(
     ``WORDS`` (a quantized cache, ``BLOCK_D == head_size``): V tiles are
     read as 32-bit words and widened four values a word (``load_words``),
     where the compiler, given a byte tile, unpacks each byte to a register
-    and packs pairs again for the conversion."""
+    and packs pairs again for the conversion; an int8 cache's K tiles too
+    (``load_key_words``: its widening unpacks them as well, where an fp8 K
+    tile goes through shared memory to its conversion in pairs)."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -295,7 +317,10 @@ def attend(
         )
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
-        k = widen(load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D), q, INT8)
+        if WORDS and INT8:  # an fp8 K tile's bytes reach its conversion in pairs
+            k = load_key_words(key_cache_ptr, kv_offsets, k_valid, dims.shape[0], MASK, WORDS)
+        else:
+            k = widen(load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D), q, INT8)
         if INT8:
             scale_offsets = pages * scale_stride_b + (k_pos % BLOCK_SIZE) * scale_stride_s
             k_scales = load_scales(k_scale_ptr, scale_offsets, k_valid, MASK)
