@@ -79,9 +79,12 @@ DECODE_INT8_PTX = False
 # On an H100 (``run-fp8-bench.sh words``, kernels-{fp8_e4m3,int8}-words-*)
 # fp8 at head size 128 took 229 us against 245 at 32 x 8k, 231 against 237
 # at 8 x 32k and 131 against 146 at 128 x 1k; at 64, 119 against 126 at
-# 256 x 768 and 36 against 35 at 64 x 768. int8 gained at long contexts
-# (261 us against 287 at 32 x 8k) but lost at 128 x 1k (173 against 159),
-# and its program spills 16 bytes: it stays off.
+# 256 x 768 and 36 against 35 at 64 x 768. An int8 cache read as words
+# reads its K tiles so too (attend's load_key_words); on the H100
+# (``run-fp8-bench.sh int8-words``, kernels-int8-kv-words-*) that took
+# 267 us against 289 at 32 x 8k, 260 against 283 at 8 x 32k, 39 against
+# 41 at 64 x 768 and 137 against 139 at 256 x 768, but 174 against 160 at
+# 128 x 1k (head size 128), so int8 stays on bytes.
 DECODE_FP8_WORDS = True
 DECODE_INT8_WORDS = False
 DECODE_WORDS_PROGRAMS_PER_SM = 4
