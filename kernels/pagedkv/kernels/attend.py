@@ -145,45 +145,34 @@ def widen_words(packed, CACHE_DTYPE: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def load_words(
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], one byte a value
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], one byte a value
     kv_offsets,  # [BLOCK_N] offsets of the tile's rows (multiples of 4)
     row_valid,  # [BLOCK_N]
     BLOCK_D: tl.constexpr,
     MASK: tl.constexpr,
     WORDS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
-    """One V tile ``[BLOCK_N, BLOCK_D]`` of a quantized cache as float16,
-    read as 32-bit words (``BLOCK_D == head_size``) and widened four values
-    a word (``widen_words``)."""
+    """One tile ``[BLOCK_N, BLOCK_D]`` of a quantized cache as float16, read
+    as 32-bit words (``BLOCK_D == head_size``) and widened four values a
+    word (``widen_words``); with ``TRANSPOSED`` its transpose, loaded so
+    (as WIDEN_V loads a V tile: a vector's words are contiguous either way)."""
     BLOCK_N: tl.constexpr = kv_offsets.shape[0]
     words = tl.arange(0, BLOCK_D // 4)
-    word_ptr = value_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    # Transposed, as WIDEN_V loads it: the words of a value vector are contiguous.
-    ptrs = word_ptr + (kv_offsets // 4)[None, :] + words[:, None]
-    packed = tl.load(ptrs, mask=row_valid[None, :], other=0) if MASK else tl.load(ptrs)
-    tile = widen_words(packed, value_cache_ptr.dtype.element_ty, WORDS)  # [D/4, N, 2, 2]
-    tile = tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_D, BLOCK_N))
-    return tl.trans(tile)
-
-
-@triton.jit
-def load_key_words(
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], one byte a value
-    kv_offsets,  # [BLOCK_N] offsets of the tile's rows (multiples of 4)
-    row_valid,  # [BLOCK_N]
-    BLOCK_D: tl.constexpr,
-    MASK: tl.constexpr,
-    WORDS: tl.constexpr,
-):
-    """One K tile ``[BLOCK_N, BLOCK_D]`` of a quantized cache as float16,
-    read as 32-bit words (``load_words``, not transposed)."""
-    BLOCK_N: tl.constexpr = kv_offsets.shape[0]
-    words = tl.arange(0, BLOCK_D // 4)
-    word_ptr = key_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    ptrs = word_ptr + (kv_offsets // 4)[:, None] + words[None, :]
-    packed = tl.load(ptrs, mask=row_valid[:, None], other=0) if MASK else tl.load(ptrs)
-    tile = widen_words(packed, key_cache_ptr.dtype.element_ty, WORDS)  # [N, D/4, 2, 2]
-    return tl.reshape(tile, (BLOCK_N, BLOCK_D))
+    word_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if TRANSPOSED:
+        ptrs = word_ptr + (kv_offsets // 4)[None, :] + words[:, None]
+        rows = row_valid[None, :]
+    else:
+        ptrs = word_ptr + (kv_offsets // 4)[:, None] + words[None, :]
+        rows = row_valid[:, None]
+    packed = tl.load(ptrs, mask=rows, other=0) if MASK else tl.load(ptrs)
+    tile = widen_words(packed, cache_ptr.dtype.element_ty, WORDS)  # [.., .., 2, 2]
+    if TRANSPOSED:
+        tile = tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_D, BLOCK_N))
+    else:
+        tile = tl.reshape(tile, (BLOCK_N, BLOCK_D))
+    return tile
 
 
 @triton.jit
@@ -205,7 +194,9 @@ def load_values(
     transposed back (see ``attend``); with ``WORDS`` (a quantized cache)
     read as 32-bit words (``load_words``)."""
     if WORDS:
-        tile = load_words(value_cache_ptr, kv_offsets, row_valid, kv_ptrs.shape[1], MASK, WORDS)
+        tile = tl.trans(
+            load_words(value_cache_ptr, kv_offsets, row_valid, kv_ptrs.shape[1], MASK, WORDS, True)
+        )
     elif WIDEN_V:
         v_ptrs = value_cache_ptr + tl.trans(kv_ptrs)
         tile = load_tile(v_ptrs, row_valid, dim_valid, MASK, EVEN_D, True)
@@ -293,7 +284,7 @@ def attend(
     read as 32-bit words and widened four values a word (``load_words``),
     where the compiler, given a byte tile, unpacks each byte to a register
     and packs pairs again for the conversion; an int8 cache's K tiles too
-    (``load_key_words``: its widening unpacks them as well, where an fp8 K
+    (its widening unpacks them as well, where an fp8 K
     tile goes through shared memory to its conversion in pairs)."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
@@ -318,7 +309,7 @@ def attend(
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
         if WORDS and INT8:  # an fp8 K tile's bytes reach its conversion in pairs
-            k = load_key_words(key_cache_ptr, kv_offsets, k_valid, dims.shape[0], MASK, WORDS)
+            k = load_words(key_cache_ptr, kv_offsets, k_valid, dims.shape[0], MASK, WORDS, False)
         else:
             k = widen(load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D), q, INT8)
         if INT8:

@@ -13,38 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.attend import LOG2E, MASKED, load_scales, load_tile, widen, widen_words
-
-
-@triton.jit
-def load_values_t(
-    value_cache_ptr,
-    kv_offsets,  # [BLOCK_N] offsets of the tile's rows
-    row_valid,  # [BLOCK_N]
-    dims,  # [BLOCK_D]
-    dim_valid,  # [BLOCK_D]
-    like,
-    MASK: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    INT8: tl.constexpr,
-    WORDS: tl.constexpr,
-):
-    """One V tile's transpose ``[BLOCK_D, BLOCK_N]`` in ``like``'s dtype:
-    loaded so, as 32-bit words with ``WORDS`` (``attend.load_words``
-    without its last transpose)."""
-    BLOCK_N: tl.constexpr = kv_offsets.shape[0]
-    BLOCK_D: tl.constexpr = dims.shape[0]
-    if WORDS:
-        words = tl.arange(0, BLOCK_D // 4)
-        word_ptr = value_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        ptrs = word_ptr + (kv_offsets // 4)[None, :] + words[:, None]
-        packed = tl.load(ptrs, mask=row_valid[None, :], other=0) if MASK else tl.load(ptrs)
-        tile = widen_words(packed, value_cache_ptr.dtype.element_ty, WORDS)  # [D/4, N, 2, 2]
-        tile = tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_D, BLOCK_N))
-    else:
-        ptrs = value_cache_ptr + kv_offsets[None, :] + dims[:, None]
-        tile = widen(load_tile(ptrs, row_valid, dim_valid, MASK, EVEN_D, True), like, INT8)
-    return tile
+from pagedkv.kernels.attend import LOG2E, MASKED, load_scales, load_tile, load_words, widen
 
 
 @triton.jit
@@ -86,7 +55,8 @@ def attend_rows(
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1`` with the keys as
     rows: its arguments, its ``MASK``, ``INT8`` scaled scores, ``WORDS``
-    and ``PREFETCH``'s block table a step ahead."""
+    (here K's and V's) and ``PREFETCH``'s block table a step ahead."""
+    BLOCK_D: tl.constexpr = dims.shape[0]
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -108,20 +78,13 @@ def attend_rows(
             + kv_head * cache_stride_h
         )
         if WORDS:
-            words = tl.arange(0, dims.shape[0] // 4)
-            word_ptr = key_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            w_ptrs = word_ptr + (kv_offsets // 4)[:, None] + words[None, :]
-            packed = tl.load(w_ptrs, mask=k_valid[:, None], other=0) if MASK else tl.load(w_ptrs)
-            k = tl.reshape(
-                widen_words(packed, key_cache_ptr.dtype.element_ty, WORDS),
-                (BLOCK_N, dims.shape[0]),
-            )
+            k = load_words(key_cache_ptr, kv_offsets, k_valid, BLOCK_D, MASK, WORDS, False)
+            v_t = load_words(value_cache_ptr, kv_offsets, k_valid, BLOCK_D, MASK, WORDS, True)
         else:
             k_ptrs = key_cache_ptr + kv_offsets[:, None] + dims[None, :]
             k = widen(load_tile(k_ptrs, k_valid, dim_valid, MASK, EVEN_D), q_t, INT8)
-        v_t = load_values_t(
-            value_cache_ptr, kv_offsets, k_valid, dims, dim_valid, q_t, MASK, EVEN_D, INT8, WORDS
-        )
+            v_ptrs = value_cache_ptr + kv_offsets[None, :] + dims[:, None]
+            v_t = widen(load_tile(v_ptrs, k_valid, dim_valid, MASK, EVEN_D, True), q_t, INT8)
         if INT8:
             scale_offsets = pages * scale_stride_b + (k_pos % BLOCK_SIZE) * scale_stride_s
             k_scales = load_scales(k_scale_ptr, scale_offsets, k_valid, MASK)

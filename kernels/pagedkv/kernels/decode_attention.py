@@ -80,7 +80,7 @@ DECODE_INT8_PTX = False
 # fp8 at head size 128 took 229 us against 245 at 32 x 8k, 231 against 237
 # at 8 x 32k and 131 against 146 at 128 x 1k; at 64, 119 against 126 at
 # 256 x 768 and 36 against 35 at 64 x 768. An int8 cache read as words
-# reads its K tiles so too (attend's load_key_words); on the H100
+# reads its K tiles so too (attend's load_words); on the H100
 # (``run-fp8-bench.sh int8-words``, kernels-int8-kv-words-*) that took
 # 267 us against 289 at 32 x 8k, 260 against 283 at 8 x 32k, 39 against
 # 41 at 64 x 768 and 137 against 139 at 256 x 768, but 174 against 160 at
