@@ -4,6 +4,13 @@ constants alike (its bytes' and its words'), and its grid does too."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
 from pagedkv.bench.kernels import tune
 
 PER_SM = ("DECODE_FP8_PROGRAMS_PER_SM", "DECODE_WORDS_PROGRAMS_PER_SM")
