@@ -1,7 +1,8 @@
-"""Quantized V tiles read as 32-bit words (``decode_attention.DECODE_FP8_WORDS``,
-``attend.load_words``): every byte widens to the float16 ``attend.widen``
-gives it, in its own place, and decode over fp8 and int8 caches read this
-way matches the oracle and, on a GPU, the byte reads bit for bit. Under
+"""Quantized tiles read as 32-bit words (``decode_attention.DECODE_FP8_WORDS``
+and ``DECODE_INT8_WORDS``, ``attend.load_words``): every byte widens to the
+float16 ``attend.widen`` gives it, in its own place, and decode over fp8
+and int8 caches read this way matches the oracle and, on a GPU, the byte
+reads bit for bit. Under
 TRITON_INTERPRET=1 the words are widened by Triton's ops (``WORDS_OPS``),
 on a GPU in inline PTX (``WORDS_PTX``)."""
 
@@ -68,7 +69,7 @@ def test_decode_reading_fp8_words_matches_the_oracle(
 def test_decode_reading_int8_words_matches_the_oracle(
     prefetch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(decode_attention, "DECODE_FP8_WORDS", True)
+    monkeypatch.setattr(decode_attention, "DECODE_INT8_WORDS", True)
     monkeypatch.setattr(decode_attention, "DECODE_FP8_PREFETCH", prefetch)
     check_int8_attention(DECODES, 7, None, (paged_attention,))
     check_int8_attention(DECODES, None, 5.0, (paged_attention,))
@@ -80,7 +81,7 @@ def test_word_reads_attend_bit_for_bit_as_byte_reads_do(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Both reads give every value exactly, so decode's outputs must not
-    # differ by a bit.
+    # differ by a bit (int8's K tiles are read as words too).
     batch = build_batch(*DECODES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
     keys, values = batch["key_cache"], batch["value_cache"]
     assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
@@ -95,6 +96,7 @@ def test_word_reads_attend_bit_for_bit_as_byte_reads_do(
     outputs = []
     for words in (False, True):
         monkeypatch.setattr(decode_attention, "DECODE_FP8_WORDS", words)
+        monkeypatch.setattr(decode_attention, "DECODE_INT8_WORDS", words)
         outputs.append(
             paged_attention.paged_attention(on[0], *caches, *on[1:], scale=0.125, **scales)
         )
