@@ -47,13 +47,6 @@
 #                                             # their tests, the decode kernel off and on at
 #                                             # 3-8 programs a multiprocessor (fp8_e4m3 and
 #                                             # int8, head sizes 128 and 64; a few minutes)
-#   bash tests/gpu/run-fp8-bench.sh rows      # decode with the keys as rows (DECODE_FP8_KEYS_AS_ROWS):
-#                                             # its tests, the kernel off and on (3 and 4
-#                                             # programs a multiprocessor at head size 128),
-#                                             # the kernel bench on, the executor bench off and on
-#   bash tests/gpu/run-fp8-bench.sh int8-words  # int8 K and V tiles read as words
-#                                             # (DECODE_INT8_WORDS): tests, the kernel off
-#                                             # and on at 3, 4 and 6 programs a multiprocessor
 #   bash tests/gpu/run-fp8-bench.sh words-executor  # the executor bench's step, the same
 #                                             # off and on (KV: fp8_e4m3 int8)
 #   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
@@ -158,45 +151,6 @@ sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3
         --per-sm 3,4,6,8 --kv-cache-dtype "$kv" --decode-shapes 64x768,256x768 --head-size 64 \
         --output "$RESULTS/kernels-$kv-words-64-$NAME.json"
     done
-    ;;
-  rows)
-    # Decode with the keys as the rows of both dots (DECODE_FP8_KEYS_AS_ROWS,
-    # fp8 blocks read as words): its tests, the decode kernel off and on
-    # (head sizes 128 and 64), the kernel bench with it on, and the executor
-    # bench's step off and on.
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_keys_as_rows.py \
-      tests/kernels/test_word_reads.py
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_KEYS_AS_ROWS \
-      --per-sm 3,4 --kv-cache-dtype fp8_e4m3 --decode-shapes 32x8192,128x1024,8x32768 \
-      --output "$RESULTS/kernels-fp8_e4m3-rows-128-$NAME.json"
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_FP8_KEYS_AS_ROWS \
-      --kv-cache-dtype fp8_e4m3 --decode-shapes 64x768,256x768 --head-size 64 \
-      --output "$RESULTS/kernels-fp8_e4m3-rows-64-$NAME.json"
-    for rows in True False; do
-      for module in kernels.bench executor.bench; do
-        [[ $rows == False && $module == kernels.bench ]] && continue
-        "$PYTHON" -c 'import sys
-from pagedkv.kernels import decode_attention
-decode_attention.DECODE_FP8_KEYS_AS_ROWS = sys.argv[1] == "True"
-import importlib
-sys.exit(importlib.import_module("pagedkv.bench." + sys.argv[2]).main(sys.argv[3:]))' \
-          "$rows" "$module" --kv-cache-dtype fp8_e4m3 \
-          --output "$RESULTS/${module%.bench}-fp8-e4m3-rows-$rows-$NAME.json"
-      done
-    done
-    ;;
-  int8-words)
-    # int8 blocks read as words, K and V (DECODE_INT8_WORDS): the word and
-    # int8 tests, then the decode kernel off and on at 3, 4 and 6 programs a
-    # multiprocessor, head sizes 128 and 64.
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_word_reads.py \
-      tests/kernels/test_int8_cache_kernels.py
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_WORDS \
-      --per-sm 3,4,6 --kv-cache-dtype int8 --decode-shapes 32x8192,128x1024,8x32768 \
-      --output "$RESULTS/kernels-int8-kv-words-128-$NAME.json"
-    "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --switch DECODE_INT8_WORDS \
-      --per-sm 3,4,6 --kv-cache-dtype int8 --decode-shapes 64x768,256x768 --head-size 64 \
-      --output "$RESULTS/kernels-int8-kv-words-64-$NAME.json"
     ;;
   words-executor)
     # The executor bench's decode step (~1.1B) with the word reads off and on.

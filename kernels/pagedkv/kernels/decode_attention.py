@@ -88,18 +88,6 @@ DECODE_INT8_PTX = False
 DECODE_FP8_WORDS = True
 DECODE_INT8_WORDS = False
 DECODE_WORDS_PROGRAMS_PER_SM = 4
-# DECODE_FP8_KEYS_AS_ROWS: decode over words takes attend_rows, the keys as
-# the rows of both dots (scores K @ q^T, output V^T @ P^T): the tile fills
-# the 64 rows of a warpgroup's wgmma, which reads the query from shared
-# memory, where the query's 16 rows (mma.sync) have it reloaded into
-# registers and shuffled every step. Built for sm_90 at head size 128 the
-# steady loop is 500 instructions a warp against 583, with no register
-# moves feeding the tensor cores and 128 registers. Timed on an H100 it is
-# slower all the same (``run-fp8-bench.sh rows``, kernels-fp8_e4m3-rows-*):
-# 259 us against 232 at 32 x 8k, 144 against 132 at 128 x 1k, 40 against
-# 37 at 64 x 768 and 140 against 120 at 256 x 768; the executor bench's
-# decode kernel 637 us a step against 582. So it stays off.
-DECODE_FP8_KEYS_AS_ROWS = False
 DECODE_MAX_SPLITS = 256
 DECODE_MIN_STEPS_PER_SPLIT = 1
 
@@ -265,7 +253,6 @@ def decode(
         INT8=scales.int8_reads(DECODE_INT8_PTX),
         SCALE_TILES=DECODE_INT8_SCALE_TILES,
         WORDS=words_mode(words),
-        KEYS_AS_ROWS=words and DECODE_FP8_KEYS_AS_ROWS,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.attend import MASKED, attend_span
-from pagedkv.kernels.attend_rows import attend_rows
 from pagedkv.kernels.kv_quant import int8_scale, quantize, quantize_int8
 from pagedkv.kernels.rotary import hadamard
 
@@ -73,7 +72,6 @@ def _decode_split_kernel(
     INT8: tl.constexpr,
     SCALE_TILES: tl.constexpr,  # attend's: INT8 tiles scaled, not their scores
     WORDS: tl.constexpr,  # attend's: V tiles read as 32-bit words
-    KEYS_AS_ROWS: tl.constexpr = False,  # attend_rows instead of attend
 ):
     """Flash-decoding: one (sequence, KV head, split of the context) per
     program; the query heads sharing the KV head are the rows, so each K/V
@@ -188,86 +186,44 @@ def _decode_split_kernel(
     full_end = start
     if not USE_WINDOW:
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    if KEYS_AS_ROWS:
-        q_t = tl.trans(q)
-        acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
-        for masked in tl.static_range(2):
-            m_i, l_i, acc_t = attend_rows(
-                q_t,
-                q_pos_rows,
-                m_i,
-                l_i,
-                acc_t,
-                full_end if masked else start,
-                end if masked else full_end,
-                seq,
-                kv_head,
-                key_cache_ptr,
-                value_cache_ptr,
-                block_table_ptr,
-                cache_stride_b,
-                cache_stride_s,
-                cache_stride_h,
-                block_table_stride,
-                scale * k_scale,
-                softcap,
-                sliding_window,
-                dims,
-                dim_valid,
-                k_scale_ptr + kv_head * scale_stride,
-                v_scale_ptr + kv_head * scale_stride,
-                scale_stride_b,
-                scale_stride_s,
-                USE_WINDOW,
-                USE_SOFTCAP,
-                BLOCK_SIZE,
-                BLOCK_N,
-                EVEN_D,
-                masked == 1,
-                INT8,
-                WORDS,
-                PREFETCH,
-            )
-        acc = tl.trans(acc_t)
-    else:
-        m_i, l_i, acc = attend_span(
-            q,
-            q_pos_rows,
-            m_i,
-            l_i,
-            acc,
-            start,
-            full_end,
-            end,
-            seq,
-            kv_head,
-            key_cache_ptr,
-            value_cache_ptr,
-            block_table_ptr,
-            cache_stride_b,
-            cache_stride_s,
-            cache_stride_h,
-            block_table_stride,
-            scale * k_scale,
-            softcap,
-            sliding_window,
-            dims,
-            dim_valid,
-            k_scale_ptr + kv_head * scale_stride,
-            v_scale_ptr + kv_head * scale_stride,
-            scale_stride_b,
-            scale_stride_s,
-            USE_WINDOW,
-            USE_SOFTCAP,
-            BLOCK_SIZE,
-            BLOCK_N,
-            EVEN_D,
-            WIDEN_V,
-            PREFETCH,
-            INT8,
-            SCALE_TILES,
-            WORDS,
-        )
+    m_i, l_i, acc = attend_span(
+        q,
+        q_pos_rows,
+        m_i,
+        l_i,
+        acc,
+        start,
+        full_end,
+        end,
+        seq,
+        kv_head,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        cache_stride_b,
+        cache_stride_s,
+        cache_stride_h,
+        block_table_stride,
+        scale * k_scale,
+        softcap,
+        sliding_window,
+        dims,
+        dim_valid,
+        k_scale_ptr + kv_head * scale_stride,
+        v_scale_ptr + kv_head * scale_stride,
+        scale_stride_b,
+        scale_stride_s,
+        USE_WINDOW,
+        USE_SOFTCAP,
+        BLOCK_SIZE,
+        BLOCK_N,
+        EVEN_D,
+        WIDEN_V,
+        PREFETCH,
+        INT8,
+        SCALE_TILES,
+        WORDS,
+    )
 
     if SPLIT:
         # An empty split (past the sequence, or before its window) has l_i == 0.
