@@ -1,11 +1,13 @@
 """``pagedkv.bench.kernels.tune``'s decode settings: a switch timed at
 several programs per multiprocessor sets a quantized cache's two per-SM
-constants alike (its bytes' and its words'), and its grid does too."""
+constants alike (its bytes' and its words'), and its grid does too; the
+prefill tiles are timed with every combination of the prefill switches."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -39,3 +41,20 @@ def test_a_switch_is_timed_off_then_on_at_each_programs_per_sm() -> None:
 def test_the_quantized_grid_sets_both_programs_per_sm() -> None:
     grid = tune.decode_settings(True, True)
     assert grid and all(s[PER_SM[0]] == s[PER_SM[1]] for s in grid)
+
+
+def test_prefill_tiles_are_timed_with_each_switch_combination() -> None:
+    tiles = ((128, 64, 8, 3), (64, 64, 4, 3))
+    settings = tune.prefill_settings(tiles, ("PREFILL_PREFETCH", "PREFILL_FUSED_SCALE"))
+    assert [tuple(s.values()) for s in settings] == [
+        (tile, prefetch, fused)
+        for tile in tiles
+        for prefetch in (False, True)
+        for fused in (False, True)
+    ]
+    quantized = tune.prefill_settings(tiles[:1], (), "PREFILL_QUANTIZED_TILE")
+    assert quantized == [{"PREFILL_QUANTIZED_TILE": tiles[0]}]
+    with pytest.raises(ValueError, match="PREFILL_TILE"):
+        tune.prefill_settings(tiles, ("PREFILL_TILE",))  # not a boolean
+    with pytest.raises(ValueError, match="DECODE_PREFETCH"):
+        tune.prefill_settings(tiles, ("DECODE_PREFETCH",))

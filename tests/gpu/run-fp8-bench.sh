@@ -51,7 +51,11 @@
 #                                             # off and on (KV: fp8_e4m3 int8)
 #   bash tests/gpu/run-fp8-bench.sh ncu       # Nsight Compute's sections for the decode kernel
 #                                             # over bf16, fp8_e4m3 and int8 blocks (a minute
-#                                             # or two)
+#                                             # or two); CASES with a fourth field (new
+#                                             # tokens) profile the prefill kernel
+#   bash tests/gpu/run-fp8-bench.sh prefill   # the prefill kernel's tiles, its read-ahead and
+#                                             # fused scale off and on, bf16 and fp8_e4m3
+#                                             # blocks (a few minutes)
 #   bash tests/gpu/run-fp8-bench.sh int8-ptx-bench  # the same without the tests and the
 #                                             # decode kernel's sweep: the benches alone
 #
@@ -92,7 +96,7 @@ case "${1:-tests}" in
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
       tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
       tests/kernels/test_word_reads.py tests/kernels/test_gpu.py \
-      -k "fp8 or int8 or cache or rotate or word"
+      -k "fp8 or int8 or cache or rotate or word or paged_attention"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
@@ -166,32 +170,57 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     done
     ;;
   ncu)
-    # Nsight Compute on the decode kernel, one profile a case (the second
-    # call of pagedkv.bench.kernels.profile_decode): speed of light,
+    # Nsight Compute on the attention kernels, one profile a case (the
+    # second call of pagedkv.bench.kernels.profile_decode): speed of light,
     # occupancy, launch, scheduler, warp stalls, memory, the pipes' use,
     # the instruction mix and the SASS lines warps stall at most. CASES: each
-    # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE. Files: ncu-decode-CASE-NAME.txt, the
-    # report (.ncu-rep) and its SASS lines with their stalls (-sass.csv), and
-    # their summary, ncu-decode-NAME.md (pagedkv.bench.kernels.ncu_summary).
+    # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE[:NEW_TOKENS] (one new token: the
+    # decode kernel; more: the prefill kernel). Files:
+    # ncu-KIND-CASE-NAME.txt, the report (.ncu-rep) and its SASS lines with
+    # their stalls (-sass.csv), and their summary, ncu-KIND-NAME.md
+    # (pagedkv.bench.kernels.ncu_summary), KIND decode or prefill.
     ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
     for spec in ${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
       bfloat16:64x768:64 fp8_e4m3:64x768:64}; do
-      IFS=: read -r kv shape size <<< "$spec"
-      "$ncu_bin" --clock-control none --kernel-name _decode_split_kernel --launch-skip 1 \
+      IFS=: read -r kv shape size new <<< "$spec"
+      new=${new:-1} kind=decode kernel=_decode_split_kernel
+      if ((new > 1)); then
+        kind=prefill kernel=_paged_attention_kernel
+      fi
+      report="$RESULTS/ncu-$kind-$kv-$shape-$size-$NAME"
+      "$ncu_bin" --clock-control none --kernel-name "$kernel" --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
-        --export "$RESULTS/ncu-decode-$kv-$shape-$size-$NAME" --force-overwrite \
-        "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size"
-      report="$RESULTS/ncu-decode-$kv-$shape-$size-$NAME"
+        --export "$report" --force-overwrite \
+        "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size" \
+        --new-tokens "$new"
       "$ncu_bin" --import "$report.ncu-rep" > "$report.txt"
       # Each SASS instruction with its samples of stalled warps (ncu's
       # source page); an ncu without that page leaves the file empty.
       "$ncu_bin" --import "$report.ncu-rep" --page source --print-source sass --csv \
         > "$report-sass.csv" || true
     done
-    "$PYTHON" -m pagedkv.bench.kernels.ncu_summary --output "$RESULTS/ncu-decode-$NAME.md" \
-      "$RESULTS"/ncu-decode-*-"$NAME"-sass.csv
+    for kind in decode prefill; do
+      pages=("$RESULTS"/ncu-"$kind"-*-"$NAME"-sass.csv)
+      if [[ -e ${pages[0]} ]]; then
+        "$PYTHON" -m pagedkv.bench.kernels.ncu_summary --output "$RESULTS/ncu-$kind-$NAME.md" \
+          "${pages[@]}"
+      fi
+    done
+    ;;
+  prefill)
+    # The prefill kernel's tiles (TILES: MxNxWARPSxSTAGES,...) with the
+    # block table read a tile ahead (PREFILL_PREFETCH) and the scale inside
+    # exp2 (PREFILL_FUSED_SCALE) each off and on, against the best SDPA
+    # backend, at b = 8: 2,048 new tokens, and 512 over 4,096 cached; bf16
+    # and fp8_e4m3 blocks (KV). Files: kernels-prefill-tune-KV-NAME.json.
+    for kv in ${KV:-bfloat16 fp8_e4m3}; do
+      "$PYTHON" -m pagedkv.bench.kernels.tune --only prefill --kv-cache-dtype "$kv" \
+        --prefill-tiles "${TILES:-128x128x8x2,128x128x8x3,128x64x8x3,128x64x8x4,64x64x4x3,64x64x4x4}" \
+        --prefill-switch PREFILL_PREFETCH --prefill-switch PREFILL_FUSED_SCALE \
+        --output "$RESULTS/kernels-prefill-tune-$kv-$NAME.json"
+    done
     ;;
   kernels)
     "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \

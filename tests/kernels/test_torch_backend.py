@@ -173,6 +173,9 @@ def test_empty_batch_gives_an_empty_result() -> None:
         ({"block_table": torch.zeros(0, 4, dtype=torch.int32)}, "block_table"),
         ({"sliding_window": 0}, "sliding_window"),
         ({"softcap": -1.0}, "softcap"),
+        ({"scale": 0.0}, "scale"),
+        ({"scale": -0.125}, "scale"),
+        ({"scale": float("nan")}, "scale"),
     ],
 )
 def test_paged_attention_names_a_bad_argument(change: dict[str, object], argument: str) -> None:

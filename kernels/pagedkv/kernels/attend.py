@@ -255,6 +255,7 @@ def attend(
     INT8: tl.constexpr = False,
     SCALE_TILES: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
+    FUSED_SCALE: tl.constexpr = False,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -285,7 +286,10 @@ def attend(
     where the compiler, given a byte tile, unpacks each byte to a register
     and packs pairs again for the conversion; an int8 cache's K tiles too
     (its widening unpacks them as well, where an fp8 K
-    tile goes through shared memory to its conversion in pairs)."""
+    tile goes through shared memory to its conversion in pairs).
+    ``FUSED_SCALE`` (unmasked tiles without a soft-cap): the scale, which
+    must be positive, is applied inside each score's exp2 (a row's max is
+    scaled once) rather than to every score first."""
     row_table = block_table_ptr + seq * block_table_stride
     if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -340,19 +344,25 @@ def attend(
         qk = tl.dot(q, tl.trans(k))
         if INT8 and not SCALE_TILES:
             qk = qk * k_scales[None, :]
-        if USE_SOFTCAP:
-            scores = qk * scale
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
+        if FUSED_SCALE and not (MASK or USE_SOFTCAP):
+            # The scale (positive) taken inside exp2's argument: one FFMA a
+            # score where scaling first, then subtracting takes two.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * (scale * LOG2E))
+            p = tl.exp2(qk * (scale * LOG2E) - m_new[:, None])
         else:
-            scores = qk * (scale * LOG2E)  # softmax in base 2: exp2 is one instruction
-        if MASK:
-            allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            scores = tl.where(allowed, scores, MASKED)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+            if USE_SOFTCAP:
+                scores = qk * scale
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
+            else:
+                scores = qk * (scale * LOG2E)  # softmax in base 2: exp2 is one instruction
+            if MASK:
+                allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                if USE_WINDOW:
+                    allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+                scores = tl.where(allowed, scores, MASKED)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
             v = load_values(
@@ -418,6 +428,7 @@ def attend_span(
     INT8: tl.constexpr = False,
     SCALE_TILES: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
+    FUSED_SCALE: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -459,6 +470,7 @@ def attend_span(
         INT8,
         SCALE_TILES,
         WORDS,
+        FUSED_SCALE,
     )
     m_i, l_i, acc = attend(
         q,
@@ -497,5 +509,6 @@ def attend_span(
         INT8,
         SCALE_TILES,
         WORDS,
+        FUSED_SCALE,
     )
     return m_i, l_i, acc

@@ -118,6 +118,7 @@ def check_attention_args(
     query_start_loc: torch.Tensor | None,
     sliding_window: int | None,
     softcap: float | None,
+    scale: float,
 ) -> None:
     """The arguments of ``paged_attention``, as every backend needs them
     (``query_start_loc`` None: one token per sequence)."""
@@ -147,6 +148,8 @@ def check_attention_args(
         raise ValueError("sliding_window: must be positive")
     if softcap is not None and softcap <= 0:
         raise ValueError("softcap: must be positive")
+    if not 0 < scale < float("inf"):  # NaN fails too
+        raise ValueError(f"scale: must be positive and finite, not {scale}")
 
 
 def check_rotary_args(

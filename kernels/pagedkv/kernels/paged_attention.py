@@ -21,10 +21,14 @@ from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
 from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
 
-# Prefill tiling: (query rows, keys per step, warps, pipeline stages); the
-# best of a first sweep on the H200 at head size 128, and a smaller one for
-# larger heads (shared memory).
-PREFILL_TILE = (128, 128, 8, 2)
+# Prefill tiling: (query rows, keys per step, warps, pipeline stages) at
+# head sizes up to 128, over a bf16 or fp16 cache and over a quantized one
+# (both 128 rows: a CUDA graph's tile schedule counts them), and a smaller
+# one for larger heads (shared memory). The best of the H200 sweep
+# (kernels-prefill-tune-*-h200.json: b = 8, 2,048 new tokens and 512 over
+# 4,096 cached) with the read-ahead and the fused scale below on.
+PREFILL_TILE = (128, 64, 8, 3)
+PREFILL_QUANTIZED_TILE = (128, 128, 8, 3)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 SHORT_TILE = (16, 16, 4, 2)
 # fp8 and int8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
@@ -41,19 +45,37 @@ PREFILL_INT8_SCALE_TILES = True
 # and 1,141 against 1,206 (b=8, 512 over 4,096 cached) with it
 # (kernels-int8-ptx-{True,False}-h100), so it is on.
 PREFILL_INT8_PTX = True
+# Unmasked tiles take the scale inside exp2's argument (attend's
+# FUSED_SCALE): a fused multiply-add a score instead of a multiply and a
+# subtraction. The block table is read a tile ahead (attend's PREFETCH):
+# a tile's K and V loads then depend on no load of their own step, and
+# with three stages the compiler issues them a step before their use (its
+# wait lets two groups of copies stay in flight, where without the
+# read-ahead it waited for every copy at the top of each step). At the
+# tiles above, on the H200, both off against both on: bf16 976 and 941 us
+# against 832 and 758, fp8 1,082 and 1,002 against 956 and 847 (the
+# former tile, (128, 128, 8, 2) with both off: bf16 860 and 791, fp8 1,060
+# and 999).
+PREFILL_FUSED_SCALE = True
+PREFILL_PREFETCH = True
 
 
-def prefill_tiling(max_query_len: int, head_size: int) -> tuple[int, int, int, int]:
+def prefill_tiling(
+    max_query_len: int, head_size: int, quantized: bool = False
+) -> tuple[int, int, int, int]:
     """The prefill kernel's tiling for a batch whose longest query has
     ``max_query_len`` tokens: small tiles for short chunks, large ones where
-    prefill is compute-bound."""
+    prefill is compute-bound (``quantized``: over an fp8 or int8 cache)."""
     if max_query_len <= 16:
         return SHORT_TILE
-    return PREFILL_TILE if head_size <= 128 else PREFILL_TILE_LARGE_HEAD
+    if head_size > 128:
+        return PREFILL_TILE_LARGE_HEAD
+    return PREFILL_QUANTIZED_TILE if quantized else PREFILL_TILE
 
 
 def tile_rows(max_query_len: int, head_size: int) -> int:
-    """Query rows per tile of ``prefill_tiling``: the unit of a ``tiles`` schedule."""
+    """Query rows per tile of ``prefill_tiling`` (the same over any cache):
+    the unit of a ``tiles`` schedule."""
     return prefill_tiling(max_query_len, head_size)[0]
 
 
@@ -101,6 +123,7 @@ def paged_attention(
         query_start_loc,
         sliding_window,
         softcap,
+        scale,
     )
     scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
     num_tokens, num_q_heads, head_size = query.shape
@@ -129,7 +152,9 @@ def paged_attention(
             scales,
         )
         return out
-    block_m, block_n, num_warps, num_stages = prefill_tiling(max_query_len, head_size)
+    block_m, block_n, num_warps, num_stages = prefill_tiling(
+        max_query_len, head_size, scales.quantized
+    )
     block_d = max(16, triton.next_power_of_2(head_size))
     if tiles is not None:
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
@@ -179,6 +204,8 @@ def paged_attention(
         WIDEN_V=scales.quantized and PREFILL_FP8_WIDEN_V,
         INT8=scales.int8_reads(PREFILL_INT8_PTX),
         SCALE_TILES=PREFILL_INT8_SCALE_TILES,
+        FUSED_SCALE=PREFILL_FUSED_SCALE,
+        PREFETCH=PREFILL_PREFETCH,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -213,7 +240,7 @@ def rotary_decode_attention(
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
     check_rotate(rotate, query.shape[-1])
     check_attention_args(
-        query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap
+        query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap, scale
     )
     scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
     out = torch.empty_like(query)

@@ -55,6 +55,8 @@ def _paged_attention_kernel(
     WIDEN_V: tl.constexpr,  # attend's: V tiles of an fp8 cache widened before the dot's layout
     INT8: tl.constexpr,
     SCALE_TILES: tl.constexpr,  # attend's: INT8 tiles scaled, not their scores
+    FUSED_SCALE: tl.constexpr,  # attend's: the scale inside exp2's argument (unmasked tiles)
+    PREFETCH: tl.constexpr,  # attend's: block table entries read a tile ahead
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -145,6 +147,8 @@ def _paged_attention_kernel(
                 False,
                 INT8,
                 SCALE_TILES,
+                0,
+                FUSED_SCALE,
             )
             g_out = g_acc / tl.where(g_l > 0.0, g_l, 1.0)[:, None]
             if FP8:
@@ -217,9 +221,11 @@ def _paged_attention_kernel(
             BLOCK_N,
             EVEN_D,
             WIDEN_V,
-            False,
+            PREFETCH,
             INT8,
             SCALE_TILES,
+            0,
+            FUSED_SCALE,
         )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored

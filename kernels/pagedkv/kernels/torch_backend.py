@@ -191,6 +191,7 @@ def paged_attention(
         query_start_loc,
         sliding_window,
         softcap,
+        scale,
     )
     check_kv_scales(key_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_size = query.shape

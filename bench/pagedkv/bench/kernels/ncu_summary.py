@@ -60,7 +60,7 @@ def summarize(path: Path, top: int = 8) -> dict[str, Any]:
 
 def markdown(summaries: list[dict[str, Any]]) -> str:
     lines = [
-        "# Decode kernel under Nsight Compute (`python -m pagedkv.bench.kernels.ncu_summary`)",
+        "# Attention kernels under Nsight Compute (`python -m pagedkv.bench.kernels.ncu_summary`)",
         "",
         "From ncu's source page (`run-fp8-bench.sh ncu`): stalled warps' samples by "
         "reason, and the main loop's instructions (a warp's, per iteration) by opcode.",

@@ -2,6 +2,7 @@
 profiler to read (Nsight Compute: ``tests/gpu/run-fp8-bench.sh ncu``)::
 
     python -m pagedkv.bench.kernels.profile_decode fp8_e4m3 32x8192 --head-size 128
+    python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048
 
 It builds the case (paged K/V behind shuffled block tables, quantized as
 the bench quantizes them), calls the kernel ``--calls`` times (the first
@@ -22,15 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     formats = {"bfloat16": DTYPE, **fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}
     parser.add_argument("kv_cache_dtype", choices=formats)
-    parser.add_argument("shape", help="BATCHxCONTEXT, one new token a sequence (decode)")
+    parser.add_argument("shape", help="BATCHxCONTEXT: sequences and the tokens each has cached")
     parser.add_argument("--head-size", type=int, default=HEAD_SIZE)
+    parser.add_argument(
+        "--new-tokens", type=int, default=1, help="a sequence's new tokens (1: a decode)"
+    )
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args(argv)
     try:
         batch, context = (int(part) for part in args.shape.lower().split("x"))
     except ValueError:
         parser.error(f"shape: expected BATCHxCONTEXT, got {args.shape!r}")
-    case = Case(batch, context, 1, args.head_size, formats[args.kv_cache_dtype])
+    if args.new_tokens < 1:
+        parser.error("--new-tokens: at least 1")
+    case = Case(batch, context, args.new_tokens, args.head_size, formats[args.kv_cache_dtype])
     for _ in range(args.calls):
         case.ours()
     torch.cuda.synchronize()

@@ -154,29 +154,75 @@ def sweep_decode(
     return rows
 
 
-def sweep_prefill(quick: bool) -> list[dict[str, Any]]:
+PREFILL_TILES = (
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (64, 128, 4, 2),
+)
+
+
+def prefill_settings(
+    tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+    switches: tuple[str, ...] = (),
+    tile_name: str = "PREFILL_TILE",
+) -> list[dict[str, Any]]:
+    """The prefill constants to try: each tile (``tile_name``, a quantized
+    cache's ``PREFILL_QUANTIZED_TILE``: query rows, keys a step, warps,
+    stages) with every combination of the boolean ``switches``
+    (``PREFILL_*`` constants of ``paged_attention``) off and on."""
+    for name in switches:
+        if not name.startswith("PREFILL_") or not isinstance(getattr(pa, name, None), bool):
+            raise ValueError(f"prefill switches: {name} is not a boolean PREFILL_ constant")
+    return [
+        {tile_name: tile, **dict(zip(switches, values, strict=True))}
+        for tile in tiles or PREFILL_TILES
+        for values in itertools.product((False, True), repeat=len(switches))
+    ]
+
+
+def sweep_prefill(
+    quick: bool,
+    tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+    switches: tuple[str, ...] = (),
+    kv_dtype: torch.dtype = DTYPE,
+) -> list[dict[str, Any]]:
+    """The prefill kernel at the benchmark's prefill shapes under each of
+    ``prefill_settings``, with the best SDPA backend's time at each shape
+    (``ratio_vs_sdpa``: ours over it)."""
     rows = []
-    tiles = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+    defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("PREFILL_")}
+    tile_name = "PREFILL_TILE" if kv_dtype == DTYPE else "PREFILL_QUANTIZED_TILE"
+    settings_list = prefill_settings(tiles, switches, tile_name)
     if quick:
-        tiles = tiles[:1]
+        settings_list = settings_list[:1]
     for batch, context, new_tokens in PREFILL_SHAPES:
-        case = Case(batch, context, new_tokens)
-        for tile in tiles:
-            pa.PREFILL_TILE = tile
+        case = Case(batch, context, new_tokens, kv_dtype=kv_dtype)
+        sdpa_us, backend = case.best_sdpa_us()
+        for settings in settings_list:
+            for name, value in settings.items():
+                setattr(pa, name, value)
             try:
                 us = time_us(case.ours, iters=10)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:
-                print(f"skip {tile}: {exc}", flush=True)
+                print(f"skip {settings}: {exc}", flush=True)
                 continue
+            finally:
+                for name, value in defaults.items():
+                    setattr(pa, name, value)
             rows.append(
                 {
                     "kind": "prefill",
                     "batch": batch,
                     "context": context,
                     "new_tokens": new_tokens,
-                    "tile": list(tile),
+                    **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
                     "us": us,
                     "tflops": case.flops() / us / 1e6,
+                    "sdpa_us": sdpa_us,
+                    "sdpa_backend": backend,
+                    "ratio_vs_sdpa": us / sdpa_us,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -226,6 +272,16 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return [(b, c) for b, c in shapes]
 
 
+def _tiles(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    try:
+        tiles = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        tiles = []
+    if not tiles or any(len(t) != 4 or min(t) < 1 for t in tiles):
+        raise argparse.ArgumentTypeError(f"not MxNxWARPSxSTAGES,...: {text!r}")
+    return tuple((m, n, w, s) for m, n, w, s in tiles)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.kernels.tune")
     parser.add_argument("--output", default="kernels-tune.json")
@@ -258,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
         help="with --switch: time it off and on at each of these programs per multiprocessor",
     )
     parser.add_argument(
+        "--prefill-tiles",
+        type=_tiles,
+        metavar="MxNxWARPSxSTAGES,...",
+        help="the prefill tiles to time (default: a grid of five)",
+    )
+    parser.add_argument(
+        "--prefill-switch",
+        action="append",
+        default=[],
+        metavar="PREFILL_NAME",
+        help="a boolean prefill constant timed off and on with each tile (repeatable)",
+    )
+    parser.add_argument(
         "--best",
         metavar="FILE",
         help="print, as JSON, the decode constants of FILE (a sweep's output) "
@@ -277,7 +346,16 @@ def main(argv: list[str] | None = None) -> int:
             args.quick, args.decode_shapes, args.head_size, kv_dtype, args.switch, args.per_sm
         )
     if args.only != "decode":
-        rows += sweep_prefill(args.quick)
+        formats = {**fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}
+        try:
+            rows += sweep_prefill(
+                args.quick,
+                args.prefill_tiles,
+                tuple(args.prefill_switch),
+                formats.get(args.kv_cache_dtype, DTYPE),
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
     header = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
