@@ -5,8 +5,9 @@
 #
 #   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 and int8 kernel tests on the GPU (a
 #                                             # minute or two)
-#   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks: decode
-#                                             # and prefill attention (a minute)
+#   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks (KV: other
+#                                             # caches): decode and prefill attention (a
+#                                             # minute each)
 #   bash tests/gpu/run-fp8-bench.sh tune      # the decode kernel's DECODE_FP8_* constants swept
 #                                             # over fp8_e4m3 blocks: head size 128 (32 x 8k,
 #                                             # 128 x 1k, 8 x 32k) and 64 (64 and 256 x 768)
@@ -223,8 +224,14 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     done
     ;;
   kernels)
-    "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype fp8_e4m3 \
-      --output "$RESULTS/kernels-fp8-e4m3-$NAME.json"
+    # KV: the caches' dtypes, fp8_e4m3 unless set; bfloat16 writes
+    # kernels-NAME.json, the others kernels-KV-NAME.json (fp8-e4m3).
+    for kv in ${KV:-fp8_e4m3}; do
+      name=kernels-${kv//_/-}-$NAME
+      [[ $kv != bfloat16 ]] || name=kernels-$NAME
+      "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype "$kv" \
+        --output "$RESULTS/$name.json"
+    done
     ;;
   tune)
     "$PYTHON" -m pagedkv.bench.kernels.tune --only decode --kv-cache-dtype fp8_e4m3 \
