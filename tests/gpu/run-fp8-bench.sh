@@ -174,15 +174,17 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # Nsight Compute on the attention kernels, one profile a case (the
     # second call of pagedkv.bench.kernels.profile_decode): speed of light,
     # occupancy, launch, scheduler, warp stalls, memory, the pipes' use,
-    # the instruction mix and the SASS lines warps stall at most. CASES: each
+    # the instruction mix and the SASS lines warps stall at most. CASES (apart
+    # by spaces or commas): each
     # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE[:NEW_TOKENS] (one new token: the
     # decode kernel; more: the prefill kernel). Files:
     # ncu-KIND-CASE-NAME.txt, the report (.ncu-rep) and its SASS lines with
     # their stalls (-sass.csv), and their summary, ncu-KIND-NAME.md
     # (pagedkv.bench.kernels.ncu_summary), KIND decode or prefill.
     ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
-    for spec in ${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
-      bfloat16:64x768:64 fp8_e4m3:64x768:64}; do
+    cases=${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
+      bfloat16:64x768:64 fp8_e4m3:64x768:64}
+    for spec in ${cases//,/ }; do
       IFS=: read -r kv shape size new <<< "$spec"
       new=${new:-1} kind=decode kernel=_decode_split_kernel
       if ((new > 1)); then
