@@ -218,11 +218,16 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # exp2 (PREFILL_FUSED_SCALE) each off and on, against the best SDPA
     # backend, at b = 8: 2,048 new tokens, and 512 over 4,096 cached; bf16
     # and fp8_e4m3 blocks (KV). Files: kernels-prefill-tune-KV-NAME.json.
+    # SWITCHES: the constants timed off and on (set empty: none, each tile
+    # as the defaults set the rest); TAG: a name's part after the dtype.
+    switches=()
+    for name in ${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}; do
+      switches+=(--prefill-switch "$name")
+    done
     for kv in ${KV:-bfloat16 fp8_e4m3}; do
       "$PYTHON" -m pagedkv.bench.kernels.tune --only prefill --kv-cache-dtype "$kv" \
         --prefill-tiles "${TILES:-128x128x8x2,128x128x8x3,128x64x8x3,128x64x8x4,64x64x4x3,64x64x4x4}" \
-        --prefill-switch PREFILL_PREFETCH --prefill-switch PREFILL_FUSED_SCALE \
-        --output "$RESULTS/kernels-prefill-tune-$kv-$NAME.json"
+        "${switches[@]}" --output "$RESULTS/kernels-prefill-tune-$kv${TAG:+-$TAG}-$NAME.json"
     done
     ;;
   kernels)

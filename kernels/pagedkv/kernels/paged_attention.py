@@ -62,7 +62,7 @@ PREFILL_PREFETCH = True
 
 def prefill_tiling(
     max_query_len: int, head_size: int, quantized: bool = False
-) -> tuple[int, int, int, int]:
+) -> tuple[int, ...]:
     """The prefill kernel's tiling for a batch whose longest query has
     ``max_query_len`` tokens: small tiles for short chunks, large ones where
     prefill is compute-bound (``quantized``: over an fp8 or int8 cache)."""
@@ -152,9 +152,11 @@ def paged_attention(
             scales,
         )
         return out
-    block_m, block_n, num_warps, num_stages = prefill_tiling(
+    # A fifth field, when a tile has one, caps a thread's registers (Triton's maxnreg).
+    block_m, block_n, num_warps, num_stages, *registers = prefill_tiling(
         max_query_len, head_size, scales.quantized
     )
+    limits = {"maxnreg": registers[0]} if registers else {}
     block_d = max(16, triton.next_power_of_2(head_size))
     if tiles is not None:
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
@@ -208,6 +210,7 @@ def paged_attention(
         PREFETCH=PREFILL_PREFETCH,
         num_warps=num_warps,
         num_stages=num_stages,
+        **limits,
     )
     return out
 

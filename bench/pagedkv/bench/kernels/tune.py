@@ -164,7 +164,7 @@ PREFILL_TILES = (
 
 
 def prefill_settings(
-    tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+    tiles: tuple[tuple[int, ...], ...] | None = None,
     switches: tuple[str, ...] = (),
     tile_name: str = "PREFILL_TILE",
 ) -> list[dict[str, Any]]:
@@ -184,7 +184,7 @@ def prefill_settings(
 
 def sweep_prefill(
     quick: bool,
-    tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+    tiles: tuple[tuple[int, ...], ...] | None = None,
     switches: tuple[str, ...] = (),
     kv_dtype: torch.dtype = DTYPE,
 ) -> list[dict[str, Any]]:
@@ -272,14 +272,14 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return [(b, c) for b, c in shapes]
 
 
-def _tiles(text: str) -> tuple[tuple[int, int, int, int], ...]:
+def _tiles(text: str) -> tuple[tuple[int, ...], ...]:
     try:
         tiles = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
     except ValueError:
         tiles = []
-    if not tiles or any(len(t) != 4 or min(t) < 1 for t in tiles):
-        raise argparse.ArgumentTypeError(f"not MxNxWARPSxSTAGES,...: {text!r}")
-    return tuple((m, n, w, s) for m, n, w, s in tiles)
+    if not tiles or any(len(t) not in (4, 5) or min(t) < 1 for t in tiles):
+        raise argparse.ArgumentTypeError(f"not MxNxWARPSxSTAGES[xREGISTERS],...: {text!r}")
+    return tuple(tiles)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-tiles",
         type=_tiles,
-        metavar="MxNxWARPSxSTAGES,...",
-        help="the prefill tiles to time (default: a grid of five)",
+        metavar="MxNxWARPSxSTAGES[xREGISTERS],...",
+        help="the prefill tiles to time (default: a grid of five); a fifth field caps a "
+        "thread's registers",
     )
     parser.add_argument(
         "--prefill-switch",
