@@ -60,9 +60,7 @@ PREFILL_FUSED_SCALE = True
 PREFILL_PREFETCH = True
 
 
-def prefill_tiling(
-    max_query_len: int, head_size: int, quantized: bool = False
-) -> tuple[int, ...]:
+def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:
     """The prefill kernel's tiling for a batch whose longest query has
     ``max_query_len`` tokens: small tiles for short chunks, large ones where
     prefill is compute-bound (``quantized``: over an fp8 or int8 cache)."""
