@@ -21,13 +21,20 @@ from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
 from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
 
-# Prefill tiling: (query rows, keys per step, warps, pipeline stages) at
-# head sizes up to 128, over a bf16 or fp16 cache and over a quantized one
-# (both 128 rows: a CUDA graph's tile schedule counts them), and a smaller
-# one for larger heads (shared memory). The best of the H200 sweep
-# (kernels-prefill-tune-*-h200.json: b = 8, 2,048 new tokens and 512 over
-# 4,096 cached) with the read-ahead and the fused scale below on.
-PREFILL_TILE = (128, 64, 8, 3)
+# Prefill tiling: (query rows, keys per step, warps, pipeline stages, and
+# optionally a cap on a thread's registers) at head sizes up to 128, over a
+# bf16 or fp16 cache and over a quantized one (both 128 rows: a CUDA graph's
+# tile schedule counts them), and a smaller one for larger heads (shared
+# memory). The best of the sweeps at b = 8, 2,048 new tokens and 512 over
+# 4,096 cached, with the read-ahead and the fused scale below on
+# (kernels-prefill-tune-*-h200.json, and *-registers-h100.json for the
+# cap): capped at 128 registers, two programs of the bf16 tile share a
+# multiprocessor (80 KB of shared memory each, no spill in its loops),
+# and on an H100 it took 776 and 714 us against 834 and 746 for (128, 64,
+# 8, 3) uncapped, the best tile of one program a multiprocessor; over fp8
+# blocks the same cap was slower (1,107 against 960 us for (128, 128, 8,
+# 3) at 2,048 new tokens).
+PREFILL_TILE = (128, 32, 8, 3, 128)
 PREFILL_QUANTIZED_TILE = (128, 128, 8, 3)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
 SHORT_TILE = (16, 16, 4, 2)
