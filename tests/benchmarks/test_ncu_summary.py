@@ -39,7 +39,12 @@ def test_a_page_gives_its_stall_shares_and_its_loops_opcodes(tmp_path: Path) -> 
     assert summary["stalls"] == {"long_sb": 0.75, "barrier": 0.25}
     assert summary["loop_instructions"] == 3
     assert summary["loop_opcodes"] == {"LDG.E.128": 1, "HMMA.16816.F32": 1, "BRA": 1}
+    assert summary["stalled_lines"][:2] == [
+        {"source": "LDG.E.128 R4, [R2.64]", "share": 0.75, "reason": "long_sb"},
+        {"source": "HMMA.16816.F32 R8, R4, R6, R8", "share": 0.125, "reason": "barrier"},
+    ]
     output = tmp_path / "summary.md"
     assert ncu_summary.main(["--output", str(output), str(page)]) == 0
     text = output.read_text()
     assert "long_sb 75%" in text and "main loop: 3 instructions" in text
+    assert "`LDG.E.128 R4, [R2.64]`: 75.0% of samples, long_sb" in text

@@ -1,8 +1,9 @@
 """What Nsight Compute's source page says of a kernel, in a few lines: for
 each ``-sass.csv`` that ``run-fp8-bench.sh ncu`` writes (ncu's source page,
 every SASS instruction with its executions and its samples of stalled
-warps), the share of samples by stall reason, and the opcode mix of the
-main loop (the instructions executed most often, together). The raw pages
+warps), the share of samples by stall reason, the opcode mix of the main
+loop (the instructions executed most often, together) and the
+instructions that hold the most samples. The raw pages
 are large; this summary is what results keep.
 
     python -m pagedkv.bench.kernels.ncu_summary --output FILE.md PAGE.csv ...
@@ -35,9 +36,11 @@ def _opcode(source: str) -> str:
     return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
 
 
-def summarize(path: Path, top: int = 8) -> dict[str, Any]:
+def summarize(path: Path, top: int = 8, lines: int = 5) -> dict[str, Any]:
     """A source page's stall reasons (shares of all samples), the main
-    loop's length in instructions and its ``top`` opcodes."""
+    loop's length in instructions and its ``top`` opcodes, and the
+    ``lines`` instructions with the most samples (each with its share and
+    its main reason)."""
     rows = list(csv.reader(path.open()))
     header = next(i for i, row in enumerate(rows) if SAMPLES in row)
     names, data = rows[header], rows[header + 1 :]
@@ -50,11 +53,23 @@ def summarize(path: Path, top: int = 8) -> dict[str, Any]:
     loop_count = max(counts, key=lambda n: n * counts[n])
     loop = [row for row in data if int(_number(row[at[EXECUTED]])) == loop_count]
     opcodes = Counter(_opcode(row[at["Source"]]) for row in loop)
+    busiest = sorted(data, key=lambda row: -_number(row[at[SAMPLES]]))[:lines]
     return {
         "name": path.name.removesuffix("-sass.csv"),
         "stalls": {r.removeprefix("stall_"): round(s, 3) for r, s in stalls.most_common(top)},
         "loop_instructions": len(loop),
         "loop_opcodes": dict(opcodes.most_common(top)),
+        "stalled_lines": [
+            {
+                "source": " ".join(row[at["Source"]].split()),
+                "share": round(_number(row[at[SAMPLES]]) / samples, 3),
+                "reason": max(reasons, key=lambda r: _number(row[at[r]]), default="").removeprefix(
+                    "stall_"
+                ),
+            }
+            for row in busiest
+            if _number(row[at[SAMPLES]]) > 0
+        ],
     }
 
 
@@ -63,7 +78,8 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         "# Attention kernels under Nsight Compute (`python -m pagedkv.bench.kernels.ncu_summary`)",
         "",
         "From ncu's source page (`run-fp8-bench.sh ncu`): stalled warps' samples by "
-        "reason, and the main loop's instructions (a warp's, per iteration) by opcode.",
+        "reason, the main loop's instructions (a warp's, per iteration) by opcode, and "
+        "the instructions that hold the most samples.",
     ]
     for summary in summaries:
         stalls = ", ".join(f"{r} {s:.0%}" for r, s in summary["stalls"].items())
@@ -75,6 +91,8 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             f"- stalls: {stalls}",
             f"- main loop: {summary['loop_instructions']} instructions; {opcodes}",
         ]
+        for line in summary.get("stalled_lines", []):
+            lines.append(f"- `{line['source']}`: {line['share']:.1%} of samples, {line['reason']}")
     return "\n".join(lines) + "\n"
 
 
