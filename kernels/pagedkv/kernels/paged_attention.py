@@ -58,11 +58,11 @@ PREFILL_INT8_PTX = True
 # a tile's K and V loads then depend on no load of their own step, and
 # with three stages the compiler issues them a step before their use (its
 # wait lets two groups of copies stay in flight, where without the
-# read-ahead it waited for every copy at the top of each step). At the
-# tiles above, on the H200, both off against both on: bf16 976 and 941 us
-# against 832 and 758, fp8 1,082 and 1,002 against 956 and 847 (the
-# former tile, (128, 128, 8, 2) with both off: bf16 860 and 791, fp8 1,060
-# and 999).
+# read-ahead it waited for every copy at the top of each step). On the
+# H200 at (128, 128, 8, 3), both off against both on: bf16 907 and 809 us
+# against 876 and 731, fp8 1,082 and 1,002 against 956 and 847 (at the
+# former tile, (128, 128, 8, 2) with both off: bf16 860 and 791, fp8
+# 1,060 and 999).
 PREFILL_FUSED_SCALE = True
 PREFILL_PREFETCH = True
 
