@@ -106,6 +106,23 @@ def test_decode_entries_beside_a_prefill_read_their_whole_context(
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "read-ahead"])
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-scale"])
+def test_the_prefill_switches_keep_the_output(
+    prefetch: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks over cached context and from scratch, many unmasked key tiles
+    # each, with the block table read a tile ahead or not and the scale
+    # inside exp2 or not (both on by default).
+    monkeypatch.setattr(paged_attention, "PREFILL_PREFETCH", prefetch)
+    monkeypatch.setattr(paged_attention, "PREFILL_FUSED_SCALE", fused)
+    batch = build_batch([300, 0], [40, 150], num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    args = [batch[name] for name in NAMES]
+    expected = reference.paged_attention(*args, scale=0.3)  # type: ignore[arg-type]
+    out = run(paged_attention.paged_attention, *args, scale=0.3)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
 def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -> None:
     batch = build_batch([0, 17], [3, 1], num_q_heads=8, num_kv_heads=1, head_size=80)
     args = [batch[name] for name in NAMES]
