@@ -37,6 +37,10 @@ from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
 PREFILL_TILE = (128, 32, 8, 3, 128)
 PREFILL_QUANTIZED_TILE = (128, 128, 8, 3)
 PREFILL_TILE_LARGE_HEAD = (32, 64, 4, 2)
+# Keys a step, at least, of a decode entry's tiles beside prefill chunks at
+# head sizes up to 128 (its program reads the whole context alone, one
+# step's loads after another): the bf16 tile's 32 would quadruple its steps.
+PREFILL_DECODE_KEYS = 128
 SHORT_TILE = (16, 16, 4, 2)
 # fp8 and int8 caches: V tiles widened before the dot's layout (attend's WIDEN_V).
 PREFILL_FP8_WIDEN_V = True
@@ -162,6 +166,9 @@ def paged_attention(
         max_query_len, head_size, scales.quantized
     )
     limits = {"maxnreg": registers[0]} if registers else {}
+    decode_keys = block_n
+    if max_query_len > 16 and head_size <= 128:
+        decode_keys = max(block_n, PREFILL_DECODE_KEYS)
     block_d = max(16, triton.next_power_of_2(head_size))
     if tiles is not None:
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
@@ -204,6 +211,7 @@ def paged_attention(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        DECODE_N=decode_keys,
         BLOCK_D=block_d,
         EVEN_D=block_d == head_size,
         GROUP=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),

@@ -48,6 +48,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DECODE_N: tl.constexpr,  # keys a step of a decode entry's tiles
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     GROUP: tl.constexpr,  # rows of a decode entry's tile: the query heads of a KV head, padded
@@ -107,9 +108,9 @@ def _paged_attention_kernel(
             g_l = tl.zeros([GROUP], dtype=tl.float32)
             g_acc = tl.zeros([GROUP, BLOCK_D], dtype=tl.float32)
             g_start = seq_len * 0
-            g_diagonal = (seq_len // BLOCK_N) * BLOCK_N  # whole tiles every row sees
+            g_diagonal = (seq_len // DECODE_N) * DECODE_N  # whole tiles every row sees
             if USE_WINDOW:
-                g_start = (tl.maximum(context - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+                g_start = (tl.maximum(context - sliding_window + 1, 0) // DECODE_N) * DECODE_N
                 g_diagonal = g_start
             g_m, g_l, g_acc = attend_span(
                 q,
@@ -141,7 +142,7 @@ def _paged_attention_kernel(
                 USE_WINDOW,
                 USE_SOFTCAP,
                 BLOCK_SIZE,
-                BLOCK_N,
+                DECODE_N,
                 EVEN_D,
                 WIDEN_V,
                 False,
