@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels import (
-    attend,
     cache_ops,
     decode_attention,
     int8_kv,
@@ -25,6 +24,7 @@ from pagedkv.kernels import (
     paged_attention,
     reference,
     rotary,
+    tiles,
     torch_backend,
 )
 from tests.kernels.test_fused_ops import llama_cos_sin
@@ -105,13 +105,13 @@ def _widen_kernel(in_ptr, out_ptr, like_ptr, INT8: tl.constexpr, TRANSPOSED: tl.
     if TRANSPOSED:  # as attend's WIDEN_V loads a V tile
         rows = tl.trans(rows)
     like = tl.load(like_ptr + rows)
-    tl.store(out_ptr + rows, attend.widen(tl.load(in_ptr + rows), like, INT8))
+    tl.store(out_ptr + rows, tiles.widen(tl.load(in_ptr + rows), like, INT8))
 
 
 @pytest.mark.parametrize("ptx", PTX, ids=["ops", "ptx"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["tile", "transposed"])
 def test_widening_gives_every_int8_value_exactly(ptx: bool, transposed: bool) -> None:
-    """``attend.widen`` turns each of the 256 int8 values into the float16
+    """``tiles.widen`` turns each of the 256 int8 values into the float16
     of the same value, each in its own place (the PTX path packs four)."""
     values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     values = values[torch.randperm(256, generator=torch.Generator().manual_seed(0))].to(DEVICE)

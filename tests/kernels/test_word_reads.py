@@ -1,6 +1,6 @@
 """Quantized tiles read as 32-bit words (``decode_attention.DECODE_FP8_WORDS``
-and ``DECODE_INT8_WORDS``, ``attend.load_words``): every byte widens to the
-float16 ``attend.widen`` gives it, in its own place, and decode over fp8
+and ``DECODE_INT8_WORDS``, ``tiles.load_words``): every byte widens to the
+float16 ``tiles.widen`` gives it, in its own place, and decode over fp8
 and int8 caches read this way matches the oracle and, on a GPU, the byte
 reads bit for bit. Under
 TRITON_INTERPRET=1 the words are widened by Triton's ops (``WORDS_OPS``),
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels import attend, decode_attention, fp8_kv, paged_attention
+from pagedkv.kernels import decode_attention, fp8_kv, paged_attention, tiles
 from tests.kernels.test_fp8_cache_kernels import check_attention
 from tests.kernels.test_int8_cache_kernels import DECODES, NAMES, Int8Cache
 from tests.kernels.test_int8_cache_kernels import check_attention as check_int8_attention
@@ -24,7 +24,7 @@ from tests.kernels.test_triton_kernels import DEVICE
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FORMATS = list(fp8_kv.KV_CACHE_DTYPES.values())
-WORDS = attend.WORDS_OPS if INTERPRETED else attend.WORDS_PTX
+WORDS = tiles.WORDS_OPS if INTERPRETED else tiles.WORDS_PTX
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _words_kernel(in_ptr, out_ptr, WORDS: tl.constexpr):
     # stored where byte j of word w sits (4 w + j of its row).
     rows = tl.arange(0, 16)[:, None] * 4 + tl.arange(0, 4)[None, :]
     packed = tl.load(in_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows)
-    values = attend.widen_words(packed, in_ptr.dtype.element_ty, WORDS)
+    values = tiles.widen_words(packed, in_ptr.dtype.element_ty, WORDS)
     at = rows[:, :, None, None] * 4 + tl.arange(0, 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(out_ptr + at, values)
 

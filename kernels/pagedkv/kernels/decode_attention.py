@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-from pagedkv.kernels.attend import WORDS_OPS, WORDS_PTX
 from pagedkv.kernels.decode_kernel import _decode_split_kernel
 from pagedkv.kernels.decode_merge import merge_splits
 from pagedkv.kernels.kv_quant import ScaleArgs
+from pagedkv.kernels.tiles import WORDS_OPS, WORDS_PTX
 
 # Decode tuning, from ``python -m pagedkv.bench.kernels.tune`` on the H200 (results
 # in tests/benchmarks/results/kernels-tune-h200.json). DECODE_TILE: keys per
@@ -64,7 +64,7 @@ DECODE_FP8_PREFETCH = True
 # (executor-kv-int8-scale-tiles-{True,False}-h100). So it stays off.
 DECODE_INT8_SCALE_TILES = False
 # DECODE_INT8_PTX widens int8 tiles four values at a time in inline PTX
-# (attend.widen, kv_quant.INT8_PTX) instead of through Triton's ops. On an
+# (tiles.widen, kv_quant.INT8_PTX) instead of through Triton's ops. On an
 # H100 it took 312 us against 286 at 32 x 8k (head size 128) and 41.2
 # against 40.8 at 64 x 768 (64; kernels-int8-ptx-{128,64}-h100), so it
 # stays off.

@@ -73,7 +73,7 @@ def quantize(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 # The readers' ``INT8`` constexpr: not int8; int8 widened by Triton's ops;
-# int8 widened four values at a time in inline PTX (``attend.widen``).
+# int8 widened four values at a time in inline PTX (``tiles.widen``).
 INT8_OPS = 1
 INT8_PTX = 2
 

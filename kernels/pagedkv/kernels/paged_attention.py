@@ -51,7 +51,7 @@ PREFILL_FP8_WIDEN_V = True
 # 128, where scaling the scores spilled into a stack of 328 and 776 bytes
 # (kernels-sass-sm90{,-scaled-scores}.md, pagedkv.bench.kernels.sass).
 PREFILL_INT8_SCALE_TILES = True
-# int8 caches: tiles widened four values at a time in inline PTX (attend.widen).
+# int8 caches: tiles widened four values at a time in inline PTX (tiles.widen).
 # On an H100 the int8 prefill took 1,179 us against 1,256 (b=8, 2,048 causal)
 # and 1,141 against 1,206 (b=8, 512 over 4,096 cached) with it
 # (kernels-int8-ptx-{True,False}-h100), so it is on.
