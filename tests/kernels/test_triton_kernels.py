@@ -106,6 +106,18 @@ def test_decode_entries_beside_a_prefill_read_their_whole_context(
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+def test_a_quantized_cache_tiles_the_same_query_rows() -> None:
+    # A CUDA graph's tile schedule counts query rows (tile_rows) without
+    # knowing the cache's dtype: both tilings must agree on them.
+    for tokens in (8, 24, 2048):
+        for head_size in (64, 128, 256):
+            float_tile = paged_attention.prefill_tiling(tokens, head_size)
+            quantized = paged_attention.prefill_tiling(tokens, head_size, quantized=True)
+            assert float_tile[0] == quantized[0] == paged_attention.tile_rows(tokens, head_size)
+    assert paged_attention.prefill_tiling(2048, 128) == paged_attention.PREFILL_TILE
+    assert paged_attention.prefill_tiling(2048, 128, True) == paged_attention.PREFILL_QUANTIZED_TILE
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "read-ahead"])
 @pytest.mark.parametrize("fused", [False, True], ids=["", "fused-scale"])
 def test_the_prefill_switches_keep_the_output(
