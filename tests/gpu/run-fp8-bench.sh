@@ -213,7 +213,8 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     done
     ;;
   prefill)
-    # The prefill kernel's tiles (TILES: MxNxWARPSxSTAGES,...) with the
+    # The prefill kernel's tiles (TILES: MxNxWARPSxSTAGES[xREGISTERS],...;
+    # unset, tune's PREFILL_TILES) with the
     # block table read a tile ahead (PREFILL_PREFETCH) and the scale inside
     # exp2 (PREFILL_FUSED_SCALE) each off and on, against the best SDPA
     # backend, at b = 8: 2,048 new tokens, and 512 over 4,096 cached; bf16
@@ -224,10 +225,14 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     for name in ${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}; do
       switches+=(--prefill-switch "$name")
     done
+    tiles=()
+    if [[ -n ${TILES:-} ]]; then
+      tiles=(--prefill-tiles "$TILES")
+    fi
     for kv in ${KV:-bfloat16 fp8_e4m3}; do
       "$PYTHON" -m pagedkv.bench.kernels.tune --only prefill --kv-cache-dtype "$kv" \
-        --prefill-tiles "${TILES:-128x128x8x2,128x128x8x3,128x64x8x3,128x64x8x4,64x64x4x3,64x64x4x4}" \
-        "${switches[@]}" --output "$RESULTS/kernels-prefill-tune-$kv${TAG:+-$TAG}-$NAME.json"
+        "${tiles[@]}" "${switches[@]}" \
+        --output "$RESULTS/kernels-prefill-tune-$kv${TAG:+-$TAG}-$NAME.json"
     done
     ;;
   kernels)

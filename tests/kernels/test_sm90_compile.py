@@ -55,7 +55,8 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")
 def test_the_machine_code_report_counts_each_build(tmp_path: Path) -> None:
     """``pagedkv.bench.kernels.sass``: a row per kernel, cache dtype and
-    head size, from ``cuobjdump``; a launch constant set off is named."""
+    head size, from ``cuobjdump``; a launch constant set off is named; the
+    prefill kernel's copies stay in flight across a step."""
     output = tmp_path / "sass.json"
     setting = "paged_attention.PREFILL_INT8_SCALE_TILES=off"
     _run_module("pagedkv.bench.kernels.sass", "--output", str(output), "--set", setting)
@@ -66,4 +67,7 @@ def test_the_machine_code_report_counts_each_build(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert row["instructions"] > 500 and 0 < row["registers"] <= 255, row
         assert sum(row["top_opcodes"].values()) <= row["instructions"]
+        assert row["local_accesses"] >= 0
+        if row["kernel"] == "prefill":  # the block table read ahead: copies overlap
+            assert max(row["copy_waits"]) >= 2, row
     assert output.with_suffix(".md").read_text().startswith("# Attention kernels")

@@ -29,7 +29,7 @@ from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
 # 4,096 cached, with the read-ahead and the fused scale below on
 # (kernels-prefill-tune-*-h200.json, and *-registers-h100.json for the
 # cap): capped at 128 registers, two programs of the bf16 tile share a
-# multiprocessor (80 KB of shared memory each, no spill in its loops),
+# multiprocessor (80 KB of shared memory each, little spilled),
 # and on an H100 it took 776 and 714 us against 834 and 746 for (128, 64,
 # 8, 3) uncapped, the best tile of one program a multiprocessor; over fp8
 # blocks the same cap was slower (1,107 against 960 us for (128, 128, 8,

@@ -36,6 +36,7 @@ from pagedkv.bench.kernels.compile_only import BUILT, install
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 HEAD_SIZES = (64, 128)
 KERNELS = {"decode": "_decode_split_kernel", "prefill": "_paged_attention_kernel"}
+_COPY_WAIT = re.compile(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -66,6 +67,11 @@ def machine_code(cubin: bytes) -> dict[str, Any]:
         "top_opcodes": dict(opcodes.most_common(10)),
         "registers": int(registers.group(1)) if registers else None,
         "stack_bytes": int(spills.group(1)) if spills else None,
+        # Local-memory loads and stores (a spill's traffic), and the copy
+        # groups each wait on asynchronous copies lets stay in flight (0: it
+        # waits for every copy; more: the pipeline overlaps its copies).
+        "local_accesses": sum(n for op, n in opcodes.items() if op.startswith(("LDL", "STL"))),
+        "copy_waits": sorted({int(n, 16) for n in _COPY_WAIT.findall(sass)}),
     }
 
 
@@ -151,13 +157,15 @@ def summary(results: dict[str, Any]) -> str:
         "`cuobjdump -sass` and `-res-usage`. Launch constants changed from the "
         f"defaults: {results['settings'] or 'none'}.",
         "",
-        "| kernel | cache | head size | instructions | registers | stack bytes |",
-        "|---|---|---|---|---|---|",
+        "| kernel | cache | head size | instructions | registers | stack bytes | local "
+        "loads and stores | copy groups a wait leaves in flight |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         lines.append(
             f"| {row['kernel']} | {row['kv_cache_dtype']} | {row['head_size']} | "
-            f"{row['instructions']:,} | {row['registers']} | {row['stack_bytes']} |"
+            f"{row['instructions']:,} | {row['registers']} | {row['stack_bytes']} | "
+            f"{row['local_accesses']} | {', '.join(map(str, row['copy_waits']))} |"
         )
     return "\n".join(lines) + "\n"
 
