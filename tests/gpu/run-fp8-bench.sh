@@ -97,7 +97,8 @@ case "${1:-tests}" in
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cache_kernels.py \
       tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
       tests/kernels/test_word_reads.py tests/kernels/test_gpu.py \
-      -k "fp8 or int8 or cache or rotate or word or paged_attention"
+      tests/kernels/test_triton_kernels.py \
+      -k "fp8 or int8 or cache or rotate or word or paged_attention or prefill or decode or rows"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
@@ -219,10 +220,12 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # exp2 (PREFILL_FUSED_SCALE) each off and on, against the best SDPA
     # backend, at b = 8: 2,048 new tokens, and 512 over 4,096 cached; bf16
     # and fp8_e4m3 blocks (KV). Files: kernels-prefill-tune-KV-NAME.json.
-    # SWITCHES: the constants timed off and on (set empty: none, each tile
+    # SWITCHES: the constants timed off and on, commas or spaces between
+    # them (set empty: none, each tile
     # as the defaults set the rest); TAG: a name's part after the dtype.
     switches=()
-    for name in ${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}; do
+    switch_names=${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}
+    for name in ${switch_names//,/ }; do
       switches+=(--prefill-switch "$name")
     done
     tiles=()

@@ -135,6 +135,76 @@ def test_the_prefill_switches_keep_the_output(
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+def new_rows(batch: dict[str, Any], padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's own key and value, as the cache holds them, as rows
+    of a fused projection's output (heads packed, rows further apart than
+    one token's K), and ``padding`` rows of NaN for padding tokens."""
+    lens = batch["query_start_loc"].diff().tolist()
+    rows = []
+    for name in ("keys", "values"):
+        own = [seq[len(seq) - n :] for seq, n in zip(batch[name], lens, strict=True)]
+        rows.append(torch.cat(own))
+    tokens, heads, size = rows[0].shape
+    fused = torch.full((tokens + padding, 3, heads * size), float("nan"), dtype=rows[0].dtype)
+    fused[:tokens, 1] = rows[0].flatten(1)
+    fused[:tokens, 2] = rows[1].flatten(1)
+    return fused[:, 1].unflatten(1, (heads, size)), fused[:, 2].unflatten(1, (heads, size))
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("max_query_len", [None, 24, 2048])  # own tiling, then schedules
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+def test_a_prefills_own_rows_read_contiguously_give_the_same_output(
+    tma: bool,
+    max_query_len: int | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Chunks over cached context (not a whole tile of it, and many tiles),
+    # from scratch, and decodes, their own keys and values read from rows
+    # beside the cache; a schedule's padding tokens have rows of NaN, which
+    # a tile past a sequence's end reads and must not use.
+    monkeypatch.setattr(paged_attention, "PREFILL_NEW_KV_TMA", tma)
+    batch = build_batch(
+        [0, 0, 15, 17, 40, 300, 5],
+        [1, 17, 1, 9, 24, 40, 150],
+        num_q_heads=4,
+        num_kv_heads=2,
+        dtype=torch.float16,
+    )
+    args = [batch[name] for name in NAMES]
+    kwargs: dict[str, Any] = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    expected = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    padding = 0
+    if max_query_len is not None:
+        padding = 3
+        rows = paged_attention.tile_rows(max_query_len, head_size=args[0].shape[-1])
+        kwargs["tiles"] = tile_schedule(batch["query_start_loc"].diff().tolist(), rows, extra=4)
+        kwargs["max_query_len"] = max_query_len
+        args[0] = torch.cat([args[0], torch.zeros_like(args[0][:padding])])
+    new_key, new_value = new_rows(batch, padding)
+    out = run(
+        paged_attention.paged_attention, *args, new_key=new_key, new_value=new_value, **kwargs
+    )
+    torch.testing.assert_close(out[: len(expected)], expected, atol=2e-3, rtol=2e-3)
+
+
+def test_own_rows_must_match_the_query_and_the_cache() -> None:
+    batch = build_batch([0, 5], [4, 3], num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    args = [batch[name] for name in NAMES]
+    new_key, new_value = new_rows(batch)
+    bad = [
+        ({"new_key": new_key}, "new_value: give new_key and new_value together"),
+        ({"new_key": new_key[1:], "new_value": new_value[1:]}, "new_key: expected"),
+        ({"new_key": new_key.float(), "new_value": new_value}, "new_key: must be on"),
+        ({"new_key": new_key, "new_value": new_value.contiguous()}, "new_value: must have"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(ValueError, match=message):
+            paged_attention.paged_attention(*args, scale=0.125, **extra)
+
+
 def test_paged_attention_with_eight_query_heads_per_kv_head_and_head_size_80() -> None:
     batch = build_batch([0, 17], [3, 1], num_q_heads=8, num_kv_heads=1, head_size=80)
     args = [batch[name] for name in NAMES]
