@@ -165,6 +165,7 @@ def test_a_prefills_own_rows_read_contiguously_give_the_same_output(
     # from scratch, and decodes, their own keys and values read from rows
     # beside the cache; a schedule's padding tokens have rows of NaN, which
     # a tile past a sequence's end reads and must not use.
+    monkeypatch.setattr(paged_attention, "PREFILL_NEW_KV", True)
     monkeypatch.setattr(paged_attention, "PREFILL_NEW_KV_TMA", tma)
     batch = build_batch(
         [0, 0, 15, 17, 40, 300, 5],

@@ -82,7 +82,7 @@ PREFILL_PREFETCH = True
 # context through the block table; with PREFILL_NEW_KV_TMA, a tile of those
 # rows is one bulk copy (a tensor descriptor). A bf16 or fp16 cache only:
 # over a quantized one the rows would not be the values the cache rounds.
-PREFILL_NEW_KV = True
+PREFILL_NEW_KV = False
 PREFILL_NEW_KV_TMA = True
 
 
@@ -171,10 +171,7 @@ def paged_attention(
         scale,
     )
     scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
-    if (new_key is None) != (new_value is None):
-        raise ValueError("new_value: give new_key and new_value together")
-    if new_key is not None and new_value is not None:
-        check_new_kv(query, key_cache, new_key, new_value)
+    check_new_kv(query, key_cache, new_key, new_value)
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     # A schedule's batch may carry padding tokens: zeros there, not whatever
