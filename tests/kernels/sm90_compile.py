@@ -7,8 +7,7 @@ this is the CPU's check that every variant a GPU would build does build:
 each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
 not), prefill and decode attention (window, soft-cap, a tile schedule,
 the block table's read-ahead, widened V tiles and scaled int8 tiles on
-and off, a prefill's own rows read by pointers or by descriptors), the
-one-launch decode (rotated or not) and the block moves.
+and off), the one-launch decode (rotated or not) and the block moves.
 
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
 
@@ -102,16 +101,6 @@ def _variants(dtype: torch.dtype) -> None:
             paged_attention.rotary_decode_attention(
                 query[:4], key[:4], key[:4], cos_sin, positions[:4], key_cache, value_cache,
                 slots[:4], table, decodes[0], 0.125, rotate=rotate, **scales,
-            )  # fmt: skip
-    # A prefill's own keys and values read beside the cache (a float
-    # cache's), by pointers and by tensor descriptors.
-    mixed_loc = torch.tensor(mixed[1], dtype=torch.int32)
-    for new_kv, tma in ((True, False), (True, True), (False, True)):
-        paged_attention.PREFILL_NEW_KV, paged_attention.PREFILL_NEW_KV_TMA = new_kv, tma
-        for window, softcap in settings:
-            paged_attention.paged_attention(
-                query[:19], key_cache, value_cache, table, mixed[0], mixed_loc, 0.125,
-                window, softcap, new_key=key[:19], new_value=key[:19], **scales,
             )  # fmt: skip
     pairs = torch.tensor([[1, 2], [3, 4]])
     cache_ops.copy_blocks(storage[:1], storage[1:], pairs)

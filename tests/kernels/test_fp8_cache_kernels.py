@@ -81,14 +81,12 @@ def test_cache_writes_store_the_oracles_bytes(
             same_bytes(cache, oracle)
 
     want_query, want = query.clone(), caches()
-    reference.rotary_and_cache(
-        want_query, key.clone(), value, cos_sin, positions, *want, slots, **kv
-    )
+    reference.rotary_and_cache(want_query, key, value, cos_sin, positions, *want, slots, **kv)
     for module in (rotary, torch_backend):
         moved = [c.to(DEVICE) for c in caches()]
         got_query = query.clone().to(DEVICE)
         on = {name: t.to(DEVICE) for name, t in kv.items()}
-        args = (key.clone(), value, cos_sin, positions)  # the key is rotated in place
+        args = (key, value, cos_sin, positions)
         module.rotary_and_cache(
             got_query, *(t.to(DEVICE) for t in args), *moved, slots.to(DEVICE), **on
         )
@@ -114,13 +112,13 @@ def test_a_rotated_key_is_quantized_as_the_oracle_quantizes_it(fp8: torch.dtype)
     kv = scales(num_kv_heads, True)
     shape = (6, block_size, num_kv_heads, head_size)
     want = [torch.zeros(shape, dtype=fp8), torch.zeros(shape, dtype=fp8)]
-    reference.rotary_and_cache(query.clone(), key.clone(), value, cos_sin, positions, *want, slots,
+    reference.rotary_and_cache(query.clone(), key, value, cos_sin, positions, *want, slots,
                                rotate=True, **kv)  # fmt: skip
     step = torch.finfo(fp8).eps
     for module in (rotary, torch_backend):
         moved = [torch.zeros(shape, dtype=fp8, device=DEVICE) for _ in range(2)]
         on = {name: t.to(DEVICE) for name, t in kv.items()}
-        args = (query.clone(), key.clone(), value, cos_sin, positions)
+        args = (query.clone(), key, value, cos_sin, positions)
         module.rotary_and_cache(
             *(t.to(DEVICE) for t in args), *moved, slots.to(DEVICE), rotate=True, **on
         )

@@ -121,7 +121,6 @@ def test_bf16_fused_layer_ops_match_the_oracles_and_transformers(num_tokens: int
     torch.testing.assert_close(query, q_hf[0].transpose(0, 1), **tol)
     blocks, offsets = slots // 16, slots % 16
     torch.testing.assert_close(key_cache[blocks, offsets], k_hf[0].transpose(0, 1), **tol)
-    torch.testing.assert_close(key, k_hf[0].transpose(0, 1), **tol)  # rotated in place
     assert torch.equal(value_cache[blocks, offsets], value_before)
 
 

@@ -164,12 +164,12 @@ def test_cache_writes_store_the_oracles_values_and_scales(dtype: torch.dtype) ->
 
     want_query, want = query.clone(), Int8Cache(shape, torch.device("cpu"))
     reference.rotary_and_cache(
-        want_query, key.clone(), value, cos_sin, positions, *want.caches, slots, **want.scales
+        want_query, key, value, cos_sin, positions, *want.caches, slots, **want.scales
     )
     for module in (rotary, torch_backend):
         got = Int8Cache(shape, DEVICE)
         got_query = query.clone().to(DEVICE)
-        args = (key.clone(), value, cos_sin, positions)  # the key is rotated in place
+        args = (key, value, cos_sin, positions)
         module.rotary_and_cache(
             got_query, *(t.to(DEVICE) for t in args), *got.caches, slots.to(DEVICE), **got.scales
         )
@@ -191,11 +191,11 @@ def test_a_rotated_key_is_quantized_as_the_oracle_quantizes_it() -> None:
     cos_sin = llama_cos_sin(64, head_size).to(torch.float16)
     shape = (6, block_size, num_kv_heads, head_size)
     want = Int8Cache(shape, torch.device("cpu"))
-    reference.rotary_and_cache(query.clone(), key.clone(), value, cos_sin, positions, *want.caches,
+    reference.rotary_and_cache(query.clone(), key, value, cos_sin, positions, *want.caches,
                                slots, rotate=True, **want.scales)  # fmt: skip
     for module in (rotary, torch_backend):
         got = Int8Cache(shape, DEVICE)
-        args = (query.clone(), key.clone(), value, cos_sin, positions)
+        args = (query.clone(), key, value, cos_sin, positions)
         module.rotary_and_cache(
             *(t.to(DEVICE) for t in args), *got.caches, slots.to(DEVICE), rotate=True, **got.scales
         )

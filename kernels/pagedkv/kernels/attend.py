@@ -52,8 +52,6 @@ def attend(
     SCALE_TILES: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
     FUSED_SCALE: tl.constexpr = False,
-    PAGED: tl.constexpr = True,
-    TMA: tl.constexpr = False,
 ):
     """Online softmax of the rows over keys ``kv_start .. kv_end - 1`` of one
     sequence's KV head, read ``BLOCK_N`` at a time through its block table.
@@ -87,19 +85,9 @@ def attend(
     tile goes through shared memory to its conversion in pairs).
     ``FUSED_SCALE`` (unmasked tiles without a soft-cap): the scale, which
     must be positive, is applied inside each score's exp2 (a row's max is
-    scaled once) rather than to every score first.
-    ``PAGED`` off: the keys and values are rows of contiguous ``[rows,
-    num_kv_heads, head_size]`` tensors (a prefill's own, as the model
-    computed them; ``paged_attention``'s ``new_key``), key ``pos`` at row
-    ``seq + pos`` (``cache_stride_s`` apart, heads ``cache_stride_h``);
-    no block table is read. With ``TMA`` too, ``key_cache_ptr`` and
-    ``value_cache_ptr`` are tensor descriptors over ``[rows, num_kv_heads *
-    head_size]`` with ``[BLOCK_N, head_size]`` blocks (``BLOCK_D ==
-    head_size``): each tile is one bulk copy, rows past the tensor read as
-    zeros, and other sequences' rows are masked like any key past
-    ``kv_end``."""
+    scaled once) rather than to every score first."""
     row_table = block_table_ptr + seq * block_table_stride
-    if PREFETCH and PAGED:
+    if PREFETCH:
         first_pos = kv_start + tl.arange(0, BLOCK_N)
         pages = tl.load(row_table + first_pos // BLOCK_SIZE, mask=first_pos < kv_end, other=0).to(
             tl.int64
@@ -107,27 +95,20 @@ def attend(
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_end
-        if not PAGED:
-            kv_offsets = (seq + k_pos) * cache_stride_s + kv_head * cache_stride_h
-        else:
-            if not PREFETCH:
-                table = row_table + k_pos // BLOCK_SIZE
-                if MASK:
-                    pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
-                else:
-                    pages = tl.load(table).to(tl.int64)
-            kv_offsets = (
-                pages * cache_stride_b
-                + (k_pos % BLOCK_SIZE) * cache_stride_s
-                + kv_head * cache_stride_h
-            )
+        if not PREFETCH:
+            table = row_table + k_pos // BLOCK_SIZE
+            if MASK:
+                pages = tl.load(table, mask=k_valid, other=0).to(tl.int64)
+            else:
+                pages = tl.load(table).to(tl.int64)
+        kv_offsets = (
+            pages * cache_stride_b
+            + (k_pos % BLOCK_SIZE) * cache_stride_s
+            + kv_head * cache_stride_h
+        )
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         # An fp8 tile is widened to the query's dtype (its scales are the caller's).
-        if TMA:
-            k = key_cache_ptr.load(
-                [(seq + start).to(tl.int32), (kv_head * cache_stride_h).to(tl.int32)]
-            )
-        elif WORDS and INT8:  # an fp8 K tile's bytes reach its conversion in pairs
+        if WORDS and INT8:  # an fp8 K tile's bytes reach its conversion in pairs
             k = load_words(key_cache_ptr, kv_offsets, k_valid, dims.shape[0], MASK, WORDS, False)
         else:
             k = widen(load_tile(key_cache_ptr + kv_ptrs, k_valid, dim_valid, MASK, EVEN_D), q, INT8)
@@ -136,11 +117,7 @@ def attend(
             k_scales = load_scales(k_scale_ptr, scale_offsets, k_valid, MASK)
             if PREFETCH:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
-        if PREFETCH and TMA:
-            v = value_cache_ptr.load(
-                [(seq + start).to(tl.int32), (kv_head * cache_stride_h).to(tl.int32)]
-            )
-        elif PREFETCH:
+        if PREFETCH:
             v = load_values(
                 value_cache_ptr,
                 kv_ptrs,
@@ -154,7 +131,6 @@ def attend(
                 INT8,
                 WORDS,
             )
-        if PREFETCH and PAGED:
             next_pos = k_pos + BLOCK_N
             pages = tl.load(row_table + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0).to(
                 tl.int64
@@ -184,11 +160,7 @@ def attend(
             p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH and TMA:
-            v = value_cache_ptr.load(
-                [(seq + start).to(tl.int32), (kv_head * cache_stride_h).to(tl.int32)]
-            )
-        elif not PREFETCH:
+        if not PREFETCH:
             v = load_values(
                 value_cache_ptr,
                 kv_ptrs,
@@ -204,8 +176,6 @@ def attend(
             )
             if INT8:
                 v_scales = load_scales(v_scale_ptr, scale_offsets, k_valid, MASK)
-        if TMA and MASK:  # rows past the sequence may be padding's, not finite
-            v = tl.where(k_valid[:, None], v, 0.0)
         weights = p
         if INT8 and SCALE_TILES:
             v = v * v_scales.to(tl.float16)[:, None]
@@ -255,8 +225,6 @@ def attend_span(
     SCALE_TILES: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
     FUSED_SCALE: tl.constexpr = False,
-    PAGED: tl.constexpr = True,
-    TMA: tl.constexpr = False,
 ):
     """``attend`` over keys ``kv_start .. kv_end - 1``: those before
     ``diagonal`` (whole tiles every row sees) without masks, the rest
@@ -299,8 +267,6 @@ def attend_span(
         SCALE_TILES,
         WORDS,
         FUSED_SCALE,
-        PAGED,
-        TMA,
     )
     m_i, l_i, acc = attend(
         q,
@@ -340,7 +306,5 @@ def attend_span(
         SCALE_TILES,
         WORDS,
         FUSED_SCALE,
-        PAGED,
-        TMA,
     )
     return m_i, l_i, acc

@@ -68,8 +68,6 @@ class PagedAttention(Protocol):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
-        new_key: torch.Tensor | None = None,
-        new_value: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -115,8 +113,8 @@ class ActMul(Protocol):
 
 
 class RotaryAndCache(Protocol):
-    """Rotates the query and the key in place; writes the rotated key and
-    the value at their slots; with ``rotate``, the query and key in the Hadamard basis."""
+    """Rotates the query in place; writes the rotated key and the value at
+    their slots; with ``rotate``, the query and key in the Hadamard basis."""
 
     def __call__(
         self,

@@ -152,30 +152,6 @@ def check_attention_args(
         raise ValueError(f"scale: must be positive and finite, not {scale}")
 
 
-def check_new_kv(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    new_key: torch.Tensor | None,
-    new_value: torch.Tensor | None,
-) -> None:
-    """A prefill's own keys and values beside its cache (``paged_attention``'s
-    ``new_key`` and ``new_value``), both or neither: a ``[num_tokens,
-    num_kv_heads, head_size]`` row per query token, in the query's dtype,
-    last dim contiguous, both with the same strides."""
-    if new_key is None or new_value is None:
-        if new_key is not None or new_value is not None:
-            raise ValueError("new_value: give new_key and new_value together")
-        return
-    shape = (len(query), key_cache.shape[2], key_cache.shape[3])
-    for name, tensor in (("new_key", new_key), ("new_value", new_value)):
-        if tuple(tensor.shape) != shape or tensor.stride(-1) != 1:
-            raise ValueError(f"{name}: expected {list(shape)}, last dim contiguous")
-        if tensor.dtype != query.dtype or tensor.device != query.device:
-            raise ValueError(f"{name}: must be on the query's device, in its dtype")
-    if new_key.stride() != new_value.stride():
-        raise ValueError("new_value: must have new_key's strides")
-
-
 def check_rotary_args(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -13,18 +13,10 @@ Batches of decodes take the flash-decoding path of ``decode_attention``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pagedkv.kernels.checks import (
-    check_attention_args,
-    check_new_kv,
-    check_rotary_args,
-    check_rotate,
-)
+from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
 from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
 from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
@@ -77,13 +69,6 @@ PREFILL_INT8_PTX = True
 # 1,060 and 999).
 PREFILL_FUSED_SCALE = True
 PREFILL_PREFETCH = True
-# A chunk's own keys and values, when the caller gives them (new_key and
-# new_value), are read from their contiguous rows and only the cached
-# context through the block table; with PREFILL_NEW_KV_TMA, a tile of those
-# rows is one bulk copy (a tensor descriptor). A bf16 or fp16 cache only:
-# over a quantized one the rows would not be the values the cache rounds.
-PREFILL_NEW_KV = False
-PREFILL_NEW_KV_TMA = True
 
 
 def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:
@@ -103,20 +88,6 @@ def tile_rows(max_query_len: int, head_size: int) -> int:
     return prefill_tiling(max_query_len, head_size)[0]
 
 
-def descriptor_fits(new_key: torch.Tensor, new_value: torch.Tensor, block_d: int) -> bool:
-    """Whether tensor descriptors can read ``new_key`` and ``new_value``
-    as ``[num_tokens, num_kv_heads * head_size]`` rows: heads packed,
-    ``block_d == head_size``, rows and bases 16-byte aligned (TMA's rule)."""
-    head_size = new_key.shape[2]
-    size = new_key.element_size()
-    return (
-        block_d == head_size
-        and new_key.stride(1) == head_size
-        and (new_key.stride(0) * size) % 16 == 0
-        and all(t.data_ptr() % 16 == 0 for t in (new_key, new_value))
-    )
-
-
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -133,8 +104,6 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    new_key: torch.Tensor | None = None,
-    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -152,12 +121,7 @@ def paged_attention(
     ``max_seq_len`` size the launch; they are computed, with a device sync,
     when not given. A quantized cache is read through ``k_scale`` and
     ``v_scale`` (``kv_quant``): an fp8 cache's per tensor or KV head, an
-    int8 cache's per token and KV head. ``new_key`` and ``new_value``
-    (both or neither), ``[num_tokens, num_kv_heads, head_size]``: each query
-    token's own key and value, exactly as the cache holds them at its
-    position (``rotary_and_cache`` leaves ``key`` so); a prefill over a bf16
-    or fp16 cache reads them there, contiguous, rather than through the
-    block table.
+    int8 cache's per token and KV head.
     """
     check_attention_args(
         query,
@@ -171,7 +135,6 @@ def paged_attention(
         scale,
     )
     scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
-    check_new_kv(query, key_cache, new_key, new_value)
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     # A schedule's batch may carry padding tokens: zeros there, not whatever
@@ -207,20 +170,6 @@ def paged_attention(
     if max_query_len > 16 and head_size <= 128:
         decode_keys = max(block_n, PREFILL_DECODE_KEYS)
     block_d = max(16, triton.next_power_of_2(head_size))
-    # The chunk's own rows, when read (NEW_KV): pointers, or tensor descriptors.
-    new_kv: list[Any] = [query, query]  # not read without NEW_KV
-    new_strides = (0, 0)
-    read_new = PREFILL_NEW_KV and new_key is not None and not scales.quantized
-    new_tma = False
-    if read_new and new_key is not None and new_value is not None:
-        new_strides = (new_key.stride(0), new_key.stride(1))
-        new_kv = [new_key, new_value]
-        new_tma = PREFILL_NEW_KV_TMA and descriptor_fits(new_key, new_value, block_d)
-        if new_tma:
-            shape = [num_tokens, num_kv_heads * head_size]
-            new_kv = [
-                TensorDescriptor(t, shape, [new_strides[0], 1], [block_n, block_d]) for t in new_kv
-            ]
     if tiles is not None:
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
             raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
@@ -237,7 +186,6 @@ def paged_attention(
         query_start_loc,
         tiles if tiles is not None else query_start_loc,
         out,
-        *new_kv,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -246,7 +194,6 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
-        *new_strides,
         scale,
         softcap or 1.0,
         sliding_window or 0,
@@ -274,8 +221,6 @@ def paged_attention(
         SCALE_TILES=PREFILL_INT8_SCALE_TILES,
         FUSED_SCALE=PREFILL_FUSED_SCALE,
         PREFETCH=PREFILL_PREFETCH,
-        NEW_KV=read_new,
-        NEW_TMA=new_tma,
         num_warps=num_warps,
         num_stages=num_stages,
         **limits,

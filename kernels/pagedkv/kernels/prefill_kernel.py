@@ -23,8 +23,6 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     tiles_ptr,  # with TILED: [2, num_tiles], each program's sequence (-1: none) and tile
     out_ptr,  # [num_tokens, num_q_heads, head_size]
-    new_key_ptr,  # NEW_KV: [num_tokens, num_kv_heads, head_size] (NEW_TMA: a descriptor)
-    new_value_ptr,
     query_stride_t,
     query_stride_h,
     out_stride_t,
@@ -33,8 +31,6 @@ def _paged_attention_kernel(
     cache_stride_s,
     cache_stride_h,
     block_table_stride,
-    new_stride_t,
-    new_stride_h,
     scale,
     softcap,
     sliding_window,
@@ -62,8 +58,6 @@ def _paged_attention_kernel(
     SCALE_TILES: tl.constexpr,  # attend's: INT8 tiles scaled, not their scores
     FUSED_SCALE: tl.constexpr,  # attend's: the scale inside exp2's argument (unmasked tiles)
     PREFETCH: tl.constexpr,  # attend's: block table entries read a tile ahead
-    NEW_KV: tl.constexpr,  # a chunk's own keys and values read from new_key_ptr's rows
-    NEW_TMA: tl.constexpr,  # those rows by tensor descriptor (attend's TMA)
 ):
     # Heads vary fastest, so the query heads of a KV head run side by side and
     # share its K/V in L2; the last (longest, causal) tiles start first.
@@ -195,138 +189,45 @@ def _paged_attention_kernel(
         diagonal = kv_start
         if not USE_WINDOW:
             diagonal = tl.minimum(((context + tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
-        if NEW_KV:
-            # The cached context through the block table (every row sees all
-            # of it), then the chunk's own keys from their rows (row 0 at
-            # position context), in tiles counted from the chunk's start.
-            context_end = tl.minimum(context, kv_end)
-            context_diagonal = kv_start
-            if not USE_WINDOW:
-                context_diagonal = (context_end // BLOCK_N) * BLOCK_N
-            m_i, l_i, acc = attend_span(
-                q,
-                q_pos,
-                m_i,
-                l_i,
-                acc,
-                kv_start,
-                context_diagonal,
-                context_end,
-                seq,
-                kv_head,
-                key_cache_ptr,
-                value_cache_ptr,
-                block_table_ptr,
-                cache_stride_b,
-                cache_stride_s,
-                cache_stride_h,
-                block_table_stride,
-                scale * k_scale,
-                softcap,
-                sliding_window,
-                dims,
-                dim_valid,
-                token_k_scales,
-                token_v_scales,
-                scale_stride_b,
-                scale_stride_s,
-                USE_WINDOW,
-                USE_SOFTCAP,
-                BLOCK_SIZE,
-                BLOCK_N,
-                EVEN_D,
-                WIDEN_V,
-                PREFETCH,
-                INT8,
-                SCALE_TILES,
-                0,
-                FUSED_SCALE,
-            )
-            new_start = context + (tl.maximum(kv_start - context, 0) // BLOCK_N) * BLOCK_N
-            diagonal = new_start
-            if not USE_WINDOW:
-                diagonal = tl.minimum(context + ((tile * BLOCK_M) // BLOCK_N) * BLOCK_N, kv_end)
-            m_i, l_i, acc = attend_span(
-                q,
-                q_pos,
-                m_i,
-                l_i,
-                acc,
-                new_start,
-                diagonal,
-                kv_end,
-                q_start - context,
-                kv_head,
-                new_key_ptr,
-                new_value_ptr,
-                block_table_ptr,
-                0,
-                new_stride_t,
-                new_stride_h,
-                block_table_stride,
-                scale * k_scale,
-                softcap,
-                sliding_window,
-                dims,
-                dim_valid,
-                token_k_scales,
-                token_v_scales,
-                scale_stride_b,
-                scale_stride_s,
-                USE_WINDOW,
-                USE_SOFTCAP,
-                BLOCK_SIZE,
-                BLOCK_N,
-                EVEN_D,
-                False,
-                False,
-                False,
-                False,
-                0,
-                FUSED_SCALE,
-                False,
-                NEW_TMA,
-            )
-        else:
-            m_i, l_i, acc = attend_span(
-                q,
-                q_pos,
-                m_i,
-                l_i,
-                acc,
-                kv_start,
-                diagonal,
-                kv_end,
-                seq,
-                kv_head,
-                key_cache_ptr,
-                value_cache_ptr,
-                block_table_ptr,
-                cache_stride_b,
-                cache_stride_s,
-                cache_stride_h,
-                block_table_stride,
-                scale * k_scale,
-                softcap,
-                sliding_window,
-                dims,
-                dim_valid,
-                token_k_scales,
-                token_v_scales,
-                scale_stride_b,
-                scale_stride_s,
-                USE_WINDOW,
-                USE_SOFTCAP,
-                BLOCK_SIZE,
-                BLOCK_N,
-                EVEN_D,
-                WIDEN_V,
-                PREFETCH,
-                INT8,
-                SCALE_TILES,
-                0,
-                FUSED_SCALE,
-            )
+        m_i, l_i, acc = attend_span(
+            q,
+            q_pos,
+            m_i,
+            l_i,
+            acc,
+            kv_start,
+            diagonal,
+            kv_end,
+            seq,
+            kv_head,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            cache_stride_b,
+            cache_stride_s,
+            cache_stride_h,
+            block_table_stride,
+            scale * k_scale,
+            softcap,
+            sliding_window,
+            dims,
+            dim_valid,
+            token_k_scales,
+            token_v_scales,
+            scale_stride_b,
+            scale_stride_s,
+            USE_WINDOW,
+            USE_SOFTCAP,
+            BLOCK_SIZE,
+            BLOCK_N,
+            EVEN_D,
+            WIDEN_V,
+            PREFETCH,
+            INT8,
+            SCALE_TILES,
+            0,
+            FUSED_SCALE,
+        )
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l_i is 0 only in rows not stored
         if FP8:

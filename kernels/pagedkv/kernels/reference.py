@@ -260,7 +260,7 @@ def rotary_embedding(
 
 def rotary_and_cache(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_size], rotated in place
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     cos_sin: torch.Tensor,  # [max_position, head_size]
     positions: torch.Tensor,  # [num_tokens], int
@@ -272,16 +272,16 @@ def rotary_and_cache(
     v_scale: torch.Tensor | None = None,
     rotate: bool = False,
 ) -> None:
-    """Rotates ``query`` and ``key`` in place; writes the rotated key (rounded to its
+    """Rotates ``query`` in place; writes the rotated key (rounded to its
     dtype, then quantized for an fp8 cache) and the value at each token's
     slot (negative slots are skipped). With ``rotate`` the rotated query and
     key are then multiplied by the Hadamard matrix of the head size
     (``fp8_kv.hadamard``), in float32, before either is rounded: scores are
     unchanged, and the key is stored in that basis."""
     query.copy_(rotary_embedding(query, cos_sin, positions, rotate))
-    key.copy_(rotary_embedding(key, cos_sin, positions, rotate))
+    rotated = rotary_embedding(key, cos_sin, positions, rotate)
     reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
     )
 
 
@@ -304,12 +304,12 @@ def rotary_decode_attention(
     v_scale: torch.Tensor | None = None,
     rotate: bool = False,
 ) -> torch.Tensor:
-    """``rotary_and_cache`` on copies of the query and the key, then
-    ``paged_attention`` of one new token per sequence."""
+    """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
+    of one new token per sequence."""
     rotated = query.clone()
     rotary_and_cache(
         rotated,
-        key.clone(),  # left as it is
+        key,
         value,
         cos_sin,
         positions,

@@ -83,7 +83,7 @@ def _int8_halves(x1, x2, scale_ptr, scale_dst, scale_mask):
 @triton.jit
 def _rotary_and_cache_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_size], rotated in place
-    key_ptr,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_size]
     value_ptr,  # [num_tokens, num_kv_heads, head_size]
     cos_sin_ptr,  # [max_position, head_size]: cos of each pair's angle, then sin
     positions_ptr,  # [num_tokens]
@@ -155,19 +155,14 @@ def _rotary_and_cache_kernel(
         k_scale = tl.load(k_scale_ptr + kv_heads * scale_stride, mask=head_valid, other=1.0)
         v_scale = tl.load(v_scale_ptr + kv_heads * scale_stride, mask=head_valid, other=1.0)
     cache_dtype = key_cache_ptr.dtype.element_ty
-    # Every token's key is rotated in place (what paged_attention's new_key
-    # takes), padding's too; only tokens with a slot are cached.
-    key_mask = (kv_heads < num_kv_heads) & dims_mask
     k_ptrs = key_ptr + token * key_stride_t + kv_heads * key_stride_h + dims
-    k1 = tl.load(k_ptrs, mask=key_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptrs + half, mask=key_mask, other=0.0).to(tl.float32)
+    k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptrs + half, mask=kv_mask, other=0.0).to(tl.float32)
     k1, k2 = _rotate(k1, k2, cos, sin)
     if ROTATE:
         k1, k2 = _hadamard_half(k1, k2, BLOCK_HKV, BLOCK_HALF, LEVELS)
     k1 = k1.to(dtype)
     k2 = k2.to(dtype)
-    tl.store(k_ptrs, k1, mask=key_mask)
-    tl.store(k_ptrs + half, k2, mask=key_mask)
     v_ptrs = value_ptr + token * value_stride_t + kv_heads * value_stride_h + dims
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + half, mask=kv_mask, other=0.0)
@@ -209,9 +204,9 @@ def rotary_and_cache(
     v_scale: torch.Tensor | None = None,
     rotate: bool = False,
 ) -> None:
-    """Rotates ``query`` and ``key`` in place; writes the rotated key
-    (rounded to the query's dtype, then quantized for an fp8 cache) and the
-    value of each token at its slot (negative slots are skipped; an int8 cache's scales
+    """Rotates ``query`` in place; writes the rotated key (rounded to the
+    query's dtype, then quantized for an fp8 cache) and the value of each
+    token at its slot (negative slots are skipped; an int8 cache's scales
     written at the same slots). ``positions`` must be
     below ``len(cos_sin)`` (not checked: that would wait for the device).
 

@@ -28,7 +28,6 @@ from pagedkv.kernels.checks import (
     check_int_vector,
     check_kv_input,
     check_kv_scales,
-    check_new_kv,
     check_rotary_args,
     check_rotate,
 )
@@ -172,8 +171,6 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    new_key: torch.Tensor | None = None,  # the cache's own copy is read here
-    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -197,7 +194,6 @@ def paged_attention(
         scale,
     )
     check_kv_scales(key_cache, k_scale, v_scale)
-    check_new_kv(query, key_cache, new_key, new_value)
     num_tokens, num_q_heads, head_size = query.shape
     num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -320,15 +316,15 @@ def rotary_and_cache(
     v_scale: torch.Tensor | None = None,
     rotate: bool = False,
 ) -> None:
-    """Rotates ``query`` and ``key`` in place; writes the rotated key and
-    the value at each token's slot (negative slots are skipped; an fp8 cache quantized);
+    """Rotates ``query`` in place; writes the rotated key and the value at
+    each token's slot (negative slots are skipped; an fp8 cache quantized);
     ``rotate`` as the Triton backend's."""
     check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
     check_rotate(rotate, query.shape[-1])
     query.copy_(reference.rotary_embedding(query, cos_sin, positions, rotate))
-    key.copy_(reference.rotary_embedding(key, cos_sin, positions, rotate))
+    rotated = reference.rotary_embedding(key, cos_sin, positions, rotate)
     reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        rotated, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
     )
 
 
@@ -352,13 +348,12 @@ def rotary_decode_attention(
     v_scale: torch.Tensor | None = None,
     rotate: bool = False,
 ) -> torch.Tensor:
-    """``rotary_and_cache`` on copies of the query and the key, then
-    ``paged_attention`` of one new token per sequence (the two ops of this
-    backend)."""
+    """``rotary_and_cache`` on a copy of the query, then ``paged_attention``
+    of one new token per sequence (the two ops of this backend)."""
     rotated = query.clone()
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     rotary_and_cache(
-        rotated, key.clone(), value, cos_sin, positions, key_cache, value_cache, slot_mapping,
+        rotated, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping,
         k_scale=k_scale, v_scale=v_scale, rotate=rotate,
     )  # fmt: skip
     query_start_loc = torch.arange(len(query) + 1, dtype=torch.int32, device=query.device)

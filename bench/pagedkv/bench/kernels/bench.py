@@ -119,14 +119,6 @@ class Case:
             return flat[:, :seq_len].transpose(1, 2).contiguous()
 
         self.k, self.v = contiguous(self.key_cache), contiguous(self.value_cache)
-        # The new tokens' own keys and values as the model hands them over
-        # (paged_attention's new_key and new_value), for a bf16 cache.
-        self.new_kv: list[torch.Tensor | None] = [None, None]
-        if kv_dtype == DTYPE and new_tokens > 1:
-            self.new_kv = [
-                dense[:, :, context:].transpose(1, 2).reshape(-1, NUM_KV_HEADS, head_size)
-                for dense in (self.k, self.v)
-            ]
         self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, head_size).transpose(1, 2)
         self.scale = head_size**-0.5
         self.kv_scales: dict[str, torch.Tensor] = {}
@@ -159,8 +151,6 @@ class Case:
             max_seq_len=self.context + self.new_tokens,
             k_scale=self.kv_scales.get("k_scale"),
             v_scale=self.kv_scales.get("v_scale"),
-            new_key=self.new_kv[0],
-            new_value=self.new_kv[1],
         )
 
     def sdpa(self, backend: SDPBackend) -> torch.Tensor:

@@ -66,16 +66,6 @@ class AttentionMetadata:
         return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
 
-def own_rows(key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``paged_attention``'s ``new_key`` and ``new_value``: a step's keys and
-    values as its layer cached them, which the prefill kernel reads beside
-    the cache; none where their strides differ (a model's rotary embedding
-    or head norm may copy the key and not the value)."""
-    if key.stride() != value.stride() or key.stride(-1) != 1:
-        return {}
-    return {"new_key": key, "new_value": value}
-
-
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, Hq, num_tokens, D]
@@ -117,7 +107,6 @@ def paged_attention_forward(
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
         tiles=meta.tiles,
-        **own_rows(k, v),
         **scales,
     )
     return out[None], None  # [1, T, Hq, D]

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.executor.attention import AttentionMetadata, own_rows
+from pagedkv.executor.attention import AttentionMetadata
 from pagedkv.kernels.backend import KernelBackend
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
@@ -386,7 +386,6 @@ class FusedDecoder:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             tiles=meta.tiles,
-            **own_rows(key, value),  # the key rotated in place above
             **scales,
         )
         attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
