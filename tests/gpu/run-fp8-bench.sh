@@ -3,8 +3,9 @@
 # (tests/gpu/run-gpu-tests.sh: the wheels of tests/gpu/device-wheels.sh in
 # .whl/, installed into SITE), each mode well within one ten-minute call:
 #
-#   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 and int8 kernel tests on the GPU (a
-#                                             # minute or two)
+#   bash tests/gpu/run-fp8-bench.sh tests     # the fp8 and int8 kernel tests and the paged-
+#                                             # attention ones on the GPU (a few
+#                                             # minutes)
 #   bash tests/gpu/run-fp8-bench.sh kernels   # bench kernels over fp8_e4m3 blocks (KV: other
 #                                             # caches): decode and prefill attention (a
 #                                             # minute each)
