@@ -99,7 +99,7 @@ case "${1:-tests}" in
       tests/kernels/test_int8_cache_kernels.py tests/kernels/test_rotary_decode.py \
       tests/kernels/test_word_reads.py tests/kernels/test_gpu.py \
       tests/kernels/test_triton_kernels.py \
-      -k "fp8 or int8 or cache or rotate or word or paged_attention or prefill or decode or rows"
+      -k "fp8 or int8 or cache or rotate or word or paged_attention or prefill or decode"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
@@ -222,8 +222,8 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # backend, at b = 8: 2,048 new tokens, and 512 over 4,096 cached; bf16
     # and fp8_e4m3 blocks (KV). Files: kernels-prefill-tune-KV-NAME.json.
     # SWITCHES: the constants timed off and on, commas or spaces between
-    # them (set empty: none, each tile
-    # as the defaults set the rest); TAG: a name's part after the dtype.
+    # them (set empty: none, each tile as the defaults set the rest); TAG:
+    # a name's part after the dtype.
     switches=()
     switch_names=${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}
     for name in ${switch_names//,/ }; do
