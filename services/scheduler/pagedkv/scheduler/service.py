@@ -35,6 +35,7 @@ from pagedkv.common.loop_lag import LoopLag
 from pagedkv.common.tasks import cancel_and_wait
 from pagedkv.common.text import TextTokenizer
 from pagedkv.common.text_prompts import PromptEncoder
+from pagedkv.scheduler.audits import Audits
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.executors import Executors
 from pagedkv.scheduler.generations import Generations
@@ -62,6 +63,7 @@ class SchedulerService:
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
         self.errors = InternalErrors(metrics)
+        self.audits = Audits()  # GetStats' integrity audits, bounded under load
         self.executors = Executors(config, self.scheduler_id, self, self.errors, metrics)
         self.generations = Generations(self.executors, self.errors, metrics)
         self.loops = StepLoops(config, self.executors, self.generations, self.errors, metrics)
@@ -302,7 +304,7 @@ class SchedulerService:
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks
             executor.draining = scheduler.draining
-            report = kv.check_integrity()
+            report = self.audits.report(address, scheduler)
             if not report.ok:
                 problems.append(f"{address}: " + "; ".join(report.errors))
         response.integrity.ok = not problems
