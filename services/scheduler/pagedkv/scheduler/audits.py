@@ -2,11 +2,11 @@
 
 An audit (``KVCacheManager.check_integrity``) walks every block of an
 executor's pool, its holders and its host tier, on the event loop that
-serves every stream and step of the process: about 8 ms at 10k blocks, 28
-ms at 100k and 350 ms at 500k (a small model's pool on a large GPU), so a
-caller polling GetStats would stall serving that long each time. An
-executor with requests is therefore audited at most once per interval; one
-with none, for every call (nobody waits on it then).
+serves every stream and step of the process, and a small model's pool on
+a large GPU holds hundreds of thousands of blocks: a caller polling
+GetStats would stall serving for that walk each time. An executor with
+requests is therefore audited at most once per interval; one with none,
+for every call (nobody waits on it then).
 """
 
 from __future__ import annotations
