@@ -1,11 +1,12 @@
 """The block core's integrity audit finds each kind of broken state.
 
 GetStats runs the audit (audits.py: for every call on an executor with no
-request, at most once an interval on a busy one). The holders' audit skips its walk
-over the whole pool when the held blocks' count and ref counts agree with
-the pool's (holders_audit.py), so each corruption below must still come out
-of the audit as an error naming it, and a sound state pass with its counts.
-A block whose group is out of range is reported, not raised.
+request, at most once an interval on a busy one). The holders' audit skips
+its walk over the whole pool when the held blocks' count and ref counts
+agree with the pool's (holders_audit.py), so each corruption below must
+still come out of the audit as an error naming it, and a sound state pass
+with its counts. A block whose group is out of range is reported, not
+raised.
 """
 
 from __future__ import annotations

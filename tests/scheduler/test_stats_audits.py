@@ -58,3 +58,13 @@ def test_a_recovered_executor_is_audited_at_once() -> None:
     add_generation(recovered, "r", list(range(20)), 4, key=1)
     break_a_block(recovered)
     assert not audits.report("a", recovered).ok
+
+
+def test_an_executor_gone_from_the_registry_is_forgotten() -> None:
+    clock = Clock()
+    audits = Audits(interval_s=10.0, clock=clock)
+    scheduler = live_scheduler(num_blocks=32)
+    add_generation(scheduler, "r", list(range(20)), 4, key=1)
+    first = audits.report("a", scheduler)
+    audits.keep(["b"])
+    assert audits.report("a", scheduler) is not first  # audited anew

@@ -12,7 +12,7 @@ for every call (nobody waits on it then).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,3 +58,10 @@ class Audits:
             latest = _Audit(scheduler, now, scheduler.kv.check_integrity())
             self._latest[address] = latest
         return latest.report
+
+    def keep(self, addresses: Iterable[str]) -> None:
+        """Forgets the audits of executors not among ``addresses`` (each
+        holds its scheduler, and so its pool, alive)."""
+        kept = set(addresses)
+        for address in [a for a in self._latest if a not in kept]:
+            del self._latest[address]

@@ -307,6 +307,7 @@ class SchedulerService:
             report = self.audits.report(address, scheduler)
             if not report.ok:
                 problems.append(f"{address}: " + "; ".join(report.errors))
+        self.audits.keep(executors.schedulers)
         response.integrity.ok = not problems
         response.integrity.message = "\n".join(problems)
         response.draining = self.draining
