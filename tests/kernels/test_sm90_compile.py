@@ -67,7 +67,6 @@ def test_the_machine_code_report_counts_each_build(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert row["instructions"] > 500 and 0 < row["registers"] <= 255, row
         assert sum(row["top_opcodes"].values()) <= row["instructions"]
-        assert row["local_accesses"] >= 0
         if row["kernel"] == "prefill":  # the block table read ahead: copies overlap
             assert max(row["copy_waits"]) >= 2, row
     assert output.with_suffix(".md").read_text().startswith("# Attention kernels")

@@ -12,8 +12,8 @@ for every call (nobody waits on it then).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedkv.scheduler.block_pool import IntegrityReport
@@ -24,44 +24,29 @@ if TYPE_CHECKING:
 AUDIT_INTERVAL_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Audit:
-    scheduler: ExecutorScheduler  # whose pool: a recovered executor has a new one
-    at: float  # the clock's reading when it ran
-    report: IntegrityReport
-
-
 class Audits:
-    """Each executor's latest integrity audit, by address."""
+    """Each executor scheduler's latest integrity audit (when it ran, by
+    ``clock``, and its report), held weakly: a recovered executor's new
+    scheduler has none, and a scheduler gone from the registry takes its
+    audit with it."""
 
     def __init__(
         self, interval_s: float = AUDIT_INTERVAL_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.interval_s = interval_s
         self._clock = clock
-        self._latest: dict[str, _Audit] = {}
+        self._latest: weakref.WeakKeyDictionary[
+            ExecutorScheduler, tuple[float, IntegrityReport]
+        ] = weakref.WeakKeyDictionary()
 
-    def report(self, address: str, scheduler: ExecutorScheduler) -> IntegrityReport:
+    def report(self, scheduler: ExecutorScheduler) -> IntegrityReport:
         """``scheduler``'s integrity report: audited now when it has no
-        request running or waiting, when its latest audit is ``interval_s``
-        old or more, or when there is none of this scheduler (its executor
-        recovered); else the latest audit's report. Records a new audit."""
+        request running or waiting, when it has no audit yet, or when its
+        latest is ``interval_s`` old or more; else the latest one's report."""
         now = self._clock()
-        latest = self._latest.get(address)
+        latest = self._latest.get(scheduler)
         busy = bool(scheduler.running or scheduler.waiting)
-        if (
-            latest is None
-            or latest.scheduler is not scheduler
-            or not busy
-            or now - latest.at >= self.interval_s
-        ):
-            latest = _Audit(scheduler, now, scheduler.kv.check_integrity())
-            self._latest[address] = latest
-        return latest.report
-
-    def keep(self, addresses: Iterable[str]) -> None:
-        """Forgets the audits of executors not among ``addresses`` (each
-        holds its scheduler, and so its pool, alive)."""
-        kept = set(addresses)
-        for address in [a for a in self._latest if a not in kept]:
-            del self._latest[address]
+        if latest is None or not busy or now - latest[0] >= self.interval_s:
+            latest = (now, scheduler.kv.check_integrity())
+            self._latest[scheduler] = latest
+        return latest[1]

@@ -304,10 +304,9 @@ class SchedulerService:
             executor.epoch = client.owner.epoch
             executor.num_adopted_cached_blocks = scheduler.num_adopted_cached_blocks
             executor.draining = scheduler.draining
-            report = self.audits.report(address, scheduler)
+            report = self.audits.report(scheduler)
             if not report.ok:
                 problems.append(f"{address}: " + "; ".join(report.errors))
-        self.audits.keep(executors.schedulers)
         response.integrity.ok = not problems
         response.integrity.message = "\n".join(problems)
         response.draining = self.draining
