@@ -55,6 +55,8 @@
 #                                             # over bf16, fp8_e4m3 and int8 blocks (a minute
 #                                             # or two); CASES with a fourth field (new
 #                                             # tokens) profile the prefill kernel
+#   bash tests/gpu/run-fp8-bench.sh gluon     # the Gluon prefill's tests (sm_90), and the
+#                                             # prefill kernels' tests beside them
 #   bash tests/gpu/run-fp8-bench.sh prefill   # the prefill kernel's tiles, its read-ahead and
 #                                             # fused scale off and on, bf16 and fp8_e4m3
 #                                             # blocks (a few minutes)
@@ -100,6 +102,11 @@ case "${1:-tests}" in
       tests/kernels/test_word_reads.py tests/kernels/test_gpu.py \
       tests/kernels/test_triton_kernels.py \
       -k "fp8 or int8 or cache or rotate or word or paged_attention or prefill or decode"
+    ;;
+  gluon)
+    # The Gluon prefill's tests, and the prefill kernels' tests beside them.
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
+      tests/kernels/test_triton_kernels.py -k "gluon or paged_attention or prefill or tile"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py

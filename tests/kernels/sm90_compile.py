@@ -7,7 +7,8 @@ this is the CPU's check that every variant a GPU would build does build:
 each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
 not), prefill and decode attention (window, soft-cap, a tile schedule,
 the block table's read-ahead, widened V tiles and scaled int8 tiles on
-and off), the one-launch decode (rotated or not) and the block moves.
+and off), the Gluon prefill (float16 and bfloat16), the one-launch decode
+(rotated or not) and the block moves.
 
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
 
@@ -102,12 +103,34 @@ def _variants(dtype: torch.dtype) -> None:
                 query[:4], key[:4], key[:4], cos_sin, positions[:4], key_cache, value_cache,
                 slots[:4], table, decodes[0], 0.125, rotate=rotate, **scales,
             )  # fmt: skip
+    if dtype in (torch.float16, torch.bfloat16):
+        _gluon_prefill(dtype, table, mixed)
     pairs = torch.tensor([[1, 2], [3, 4]])
     cache_ops.copy_blocks(storage[:1], storage[1:], pairs)
     ids = torch.tensor([5, 6])
     rows = torch.zeros(2, 2 * storage[0][0].numel(), dtype=storage[0].dtype)
     cache_ops.gather_blocks(storage, ids, rows)
     cache_ops.scatter_blocks(storage, ids, rows)
+
+
+def _gluon_prefill(
+    dtype: torch.dtype, table: torch.Tensor, mixed: tuple[torch.Tensor, list[int]]
+) -> None:
+    """The Gluon prefill (sm_90 only) at head sizes 64 and 128, with a tile
+    schedule and without."""
+    from pagedkv.kernels import prefill_gluon
+
+    seq_lens, starts = mixed
+    start_loc = torch.tensor(starts, dtype=torch.int32)
+    tiles = torch.tensor([[1, 0, 2, -1], [0, 0, 0, 0]], dtype=torch.int32)
+    for head_size in prefill_gluon.TILING:
+        query = torch.zeros(starts[-1], 8, head_size, dtype=dtype)
+        cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
+        for schedule in (None, tiles):
+            prefill_gluon.prefill(
+                query, cache, cache, table, seq_lens, start_loc, torch.empty_like(query), 0.125,
+                128, schedule,
+            )  # fmt: skip
 
 
 def main() -> int:

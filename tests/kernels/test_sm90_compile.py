@@ -20,6 +20,7 @@ KERNELS = {
     "_reshape_and_cache_kernel",
     "_rotary_and_cache_kernel",
     "_paged_attention_kernel",
+    "_prefill_kernel",
     "_decode_split_kernel",
     "_decode_merge_kernel",
     "_copy_blocks_kernel",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from pagedkv.kernels import prefill_gluon
 from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
 from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
@@ -69,6 +70,10 @@ PREFILL_INT8_PTX = True
 # 1,060 and 999).
 PREFILL_FUSED_SCALE = True
 PREFILL_PREFETCH = True
+# On an sm_90 GPU, the batches prefill_gluon covers (a float16 or bfloat16
+# cache, head size 64 or 128, no window or soft-cap, 128-row tiles) take
+# its kernel, which overlaps each tile's softmax with the tensor cores.
+PREFILL_GLUON = False
 
 
 def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:
@@ -161,6 +166,20 @@ def paged_attention(
             scales,
         )
         return out
+    if tiles is not None:
+        if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
+            raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
+        tiles = tiles.contiguous()
+    if (
+        PREFILL_GLUON
+        and tile_rows(max_query_len, head_size) == 128
+        and prefill_gluon.supported(query, key_cache, sliding_window, softcap)
+    ):
+        prefill_gluon.prefill(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+            max_query_len, tiles,
+        )  # fmt: skip
+        return out
     # A fifth field, when a tile has one, caps a thread's registers (Triton's maxnreg).
     block_m, block_n, num_warps, num_stages, *registers = prefill_tiling(
         max_query_len, head_size, scales.quantized
@@ -171,9 +190,6 @@ def paged_attention(
         decode_keys = max(block_n, PREFILL_DECODE_KEYS)
     block_d = max(16, triton.next_power_of_2(head_size))
     if tiles is not None:
-        if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
-            raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
-        tiles = tiles.contiguous()
         grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
     else:
         grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))

@@ -1,0 +1,368 @@
+"""The prefill for sm_90 (H100, H200) written in Gluon, Triton's lower
+level, where the kernel states the order of its work itself: each
+warpgroup issues a tile's scores (``Q K^T``) on the tensor cores
+asynchronously, then the previous tile's ``P V``, and computes the softmax
+of the scores while that second product runs; K/V pages are gathered
+through the block table by ``cp.async`` into a ring of shared-memory
+buffers a tile ahead. Triton's compiler, given the same loop
+(``prefill_kernel``), runs dot, softmax, dot in order within a warpgroup.
+
+It covers the prefill's common case: a float16 or bfloat16 cache, head
+size 64 or 128, causal attention with no window or soft-cap, 128 query
+rows a program (two warpgroups of 64) and the same tile schedule as
+``prefill_kernel`` (a decode entry is a tile of one row). ``supported``
+says when it applies; ``paged_attention`` launches it. It has no
+interpreter: its tests run on a GPU, and its sm_90 build on any machine
+(tests/kernels/sm90_compile.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Triton 3.7 names the CTA-wide barrier ``barrier``; 3.6 ``thread_barrier``.
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+MASKED = gl.constexpr(-1.0e30)
+LOG2E = 1.4426950408889634
+BLOCK_M = 128
+NUM_WARPS = 8
+# Keys a tile and buffers of the K/V ring (the loads of tile j + STAGES - 2
+# are issued while tile j is computed), by head size: three buffers of 128
+# keys at head size 128 take 192 KB of shared memory beside Q's 32 KB.
+TILING = {64: (128, 3), 128: (128, 3)}
+
+
+def supported(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> bool:
+    """Whether this kernel computes the batch: on an sm_90 GPU, a float16 or
+    bfloat16 query and cache of the same dtype, head size 64 or 128, no
+    window or soft-cap."""
+    return (
+        query.is_cuda
+        and torch.cuda.get_device_capability(query.device) == (9, 0)
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and key_cache.dtype == query.dtype
+        and query.shape[-1] in TILING
+        and sliding_window is None
+        and softcap is None
+    )
+
+
+@triton.constexpr_function
+def _load_layout(head_size, num_warps):
+    """Rows of ``head_size`` values, eight (16 bytes) a thread."""
+    across = head_size // 8
+    return gl.BlockedLayout([1, 8], [32 // across, across], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_pages(
+    row_table, start, kv_end, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr
+):
+    """The pages of keys ``start .. start + BLOCK_N - 1`` (0 past ``kv_end``)."""
+    k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    return gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _issue_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    k_smem,
+    v_smem,
+    pages,
+    tile,
+    row_table,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """Starts the copies of K/V tile ``tile`` (its ``pages``, read a tile
+    ahead) into its ring buffer as one group (rows past ``kv_end`` zeroed),
+    and returns the next tile's pages."""
+    start = tile * BLOCK_N
+    k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    rows = pages * cache_stride_b + (k_pos % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
+    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] + dims[None, :]
+    mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
+    slot = tile % STAGES
+    async_copy.async_copy_global_to_shared(k_smem.index(slot), key_cache_ptr + offsets, mask=mask)
+    async_copy.async_copy_global_to_shared(v_smem.index(slot), value_cache_ptr + offsets, mask=mask)
+    async_copy.commit_group()
+    return _gather_pages(row_table, start + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE, layout)
+
+
+@gluon.jit
+def _softmax(
+    s, m_i, l_i, q_pos, start, kv_end, qk_scale, BLOCK_N: gl.constexpr, MASK: gl.constexpr
+):
+    """One tile's scores to softmax weights (base 2) beside the running max
+    and sum; returns the weights, the factor that rescales the earlier
+    tiles' sums, and the new max and sum. ``MASK`` off promises a tile
+    every row sees in whole."""
+    if MASK:
+        k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
+        scores = gl.where(allowed, s * qk_scale, MASKED)
+        m_new = gl.maximum(m_i, gl.max(scores, 1))
+        p = gl.exp2(scores - m_new[:, None])
+    else:  # the scale inside exp2's argument: one fused multiply-add a score
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _step(
+    j,
+    s,
+    acc,
+    p,
+    m_i,
+    l_i,
+    pages,
+    q_smem,
+    k_smem,
+    v_smem,
+    key_cache_ptr,
+    value_cache_ptr,
+    q_pos,
+    row_table,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    MASK: gl.constexpr,
+    load_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+):
+    """Tile ``j`` (``j >= 1``): its scores issued, then tile ``j - 1``'s
+    ``P V``; its softmax while that product runs; the accumulator rescaled
+    once the product is done."""
+    async_copy.wait_group(STAGES - 3)  # tile j's copies (this thread's)
+    fence_async_shared()  # visible to the tensor cores' reads
+    _cta_barrier()  # every thread's copies; every warpgroup past tile j - 2's P V
+    pages = _issue_tile(
+        key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, j + STAGES - 2, row_table, kv_end,
+        kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+        load_layout,
+    )  # fmt: skip
+    s_token = warpgroup_mma(
+        q_smem, k_smem.index(j % STAGES).permute((1, 0)), s, use_acc=False, is_async=True
+    )
+    acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_token,))
+    p_new, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
+    )
+    acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    p = gl.convert_layout(p_new.to(p.dtype), p_layout)
+    return s, acc, p, m_i, l_i, pages
+
+
+@gluon.jit
+def _prefill_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_size]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    tiles_ptr,  # with TILED: [2, num_tiles], each program's sequence (-1: none) and tile
+    out_ptr,  # [num_tokens, num_q_heads, head_size]
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    qk_scale,  # the softmax scale times log2(e)
+    num_queries_per_kv,
+    num_tiles,
+    TILED: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
+    head = gl.program_id(0).to(gl.int64)
+    if TILED:
+        seq = gl.load(tiles_ptr + gl.program_id(1)).to(gl.int64)
+        tile = gl.load(tiles_ptr + num_tiles + gl.program_id(1)).to(gl.int64)
+        tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
+        seq = gl.maximum(seq, 0)
+    else:
+        tile = (gl.num_programs(1) - 1 - gl.program_id(1)).to(gl.int64)
+        seq = gl.program_id(2).to(gl.int64)
+    kv_head = head // num_queries_per_kv
+    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int64)
+    context = seq_len - q_len
+    kv_end = context + gl.minimum((tile + 1) * BLOCK_M, q_len)
+    if tile * BLOCK_M < q_len:
+        dtype: gl.constexpr = query_ptr.dtype.element_ty
+        load_layout: gl.constexpr = _load_layout(HEAD, num_warps)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2
+        )
+
+        # Q into shared memory, the scores' left operand.
+        rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+        dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, load_layout))
+        row_mask = (rows < q_len)[:, None] & (dims < HEAD)[None, :]
+        q_offsets = (
+            (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
+        )
+        q = gl.load(query_ptr + q_offsets, mask=row_mask, other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], smem_layout, q)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+
+        # Keys before the tile's first query (rounded down to BLOCK_N) are
+        # seen by every row: tiles before ``diagonal`` need no mask.
+        num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
+        diagonal = gl.minimum((context + tile * BLOCK_M) // BLOCK_N, num_kv_tiles).to(gl.int32)
+        row_table = block_table_ptr + seq * block_table_stride
+        pages = _gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, load_layout)
+        for t in gl.static_range(STAGES - 1):  # tiles 0 .. STAGES - 2
+            pages = _issue_tile(
+                key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end,
+                kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE,
+                HEAD, STAGES, load_layout,
+            )  # fmt: skip
+
+        q_pos = context + tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([BLOCK_M], MASKED, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        # Tile 0's scores, alone; its P V goes with tile 1's scores.
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()
+        _cta_barrier()
+        s_token = warpgroup_mma(
+            q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True
+        )
+        s = warpgroup_mma_wait(0, deps=(s_token,))
+        p, _, m_i, l_i = _softmax(s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, diagonal):
+            s, acc, p, m_i, l_i, pages = _step(
+                j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
+                value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
+                cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+                False, load_layout, p_layout,
+            )  # fmt: skip
+        for j in range(gl.maximum(diagonal, 1), num_kv_tiles):
+            s, acc, p, m_i, l_i, pages = _step(
+                j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
+                value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
+                cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+                True, load_layout, p_layout,
+            )  # fmt: skip
+        # The last tile's P V; then the copies past the last tile (all masked).
+        last = num_kv_tiles - 1
+        acc_token = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_token,))
+        async_copy.wait_group(0)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        out = gl.convert_layout(out.to(dtype), load_layout)
+        out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
+        gl.store(out_ptr + out_offsets, out, mask=row_mask)
+
+
+def prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    tiles: torch.Tensor | None,
+) -> None:
+    """Launches the kernel over a batch ``supported`` accepts, into ``out``
+    (the arguments as ``paged_attention``'s, checked there)."""
+    num_q_heads, head_size = query.shape[1:]
+    block_n, stages = TILING[head_size]
+    if tiles is not None:
+        grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
+    else:
+        grid = (num_q_heads, triton.cdiv(max_query_len, BLOCK_M), len(seq_lens))
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tiles if tiles is not None else query_start_loc,
+        out,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        scale * LOG2E,
+        num_q_heads // key_cache.shape[2],
+        tiles.shape[1] if tiles is not None else 0,
+        TILED=tiles is not None,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        HEAD=head_size,
+        STAGES=stages,
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,85 @@
+"""The Gluon prefill kernel (``prefill_gluon``, sm_90 only: Gluon has no
+interpreter) against the torch oracle, through ``paged_attention`` with
+``PREFILL_GLUON`` on. Its sm_90 build is checked on any machine
+(sm90_compile.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels import paged_attention, prefill_gluon, reference
+from tests.kernels.test_reference import build_batch
+from tests.kernels.test_triton_kernels import NAMES, tile_schedule
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon prefill runs on sm_90 only")
+
+
+def _check(
+    contexts: list[int],
+    query_lens: list[int],
+    dtype: torch.dtype,
+    head_size: int,
+    num_kv_heads: int = 2,
+    block_size: int = 16,
+    tiles: bool = False,
+) -> None:
+    batch = build_batch(
+        contexts, query_lens, num_q_heads=8, num_kv_heads=num_kv_heads, dtype=dtype,
+        head_size=head_size, block_size=block_size,
+    )  # fmt: skip
+    args = [batch[name].cuda() for name in NAMES]  # type: ignore[union-attr]
+    expected = reference.paged_attention(
+        *[a.float() if a.is_floating_point() else a for a in args], scale=0.3
+    )  # type: ignore[arg-type]
+    kwargs: dict[str, object] = {"scale": 0.3}
+    if tiles:
+        kwargs["max_query_len"] = 2048
+        kwargs["tiles"] = tile_schedule(query_lens, prefill_gluon.BLOCK_M, extra=5).cuda()
+    assert prefill_gluon.supported(args[0], args[1], None, None)
+    out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.float(), expected.to(out.device), atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture(autouse=True)
+def _gluon_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention, "PREFILL_GLUON", True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_chunks_over_cached_context_and_decodes_match_the_oracle(
+    dtype: torch.dtype, head_size: int
+) -> None:
+    # Chunks from scratch and over cached context (whole key tiles before
+    # the diagonal, and parts of one), a chunk of exactly a tile, decode
+    # entries (tiles of one row).
+    _check([0, 300, 5, 200, 1000, 0], [150, 40, 1, 130, 300, 128], dtype, head_size)
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_kv_heads", [1, 8])  # 8 and 1 query heads per KV head
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_chunks_wrap_the_buffer_ring(num_kv_heads: int, block_size: int) -> None:
+    _check([0, 700], [2048, 1500], torch.bfloat16, 128, num_kv_heads, block_size)
+
+
+@needs_sm90
+def test_a_tile_schedule_read_on_the_device_gives_the_same_output() -> None:
+    _check([0, 300, 17, 0], [300, 40, 1, 129], torch.float16, 128, tiles=True)
+
+
+def test_it_covers_only_what_it_computes() -> None:
+    query = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
+    assert not prefill_gluon.supported(query, cache, None, None)  # not on a GPU
+    if SM90:
+        query, cache = query.cuda(), cache.cuda()
+        assert prefill_gluon.supported(query, cache, None, None)
+        assert not prefill_gluon.supported(query, cache, 7, None)
+        assert not prefill_gluon.supported(query, cache, None, 5.0)
+        assert not prefill_gluon.supported(query, cache.to(torch.float8_e4m3fn), None, None)
+        assert not prefill_gluon.supported(query[..., :80], cache[..., :80], None, None)
