@@ -22,7 +22,7 @@ import triton
 
 from pagedkv.bench.kernels.bench import DTYPE, HEAD_SIZE, Case, time_us
 from pagedkv.kernels import decode_attention as da
-from pagedkv.kernels import fp8_kv, int8_kv
+from pagedkv.kernels import fp8_kv, int8_kv, prefill_gluon
 from pagedkv.kernels import paged_attention as pa
 
 DECODE_SHAPES = [
@@ -184,27 +184,38 @@ def prefill_settings(
     ]
 
 
+GLUON_TILING = "gluon_tiling"
+
+
 def sweep_prefill(
     quick: bool,
     tiles: tuple[tuple[int, ...], ...] | None = None,
     switches: tuple[str, ...] = (),
     kv_dtype: torch.dtype = DTYPE,
+    gluon_tilings: tuple[tuple[int, ...], ...] = (),
 ) -> list[dict[str, Any]]:
     """The prefill kernel at the benchmark's prefill shapes under each of
-    ``prefill_settings``, with the best SDPA backend's time at each shape
-    (``ratio_vs_sdpa``: ours over it)."""
+    ``prefill_settings``, then the Gluon prefill (``PREFILL_GLUON``) at each
+    of ``gluon_tilings`` (keys a tile, ring buffers), with the best SDPA
+    backend's time at each shape (``ratio_vs_sdpa``: ours over it)."""
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("PREFILL_")}
     tile_name = "PREFILL_TILE" if kv_dtype == DTYPE else "PREFILL_QUANTIZED_TILE"
     settings_list = prefill_settings(tiles, switches, tile_name)
     if quick:
         settings_list = settings_list[:1]
+    # The Gluon prefill at each of its tilings (keys a tile, ring buffers).
+    settings_list += [{"PREFILL_GLUON": True, GLUON_TILING: tiling} for tiling in gluon_tilings]
+    gluon_default = dict(prefill_gluon.TILING)
     for batch, context, new_tokens in PREFILL_SHAPES:
         case = Case(batch, context, new_tokens, kv_dtype=kv_dtype)
         sdpa_us, backend = case.best_sdpa_us()
         for settings in settings_list:
             for name, value in settings.items():
-                setattr(pa, name, value)
+                if name == GLUON_TILING:
+                    prefill_gluon.TILING = dict.fromkeys(gluon_default, value)
+                else:
+                    setattr(pa, name, value)
             try:
                 us = time_us(case.ours, iters=10)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:
@@ -213,6 +224,7 @@ def sweep_prefill(
             finally:
                 for name, value in defaults.items():
                     setattr(pa, name, value)
+                prefill_gluon.TILING = dict(gluon_default)
             rows.append(
                 {
                     "kind": "prefill",
@@ -284,6 +296,16 @@ def _tiles(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tiles)
 
 
+def _gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
+    try:
+        tilings = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        tilings = []
+    if not tilings or any(len(t) != 2 or t[0] < 16 or t[1] < 3 for t in tilings):
+        raise argparse.ArgumentTypeError(f"not NxSTAGES,... (N >= 16, STAGES >= 3): {text!r}")
+    return tuple(tilings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.kernels.tune")
     parser.add_argument("--output", default="kernels-tune.json")
@@ -330,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a boolean prefill constant timed off and on with each tile (repeatable)",
     )
     parser.add_argument(
+        "--gluon-tilings",
+        type=_gluon_tilings,
+        default=(),
+        metavar="NxSTAGES,...",
+        help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers",
+    )
+    parser.add_argument(
         "--best",
         metavar="FILE",
         help="print, as JSON, the decode constants of FILE (a sweep's output) "
@@ -356,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.prefill_tiles,
                 tuple(args.prefill_switch),
                 formats.get(args.kv_cache_dtype, DTYPE),
+                args.gluon_tilings,
             )
         except ValueError as exc:
             parser.error(str(exc))
