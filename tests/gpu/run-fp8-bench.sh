@@ -186,7 +186,7 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # the instruction mix and the SASS lines warps stall at most. CASES (apart
     # by spaces or commas): each
     # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE[:NEW_TOKENS] (one new token: the
-    # decode kernel; more: the prefill kernel). Files:
+    # decode kernel; more: the prefill kernel, the Gluon one with GLUON set). Files:
     # ncu-KIND-CASE-NAME.txt, the report (.ncu-rep) and its SASS lines with
     # their stalls (-sass.csv), and their summary, ncu-KIND-NAME.md
     # (pagedkv.bench.kernels.ncu_summary), KIND decode or prefill.
@@ -195,9 +195,12 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
       bfloat16:64x768:64 fp8_e4m3:64x768:64}
     for spec in ${cases//,/ }; do
       IFS=: read -r kv shape size new <<< "$spec"
-      new=${new:-1} kind=decode kernel=_decode_split_kernel
+      new=${new:-1} kind=decode kernel=_decode_split_kernel gluon=()
       if ((new > 1)); then
         kind=prefill kernel=_paged_attention_kernel
+        if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill (sm_90)
+          kind=prefill-gluon kernel=_prefill_kernel gluon=(--gluon)
+        fi
       fi
       report="$RESULTS/ncu-$kind-$kv-$shape-$size-$NAME"
       "$ncu_bin" --clock-control none --kernel-name "$kernel" --launch-skip 1 \
@@ -206,15 +209,16 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
         --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
         --export "$report" --force-overwrite \
         "$PYTHON" -m pagedkv.bench.kernels.profile_decode "$kv" "$shape" --head-size "$size" \
-        --new-tokens "$new"
+        --new-tokens "$new" "${gluon[@]}"
       "$ncu_bin" --import "$report.ncu-rep" > "$report.txt"
       # Each SASS instruction with its samples of stalled warps (ncu's
       # source page); an ncu without that page leaves the file empty.
       "$ncu_bin" --import "$report.ncu-rep" --page source --print-source sass --csv \
         > "$report-sass.csv" || true
     done
-    for kind in decode prefill; do
-      pages=("$RESULTS"/ncu-"$kind"-*-"$NAME"-sass.csv)
+    for kind in decode prefill prefill-gluon; do
+      # [bfi]: a cache dtype's first letter (bfloat16, fp8_*, int8), not gluon's.
+      pages=("$RESULTS"/ncu-"$kind"-[bfi]*-"$NAME"-sass.csv)
       if [[ -e ${pages[0]} ]]; then
         "$PYTHON" -m pagedkv.bench.kernels.ncu_summary --output "$RESULTS/ncu-$kind-$NAME.md" \
           "${pages[@]}"

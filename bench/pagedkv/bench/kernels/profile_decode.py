@@ -3,6 +3,7 @@ profiler to read (Nsight Compute: ``tests/gpu/run-fp8-bench.sh ncu``)::
 
     python -m pagedkv.bench.kernels.profile_decode fp8_e4m3 32x8192 --head-size 128
     python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048
+    python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048 --gluon
 
 It builds the case (paged K/V behind shuffled block tables, quantized as
 the bench quantizes them), calls the kernel ``--calls`` times (the first
@@ -16,7 +17,7 @@ import argparse
 import torch
 
 from pagedkv.bench.kernels.bench import DTYPE, HEAD_SIZE, Case
-from pagedkv.kernels import fp8_kv, int8_kv
+from pagedkv.kernels import fp8_kv, int8_kv, paged_attention
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         "--new-tokens", type=int, default=1, help="a sequence's new tokens (1: a decode)"
     )
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument(
+        "--gluon", action="store_true", help="a prefill takes the Gluon kernel (PREFILL_GLUON)"
+    )
     args = parser.parse_args(argv)
+    paged_attention.PREFILL_GLUON = args.gluon
     try:
         batch, context = (int(part) for part in args.shape.lower().split("x"))
     except ValueError:
