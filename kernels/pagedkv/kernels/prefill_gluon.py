@@ -36,10 +36,12 @@ MASKED = gl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 BLOCK_M = 128
 NUM_WARPS = 8
-# Keys a tile and buffers of the K/V ring (the loads of tile j + STAGES - 2
-# are issued while tile j is computed), by head size: three buffers of 128
-# keys at head size 128 take 192 KB of shared memory beside Q's 32 KB.
-TILING = {64: (128, 3), 128: (128, 3)}
+# Keys a tile, buffers of the K/V ring (the loads of tile j + STAGES - 2
+# are issued while tile j is computed) and whether a tile's softmax overlaps
+# the previous tile's P V (1) or waits for it (0), by head size: three
+# buffers of 128 keys at head size 128 take 192 KB of shared memory beside
+# Q's 32 KB.
+TILING = {64: (128, 3, 1), 128: (128, 3, 1)}
 
 
 def supported(
@@ -163,12 +165,14 @@ def _step(
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     MASK: gl.constexpr,
+    OVERLAP: gl.constexpr,
     load_layout: gl.constexpr,
     p_layout: gl.constexpr,
 ):
     """Tile ``j`` (``j >= 1``): its scores issued, then tile ``j - 1``'s
     ``P V``; its softmax while that product runs; the accumulator rescaled
-    once the product is done."""
+    once the product is done. Without ``OVERLAP`` each waits for the one
+    before (to measure what the overlap buys)."""
     async_copy.wait_group(STAGES - 3)  # tile j's copies (this thread's)
     fence_async_shared()  # visible to the tensor cores' reads
     _cta_barrier()  # every thread's copies; every warpgroup past tile j - 2's P V
@@ -177,15 +181,23 @@ def _step(
         kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
         load_layout,
     )  # fmt: skip
-    s_token = warpgroup_mma(
-        q_smem, k_smem.index(j % STAGES).permute((1, 0)), s, use_acc=False, is_async=True
-    )
-    acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s_token,))
-    p_new, alpha, m_i, l_i = _softmax(
-        s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
-    )
-    acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+    k_tile = k_smem.index(j % STAGES).permute((1, 0))
+    if OVERLAP:
+        s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
+        acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_token,))
+        p_new, alpha, m_i, l_i = _softmax(
+            s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
+        )
+        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+    else:  # in turn: P V, the scores, their softmax
+        acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+        s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_token,))
+        p_new, alpha, m_i, l_i = _softmax(
+            s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
+        )
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     p = gl.convert_layout(p_new.to(p.dtype), p_layout)
     return s, acc, p, m_i, l_i, pages
@@ -218,6 +230,7 @@ def _prefill_kernel(
     BLOCK_N: gl.constexpr,
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
+    OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
@@ -296,14 +309,14 @@ def _prefill_kernel(
                 j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
                 value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
                 cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-                False, load_layout, p_layout,
+                False, OVERLAP, load_layout, p_layout,
             )  # fmt: skip
         for j in range(gl.maximum(diagonal, 1), num_kv_tiles):
             s, acc, p, m_i, l_i, pages = _step(
                 j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
                 value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
                 cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-                True, load_layout, p_layout,
+                True, OVERLAP, load_layout, p_layout,
             )  # fmt: skip
         # The last tile's P V; then the copies past the last tile (all masked).
         last = num_kv_tiles - 1
@@ -333,7 +346,7 @@ def prefill(
     """Launches the kernel over a batch ``supported`` accepts, into ``out``
     (the arguments as ``paged_attention``'s, checked there)."""
     num_q_heads, head_size = query.shape[1:]
-    block_n, stages = TILING[head_size]
+    block_n, stages, overlap = TILING[head_size]
     if tiles is not None:
         grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
     else:
@@ -364,5 +377,6 @@ def prefill(
         BLOCK_N=block_n,
         HEAD=head_size,
         STAGES=stages,
+        OVERLAP=bool(overlap),
         num_warps=NUM_WARPS,
     )

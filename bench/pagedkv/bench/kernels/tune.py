@@ -196,7 +196,7 @@ def sweep_prefill(
 ) -> list[dict[str, Any]]:
     """The prefill kernel at the benchmark's prefill shapes under each of
     ``prefill_settings``, then the Gluon prefill (``PREFILL_GLUON``) at each
-    of ``gluon_tilings`` (keys a tile, ring buffers), with the best SDPA
+    of ``gluon_tilings`` (``prefill_gluon.TILING``'s), with the best SDPA
     backend's time at each shape (``ratio_vs_sdpa``: ours over it)."""
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("PREFILL_")}
@@ -204,7 +204,7 @@ def sweep_prefill(
     settings_list = prefill_settings(tiles, switches, tile_name)
     if quick:
         settings_list = settings_list[:1]
-    # The Gluon prefill at each of its tilings (keys a tile, ring buffers).
+    # The Gluon prefill at each of its tilings (prefill_gluon.TILING's).
     settings_list += [{"PREFILL_GLUON": True, GLUON_TILING: tiling} for tiling in gluon_tilings]
     gluon_default = dict(prefill_gluon.TILING)
     for batch, context, new_tokens in PREFILL_SHAPES:
@@ -301,8 +301,10 @@ def _gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
         tilings = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
     except ValueError:
         tilings = []
-    if not tilings or any(len(t) != 2 or t[0] < 16 or t[1] < 3 for t in tilings):
-        raise argparse.ArgumentTypeError(f"not NxSTAGES,... (N >= 16, STAGES >= 3): {text!r}")
+    if not tilings or any(len(t) != 3 or t[0] < 16 or t[1] < 3 for t in tilings):
+        raise argparse.ArgumentTypeError(
+            f"not NxSTAGESxOVERLAP,... (N >= 16, STAGES >= 3, OVERLAP 0 or 1): {text!r}"
+        )
     return tuple(tilings)
 
 
@@ -355,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gluon-tilings",
         type=_gluon_tilings,
         default=(),
-        metavar="NxSTAGES,...",
-        help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers",
+        metavar="NxSTAGESxOVERLAP,...",
+        help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers, "
+        "a tile's softmax overlapping the previous tile's P V (1) or not (0)",
     )
     parser.add_argument(
         "--best",
