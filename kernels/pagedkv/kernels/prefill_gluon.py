@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -36,12 +37,12 @@ MASKED = gl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 BLOCK_M = 128
 NUM_WARPS = 8
-# Keys a tile, buffers of the K/V ring (the loads of tile j + STAGES - 2
-# are issued while tile j is computed) and whether a tile's softmax overlaps
-# the previous tile's P V (1) or waits for it (0), by head size: three
-# buffers of 128 keys at head size 128 take 192 KB of shared memory beside
-# Q's 32 KB.
-TILING = {64: (128, 3, 1), 128: (128, 3, 1)}
+# Keys a tile, buffers of the K/V ring and the schedule, by head size. The
+# schedules: 0, in turn (a tile's P V, the next tile's scores, their
+# softmax); 1, a tile's scores and the previous tile's P V issued together,
+# the softmax beside the P V; 2, tile j + 1's scores issued before tile j's
+# softmax, which runs beside them and tile j - 1's P V (at least 4 buffers).
+TILING = {64: (64, 4, 2), 128: (64, 4, 2)}
 
 
 def supported(
@@ -204,6 +205,66 @@ def _step(
 
 
 @gluon.jit
+def _step_ahead(
+    j,
+    s,
+    acc_token,
+    p,
+    m_i,
+    l_i,
+    pages,
+    q_smem,
+    k_smem,
+    v_smem,
+    key_cache_ptr,
+    value_cache_ptr,
+    q_pos,
+    row_table,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    MASK: gl.constexpr,
+    NEXT: gl.constexpr,
+    load_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+):
+    """Tile ``j``, whose scores ``s`` are done, with tile ``j - 1``'s ``P V``
+    in flight (``acc_token``, its weights ``p``): tile ``j + 1``'s scores
+    issued (``NEXT``), tile ``j``'s softmax while they and that ``P V``
+    run, the accumulator rescaled once the ``P V`` is done, then tile
+    ``j``'s ``P V`` issued; returns with tile ``j + 1``'s scores done and
+    tile ``j``'s ``P V`` in flight."""
+    if NEXT:
+        async_copy.wait_group(STAGES - 4)  # tile j + 1's copies (this thread's)
+        fence_async_shared()  # visible to the tensor cores' reads
+        _cta_barrier()  # every thread's copies; every warpgroup past tile j - 1's P V
+        pages = _issue_tile(
+            key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, j + STAGES - 2, row_table,
+            kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N,
+            BLOCK_SIZE, HEAD, STAGES, load_layout,
+        )  # fmt: skip
+        k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
+        s_token = warpgroup_mma(q_smem, k_next, gl.zeros_like(s), use_acc=False, is_async=True)
+    p_new, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
+    )
+    acc, p = warpgroup_mma_wait(1 if NEXT else 0, deps=(acc_token, p))  # tile j - 1's P V
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    p = gl.convert_layout(p_new.to(p.dtype), p_layout)
+    acc_token = warpgroup_mma(p, v_smem.index(j % STAGES), acc, is_async=True)
+    if NEXT:
+        s = warpgroup_mma_wait(1, deps=(s_token,))
+    return s, acc_token, p, m_i, l_i, pages
+
+
+@gluon.jit
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -230,7 +291,7 @@ def _prefill_kernel(
     BLOCK_N: gl.constexpr,
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr,
+    SCHEDULE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
@@ -281,7 +342,11 @@ def _prefill_kernel(
         diagonal = gl.minimum((context + tile * BLOCK_M) // BLOCK_N, num_kv_tiles).to(gl.int32)
         row_table = block_table_ptr + seq * block_table_stride
         pages = _gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, load_layout)
-        for t in gl.static_range(STAGES - 1):  # tiles 0 .. STAGES - 2
+        # Tiles issued before the loop: STAGES - 1 in turn (SCHEDULE 0 and
+        # 1), STAGES - 2 with the scores a tile ahead (2).
+        AHEAD: gl.constexpr = SCHEDULE == 2
+        FIRST: gl.constexpr = STAGES - 2 if AHEAD else STAGES - 1
+        for t in gl.static_range(FIRST):
             pages = _issue_tile(
                 key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end,
                 kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE,
@@ -294,35 +359,64 @@ def _prefill_kernel(
         acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
-        # Tile 0's scores, alone; its P V goes with tile 1's scores.
-        async_copy.wait_group(STAGES - 2)
+        # Tile 0's scores, alone.
+        async_copy.wait_group(FIRST - 1)
         fence_async_shared()
         _cta_barrier()
         s_token = warpgroup_mma(
             q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True
         )
         s = warpgroup_mma_wait(0, deps=(s_token,))
-        p, _, m_i, l_i = _softmax(s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, diagonal):
-            s, acc, p, m_i, l_i, pages = _step(
-                j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
-                value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
-                cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-                False, OVERLAP, load_layout, p_layout,
+        if AHEAD:
+            # Tile j + 1's scores run beside tile j's softmax. The last tile
+            # is always masked (it holds the last query's own key).
+            p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+            acc_token = warpgroup_mma_init(acc)
+            last = num_kv_tiles - 1
+            for j in range(0, gl.minimum(diagonal, last)):
+                s, acc_token, p, m_i, l_i, pages = _step_ahead(
+                    j, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
+                    key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
+                    cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
+                    BLOCK_SIZE, HEAD, STAGES, False, True, load_layout, p_layout,
+                )  # fmt: skip
+            for j in range(gl.minimum(diagonal, last), last):
+                s, acc_token, p, m_i, l_i, pages = _step_ahead(
+                    j, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
+                    key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
+                    cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
+                    BLOCK_SIZE, HEAD, STAGES, True, True, load_layout, p_layout,
+                )  # fmt: skip
+            s, acc_token, p, m_i, l_i, pages = _step_ahead(
+                last, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
+                key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
+                cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
+                BLOCK_SIZE, HEAD, STAGES, True, False, load_layout, p_layout,
             )  # fmt: skip
-        for j in range(gl.maximum(diagonal, 1), num_kv_tiles):
-            s, acc, p, m_i, l_i, pages = _step(
-                j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
-                value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
-                cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-                True, OVERLAP, load_layout, p_layout,
-            )  # fmt: skip
-        # The last tile's P V; then the copies past the last tile (all masked).
-        last = num_kv_tiles - 1
-        acc_token = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc_token,))
-        async_copy.wait_group(0)
+            acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+        else:
+            # Tile 0's P V goes with tile 1's scores.
+            p, _, m_i, l_i = _softmax(s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, diagonal):
+                s, acc, p, m_i, l_i, pages = _step(
+                    j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
+                    value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
+                    cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD,
+                    STAGES, False, SCHEDULE == 1, load_layout, p_layout,
+                )  # fmt: skip
+            for j in range(gl.maximum(diagonal, 1), num_kv_tiles):
+                s, acc, p, m_i, l_i, pages = _step(
+                    j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
+                    value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
+                    cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD,
+                    STAGES, True, SCHEDULE == 1, load_layout, p_layout,
+                )  # fmt: skip
+            # The last tile's P V.
+            last = num_kv_tiles - 1
+            acc_token = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc_token,))
+        async_copy.wait_group(0)  # the copies past the last tile (all masked)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
@@ -346,7 +440,7 @@ def prefill(
     """Launches the kernel over a batch ``supported`` accepts, into ``out``
     (the arguments as ``paged_attention``'s, checked there)."""
     num_q_heads, head_size = query.shape[1:]
-    block_n, stages, overlap = TILING[head_size]
+    block_n, stages, schedule = TILING[head_size]
     if tiles is not None:
         grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
     else:
@@ -377,6 +471,6 @@ def prefill(
         BLOCK_N=block_n,
         HEAD=head_size,
         STAGES=stages,
-        OVERLAP=bool(overlap),
+        SCHEDULE=schedule,
         num_warps=NUM_WARPS,
     )

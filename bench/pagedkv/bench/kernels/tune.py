@@ -301,9 +301,13 @@ def _gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
         tilings = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
     except ValueError:
         tilings = []
-    if not tilings or any(len(t) != 3 or t[0] < 16 or t[1] < 3 for t in tilings):
+    if not tilings or any(
+        len(t) != 3 or t[0] < 16 or t[2] not in (0, 1, 2) or t[1] < (4 if t[2] == 2 else 3)
+        for t in tilings
+    ):
         raise argparse.ArgumentTypeError(
-            f"not NxSTAGESxOVERLAP,... (N >= 16, STAGES >= 3, OVERLAP 0 or 1): {text!r}"
+            f"not NxSTAGESxSCHEDULE,... (N >= 16, SCHEDULE 0, 1 or 2, STAGES >= 3, "
+            f"or 4 with SCHEDULE 2: prefill_gluon.TILING): {text!r}"
         )
     return tuple(tilings)
 
@@ -357,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gluon-tilings",
         type=_gluon_tilings,
         default=(),
-        metavar="NxSTAGESxOVERLAP,...",
+        metavar="NxSTAGESxSCHEDULE,...",
         help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers, "
-        "a tile's softmax overlapping the previous tile's P V (1) or not (0)",
+        "schedule (prefill_gluon.TILING)",
     )
     parser.add_argument(
         "--best",
