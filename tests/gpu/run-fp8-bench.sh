@@ -244,7 +244,7 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     if [[ -n ${TILES:-} ]]; then
       tiles=(--prefill-tiles "$TILES")
     fi
-    if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill's tilings (NxSTAGESxSCHEDULE,...), sm_90
+    if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill's tilings (NxSTAGESxSCHEDULExROWS,...), sm_90
       tiles+=(--gluon-tilings "$GLUON")
     fi
     for kv in ${KV:-bfloat16 fp8_e4m3}; do

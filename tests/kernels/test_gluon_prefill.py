@@ -36,7 +36,7 @@ def _check(
     kwargs: dict[str, object] = {"scale": 0.3}
     if tiles:
         kwargs["max_query_len"] = 2048
-        kwargs["tiles"] = tile_schedule(query_lens, prefill_gluon.BLOCK_M, extra=5).cuda()
+        kwargs["tiles"] = tile_schedule(query_lens, prefill_gluon.TILE_ROWS, extra=5).cuda()
     assert prefill_gluon.supported(args[0], args[1], None, None)
     out = paged_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
     tolerance = 2e-2 if dtype == torch.bfloat16 else 4e-3

@@ -172,7 +172,7 @@ def paged_attention(
         tiles = tiles.contiguous()
     if (
         PREFILL_GLUON
-        and tile_rows(max_query_len, head_size) == 128
+        and tile_rows(max_query_len, head_size) == prefill_gluon.TILE_ROWS
         and prefill_gluon.supported(query, key_cache, sliding_window, softcap)
     ):
         prefill_gluon.prefill(

@@ -1,19 +1,23 @@
 """The prefill for sm_90 (H100, H200) written in Gluon, Triton's lower
-level, where the kernel states the order of its work itself: each
-warpgroup issues a tile's scores (``Q K^T``) on the tensor cores
-asynchronously, then the previous tile's ``P V``, and computes the softmax
-of the scores while that second product runs; K/V pages are gathered
-through the block table by ``cp.async`` into a ring of shared-memory
-buffers a tile ahead. Triton's compiler, given the same loop
+level, where the kernel states the order of its work itself. Each
+warpgroup issues tile j + 1's scores (``Q K^T``) on the tensor cores
+asynchronously and computes tile j's softmax while they and tile j - 1's
+``P V`` run; then it waits for both, rescales its accumulator and issues
+tile j's ``P V``, which runs while the next step starts. K/V pages are
+gathered through the block table by ``cp.async`` into a ring of
+shared-memory buffers. Triton's compiler, given the same loop
 (``prefill_kernel``), runs dot, softmax, dot in order within a warpgroup.
+No accumulator is read while a product that writes it may be in flight:
+ptxas would then serialize every product of the kernel (its note C7514),
+so each step waits for all its products at once.
 
 It covers the prefill's common case: a float16 or bfloat16 cache, head
-size 64 or 128, causal attention with no window or soft-cap, 128 query
-rows a program (two warpgroups of 64) and the same tile schedule as
-``prefill_kernel`` (a decode entry is a tile of one row). ``supported``
-says when it applies; ``paged_attention`` launches it. It has no
-interpreter: its tests run on a GPU, and its sm_90 build on any machine
-(tests/kernels/sm90_compile.py).
+size 64 or 128, causal attention with no window or soft-cap, 128 or 64
+query rows a program (two warpgroups of 64, or one) and the same tile
+schedule as ``prefill_kernel`` (a decode entry is a tile of one row).
+``supported`` says when it applies; ``paged_attention`` launches it. It
+has no interpreter: its tests run on a GPU, and its sm_90 build on any
+machine (tests/kernels/sm90_compile.py).
 """
 
 from __future__ import annotations
@@ -35,14 +39,16 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 MASKED = gl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
-BLOCK_M = 128
-NUM_WARPS = 8
-# Keys a tile, buffers of the K/V ring and the schedule, by head size. The
-# schedules: 0, in turn (a tile's P V, the next tile's scores, their
-# softmax); 1, a tile's scores and the previous tile's P V issued together,
-# the softmax beside the P V; 2, tile j + 1's scores issued before tile j's
-# softmax, which runs beside them and tile j - 1's P V (at least 4 buffers).
-TILING = {64: (64, 4, 2), 128: (64, 4, 2)}
+# Query rows of a tile of ``paged_attention``'s schedule (``tile_rows``).
+TILE_ROWS = 128
+# Keys a tile, buffers of the K/V ring, the schedule and query rows a
+# program (128: two warpgroups; 64: one, two programs a schedule tile), by
+# head size. The schedules: 0, in turn (a tile's P V, the next tile's
+# scores, their softmax); 1, a tile's scores and the previous tile's P V
+# issued together, the softmax beside the P V; 2, tile j + 1's scores
+# issued before tile j's softmax, which runs beside them and tile j - 1's
+# P V (at least 4 buffers).
+TILING = {64: (64, 4, 2, 128), 128: (64, 4, 2, 128)}
 
 
 def supported(
@@ -244,7 +250,7 @@ def _step_ahead(
     if NEXT:
         async_copy.wait_group(STAGES - 4)  # tile j + 1's copies (this thread's)
         fence_async_shared()  # visible to the tensor cores' reads
-        _cta_barrier()  # every thread's copies; every warpgroup past tile j - 1's P V
+        _cta_barrier()  # every thread's copies; every warpgroup past tile j - 2's P V
         pages = _issue_tile(
             key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, j + STAGES - 2, row_table,
             kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N,
@@ -255,12 +261,15 @@ def _step_ahead(
     p_new, alpha, m_i, l_i = _softmax(
         s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
     )
-    acc, p = warpgroup_mma_wait(1 if NEXT else 0, deps=(acc_token, p))  # tile j - 1's P V
+    # Both products done: no accumulator is read while a product is in
+    # flight (where ptxas would serialize every product).
+    if NEXT:
+        s, acc, p = warpgroup_mma_wait(0, deps=(s_token, acc_token, p))
+    else:
+        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     p = gl.convert_layout(p_new.to(p.dtype), p_layout)
     acc_token = warpgroup_mma(p, v_smem.index(j % STAGES), acc, is_async=True)
-    if NEXT:
-        s = warpgroup_mma_wait(1, deps=(s_token,))
     return s, acc_token, p, m_i, l_i, pages
 
 
@@ -287,7 +296,8 @@ def _prefill_kernel(
     num_tiles,
     TILED: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
-    BLOCK_M: gl.constexpr,
+    ROWS: gl.constexpr,  # a schedule tile's query rows
+    BLOCK_M: gl.constexpr,  # a program's (a part of ROWS)
     BLOCK_N: gl.constexpr,
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
@@ -296,21 +306,23 @@ def _prefill_kernel(
 ):
     # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
     head = gl.program_id(0).to(gl.int64)
-    if TILED:
-        seq = gl.load(tiles_ptr + gl.program_id(1)).to(gl.int64)
-        tile = gl.load(tiles_ptr + num_tiles + gl.program_id(1)).to(gl.int64)
+    if TILED:  # ROWS // BLOCK_M programs a schedule tile
+        entry = gl.program_id(1) // (ROWS // BLOCK_M)
+        seq = gl.load(tiles_ptr + entry).to(gl.int64)
+        tile = gl.load(tiles_ptr + num_tiles + entry).to(gl.int64)
         tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
         seq = gl.maximum(seq, 0)
+        row0 = tile * ROWS + (gl.program_id(1) % (ROWS // BLOCK_M)) * BLOCK_M
     else:
-        tile = (gl.num_programs(1) - 1 - gl.program_id(1)).to(gl.int64)
+        row0 = (gl.num_programs(1) - 1 - gl.program_id(1)).to(gl.int64) * BLOCK_M
         seq = gl.program_id(2).to(gl.int64)
     kv_head = head // num_queries_per_kv
     q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
     q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
     seq_len = gl.load(seq_lens_ptr + seq).to(gl.int64)
     context = seq_len - q_len
-    kv_end = context + gl.minimum((tile + 1) * BLOCK_M, q_len)
-    if tile * BLOCK_M < q_len:
+    kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
+    if row0 < q_len:
         dtype: gl.constexpr = query_ptr.dtype.element_ty
         load_layout: gl.constexpr = _load_layout(HEAD, num_warps)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -325,7 +337,7 @@ def _prefill_kernel(
         )
 
         # Q into shared memory, the scores' left operand.
-        rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
         dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, load_layout))
         row_mask = (rows < q_len)[:, None] & (dims < HEAD)[None, :]
         q_offsets = (
@@ -339,7 +351,7 @@ def _prefill_kernel(
         # Keys before the tile's first query (rounded down to BLOCK_N) are
         # seen by every row: tiles before ``diagonal`` need no mask.
         num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
-        diagonal = gl.minimum((context + tile * BLOCK_M) // BLOCK_N, num_kv_tiles).to(gl.int32)
+        diagonal = gl.minimum((context + row0) // BLOCK_N, num_kv_tiles).to(gl.int32)
         row_table = block_table_ptr + seq * block_table_stride
         pages = _gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, load_layout)
         # Tiles issued before the loop: STAGES - 1 in turn (SCHEDULE 0 and
@@ -353,7 +365,7 @@ def _prefill_kernel(
                 HEAD, STAGES, load_layout,
             )  # fmt: skip
 
-        q_pos = context + tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        q_pos = context + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([BLOCK_M], MASKED, gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
@@ -440,11 +452,13 @@ def prefill(
     """Launches the kernel over a batch ``supported`` accepts, into ``out``
     (the arguments as ``paged_attention``'s, checked there)."""
     num_q_heads, head_size = query.shape[1:]
-    block_n, stages, schedule = TILING[head_size]
+    block_n, stages, schedule, block_m = TILING[head_size]
+    if schedule == 2 and stages < 4:
+        raise ValueError(f"TILING: the scores a tile ahead need 4 buffers or more, not {stages}")
     if tiles is not None:
-        grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
+        grid: tuple[int, ...] = (num_q_heads, tiles.shape[1] * (TILE_ROWS // block_m), 1)
     else:
-        grid = (num_q_heads, triton.cdiv(max_query_len, BLOCK_M), len(seq_lens))
+        grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))
     _prefill_kernel[grid](
         query,
         key_cache,
@@ -467,10 +481,11 @@ def prefill(
         tiles.shape[1] if tiles is not None else 0,
         TILED=tiles is not None,
         BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_M=BLOCK_M,
+        ROWS=TILE_ROWS,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD=head_size,
         STAGES=stages,
         SCHEDULE=schedule,
-        num_warps=NUM_WARPS,
+        num_warps=block_m // 16,  # four a warpgroup of 64 rows
     )

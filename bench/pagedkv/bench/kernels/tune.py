@@ -302,12 +302,16 @@ def _gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
     except ValueError:
         tilings = []
     if not tilings or any(
-        len(t) != 3 or t[0] < 16 or t[2] not in (0, 1, 2) or t[1] < (4 if t[2] == 2 else 3)
+        len(t) != 4
+        or t[0] < 16
+        or t[2] not in (0, 1, 2)
+        or t[1] < (4 if t[2] == 2 else 3)
+        or t[3] not in (64, 128)
         for t in tilings
     ):
         raise argparse.ArgumentTypeError(
-            f"not NxSTAGESxSCHEDULE,... (N >= 16, SCHEDULE 0, 1 or 2, STAGES >= 3, "
-            f"or 4 with SCHEDULE 2: prefill_gluon.TILING): {text!r}"
+            f"not NxSTAGESxSCHEDULExROWS,... (N >= 16, SCHEDULE 0, 1 or 2, STAGES >= 3, "
+            f"or 4 with SCHEDULE 2, ROWS 64 or 128: prefill_gluon.TILING): {text!r}"
         )
     return tuple(tilings)
 
@@ -361,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gluon-tilings",
         type=_gluon_tilings,
         default=(),
-        metavar="NxSTAGESxSCHEDULE,...",
+        metavar="NxSTAGESxSCHEDULExROWS,...",
         help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers, "
-        "schedule (prefill_gluon.TILING)",
+        "schedule, query rows a program (prefill_gluon.TILING)",
     )
     parser.add_argument(
         "--best",
