@@ -83,3 +83,14 @@ def test_it_covers_only_what_it_computes() -> None:
         assert not prefill_gluon.supported(query, cache, None, 5.0)
         assert not prefill_gluon.supported(query, cache.to(torch.float8_e4m3fn), None, None)
         assert not prefill_gluon.supported(query[..., :80], cache[..., :80], None, None)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tiling", [(32, 4, 2, 64), (64, 3, 1, 64), (128, 3, 0, 128)])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_other_tilings_match_the_oracle(
+    tiling: tuple[int, ...], tiles: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Programs of 64 rows (two a schedule tile), 32-key tiles, the other schedules.
+    monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
+    _check([0, 300, 17, 0], [300, 40, 1, 129], torch.float16, 128, tiles=tiles)
