@@ -142,7 +142,16 @@ def main() -> int:
         except Exception as error:  # each dtype's failure is reported
             failures[str(dtype)] = f"{type(error).__name__}: {error}"[:2000]
     built = Counter(kernel.name for kernel in BUILT)
-    print(json.dumps({"target": "sm_90", "built": dict(built), "failures": failures}, indent=1))
+    from pagedkv.bench.kernels.sass import machine_code
+
+    # Each Gluon build's warpgroup products and its waits on them.
+    products = []
+    for kernel in BUILT:
+        if kernel.name == "_prefill_kernel":
+            code = machine_code(kernel.asm["cubin"])
+            products.append([code["products"], code["product_waits"]])
+    report = {"target": "sm_90", "built": dict(built), "failures": failures, "gluon": products}
+    print(json.dumps(report, indent=1))
     return 1 if failures else 0
 
 

@@ -51,6 +51,11 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     report = json.loads(done.stdout)
     assert report["failures"] == {}
     assert set(report["built"]) == KERNELS
+    # The Gluon prefill's products overlap: ptxas did not serialize them (it
+    # waits after every product when it does).
+    assert len(report["gluon"]) == 8
+    for products, waits in report["gluon"]:
+        assert products >= 16 and waits * 4 <= products, report["gluon"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")

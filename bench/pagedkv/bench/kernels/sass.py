@@ -72,6 +72,10 @@ def machine_code(cubin: bytes) -> dict[str, Any]:
         # waits for every copy; more: the pipeline overlaps its copies).
         "local_accesses": sum(n for op, n in opcodes.items() if op.startswith(("LDL", "STL"))),
         "copy_waits": sorted({int(n, 16) for n in _COPY_WAIT.findall(sass)}),
+        # Warpgroup products (sm_90's HGMMA) and waits on them: ptxas, when
+        # it serializes the products, waits after every one.
+        "products": opcodes["HGMMA"],
+        "product_waits": sass.count("WARPGROUP.DEPBAR"),
     }
 
 
