@@ -1,23 +1,23 @@
 """The prefill for sm_90 (H100, H200) written in Gluon, Triton's lower
-level, where the kernel states the order of its work itself. Each
-warpgroup issues tile j + 1's scores (``Q K^T``) on the tensor cores
-asynchronously and computes tile j's softmax while they and tile j - 1's
-``P V`` run; then it waits for both, rescales its accumulator and issues
-tile j's ``P V``, which runs while the next step starts. K/V pages are
-gathered through the block table by ``cp.async`` into a ring of
+level, where the kernel states the order of its work itself: which
+products each warpgroup issues on the tensor cores asynchronously, and
+what it computes while they run (``TILING``'s schedules). By default
+(schedule 1) it issues tile j's scores (``Q K^T``) and tile j - 1's
+``P V`` together and computes tile j's softmax while the ``P V`` runs;
+schedule 2 issues tile j + 1's scores before tile j's softmax. K/V pages
+are gathered through the block table by ``cp.async`` into a ring of
 shared-memory buffers. Triton's compiler, given the same loop
 (``prefill_kernel``), runs dot, softmax, dot in order within a warpgroup.
 No accumulator is read while a product that writes it may be in flight:
-ptxas would then serialize every product of the kernel (its note C7514),
-so each step waits for all its products at once.
+ptxas would then serialize every product of the kernel (its note C7514).
 
 It covers the prefill's common case: a float16 or bfloat16 cache, head
 size 64 or 128, causal attention with no window or soft-cap, 128 or 64
 query rows a program (two warpgroups of 64, or one) and the same tile
 schedule as ``prefill_kernel`` (a decode entry is a tile of one row).
-``supported`` says when it applies; ``paged_attention`` launches it. It
-has no interpreter: its tests run on a GPU, and its sm_90 build on any
-machine (tests/kernels/sm90_compile.py).
+``supported`` says when it applies; ``paged_attention`` launches it (off
+by default: ``PREFILL_GLUON``). It has no interpreter: its tests run on a
+GPU, and its sm_90 build on any machine (tests/kernels/sm90_compile.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ TILE_ROWS = 128
 # scores, their softmax); 1, a tile's scores and the previous tile's P V
 # issued together, the softmax beside the P V; 2, tile j + 1's scores
 # issued before tile j's softmax, which runs beside them and tile j - 1's
-# P V (at least 4 buffers).
-TILING = {64: (64, 4, 2, 128), 128: (64, 4, 2, 128)}
+# P V (at least 4 buffers). The fastest measured on an H100 at head size
+# 128 (kernels-prefill-tune-bfloat16-gluon{,-wait0}-h100.json): (64, 4, 1,
+# 128), 817 and 720 us at b = 8 (2,048 new tokens; 512 over 4,096 cached)
+# against 837 and 759 for (64, 4, 2, 128) and 888 and 757 for (128, 3, 1,
+# 128).
+TILING = {64: (64, 4, 1, 128), 128: (64, 4, 1, 128)}
 
 
 def supported(
