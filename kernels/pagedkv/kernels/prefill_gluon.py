@@ -34,10 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Triton 3.7 names the CTA-wide barrier ``barrier``; 3.6 ``thread_barrier``.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from pagedkv.kernels import gluon_steps
+from pagedkv.kernels.gluon_steps import MASKED
 
-MASKED = gl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 # Query rows of a tile of ``paged_attention``'s schedule (``tile_rows``).
 TILE_ROWS = 128
@@ -73,208 +72,6 @@ def supported(
         and sliding_window is None
         and softcap is None
     )
-
-
-@triton.constexpr_function
-def _load_layout(head_size, num_warps):
-    """Rows of ``head_size`` values, eight (16 bytes) a thread."""
-    across = head_size // 8
-    return gl.BlockedLayout([1, 8], [32 // across, across], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _gather_pages(
-    row_table, start, kv_end, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr
-):
-    """The pages of keys ``start .. start + BLOCK_N - 1`` (0 past ``kv_end``)."""
-    k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    return gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0).to(gl.int64)
-
-
-@gluon.jit
-def _issue_tile(
-    key_cache_ptr,
-    value_cache_ptr,
-    k_smem,
-    v_smem,
-    pages,
-    tile,
-    row_table,
-    kv_end,
-    kv_head,
-    cache_stride_b,
-    cache_stride_s,
-    cache_stride_h,
-    BLOCK_N: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr,
-    HEAD: gl.constexpr,
-    STAGES: gl.constexpr,
-    layout: gl.constexpr,
-):
-    """Starts the copies of K/V tile ``tile`` (its ``pages``, read a tile
-    ahead) into its ring buffer as one group (rows past ``kv_end`` zeroed),
-    and returns the next tile's pages."""
-    start = tile * BLOCK_N
-    k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    rows = pages * cache_stride_b + (k_pos % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
-    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
-    offsets = rows[:, None] + dims[None, :]
-    mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
-    slot = tile % STAGES
-    async_copy.async_copy_global_to_shared(k_smem.index(slot), key_cache_ptr + offsets, mask=mask)
-    async_copy.async_copy_global_to_shared(v_smem.index(slot), value_cache_ptr + offsets, mask=mask)
-    async_copy.commit_group()
-    return _gather_pages(row_table, start + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE, layout)
-
-
-@gluon.jit
-def _softmax(
-    s, m_i, l_i, q_pos, start, kv_end, qk_scale, BLOCK_N: gl.constexpr, MASK: gl.constexpr
-):
-    """One tile's scores to softmax weights (base 2) beside the running max
-    and sum; returns the weights, the factor that rescales the earlier
-    tiles' sums, and the new max and sum. ``MASK`` off promises a tile
-    every row sees in whole."""
-    if MASK:
-        k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_end)[None, :]
-        scores = gl.where(allowed, s * qk_scale, MASKED)
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
-        p = gl.exp2(scores - m_new[:, None])
-    else:  # the scale inside exp2's argument: one fused multiply-add a score
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _step(
-    j,
-    s,
-    acc,
-    p,
-    m_i,
-    l_i,
-    pages,
-    q_smem,
-    k_smem,
-    v_smem,
-    key_cache_ptr,
-    value_cache_ptr,
-    q_pos,
-    row_table,
-    kv_end,
-    kv_head,
-    cache_stride_b,
-    cache_stride_s,
-    cache_stride_h,
-    qk_scale,
-    BLOCK_N: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr,
-    HEAD: gl.constexpr,
-    STAGES: gl.constexpr,
-    MASK: gl.constexpr,
-    OVERLAP: gl.constexpr,
-    load_layout: gl.constexpr,
-    p_layout: gl.constexpr,
-):
-    """Tile ``j`` (``j >= 1``): its scores issued, then tile ``j - 1``'s
-    ``P V``; its softmax while that product runs; the accumulator rescaled
-    once the product is done. Without ``OVERLAP`` each waits for the one
-    before (to measure what the overlap buys)."""
-    async_copy.wait_group(STAGES - 3)  # tile j's copies (this thread's)
-    fence_async_shared()  # visible to the tensor cores' reads
-    _cta_barrier()  # every thread's copies; every warpgroup past tile j - 2's P V
-    pages = _issue_tile(
-        key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, j + STAGES - 2, row_table, kv_end,
-        kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-        load_layout,
-    )  # fmt: skip
-    k_tile = k_smem.index(j % STAGES).permute((1, 0))
-    if OVERLAP:
-        s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
-        acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_token,))
-        p_new, alpha, m_i, l_i = _softmax(
-            s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
-        )
-        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
-    else:  # in turn: P V, the scores, their softmax
-        acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
-        s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s_token,))
-        p_new, alpha, m_i, l_i = _softmax(
-            s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
-        )
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    p = gl.convert_layout(p_new.to(p.dtype), p_layout)
-    return s, acc, p, m_i, l_i, pages
-
-
-@gluon.jit
-def _step_ahead(
-    j,
-    s,
-    acc_token,
-    p,
-    m_i,
-    l_i,
-    pages,
-    q_smem,
-    k_smem,
-    v_smem,
-    key_cache_ptr,
-    value_cache_ptr,
-    q_pos,
-    row_table,
-    kv_end,
-    kv_head,
-    cache_stride_b,
-    cache_stride_s,
-    cache_stride_h,
-    qk_scale,
-    BLOCK_N: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr,
-    HEAD: gl.constexpr,
-    STAGES: gl.constexpr,
-    MASK: gl.constexpr,
-    NEXT: gl.constexpr,
-    load_layout: gl.constexpr,
-    p_layout: gl.constexpr,
-):
-    """Tile ``j``, whose scores ``s`` are done, with tile ``j - 1``'s ``P V``
-    in flight (``acc_token``, its weights ``p``): tile ``j + 1``'s scores
-    issued (``NEXT``), tile ``j``'s softmax while they and that ``P V``
-    run, the accumulator rescaled once the ``P V`` is done, then tile
-    ``j``'s ``P V`` issued; returns with tile ``j + 1``'s scores done and
-    tile ``j``'s ``P V`` in flight."""
-    if NEXT:
-        async_copy.wait_group(STAGES - 4)  # tile j + 1's copies (this thread's)
-        fence_async_shared()  # visible to the tensor cores' reads
-        _cta_barrier()  # every thread's copies; every warpgroup past tile j - 2's P V
-        pages = _issue_tile(
-            key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, j + STAGES - 2, row_table,
-            kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N,
-            BLOCK_SIZE, HEAD, STAGES, load_layout,
-        )  # fmt: skip
-        k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
-        s_token = warpgroup_mma(q_smem, k_next, gl.zeros_like(s), use_acc=False, is_async=True)
-    p_new, alpha, m_i, l_i = _softmax(
-        s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
-    )
-    # Both products done: no accumulator is read while a product is in
-    # flight (where ptxas would serialize every product).
-    if NEXT:
-        s, acc, p = warpgroup_mma_wait(0, deps=(s_token, acc_token, p))
-    else:
-        acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    p = gl.convert_layout(p_new.to(p.dtype), p_layout)
-    acc_token = warpgroup_mma(p, v_smem.index(j % STAGES), acc, is_async=True)
-    return s, acc_token, p, m_i, l_i, pages
 
 
 @gluon.jit
@@ -328,7 +125,7 @@ def _prefill_kernel(
     kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
     if row0 < q_len:
         dtype: gl.constexpr = query_ptr.dtype.element_ty
-        load_layout: gl.constexpr = _load_layout(HEAD, num_warps)
+        load_layout: gl.constexpr = gluon_steps.load_layout(HEAD, num_warps)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -357,13 +154,13 @@ def _prefill_kernel(
         num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
         diagonal = gl.minimum((context + row0) // BLOCK_N, num_kv_tiles).to(gl.int32)
         row_table = block_table_ptr + seq * block_table_stride
-        pages = _gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, load_layout)
+        pages = gluon_steps.gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, load_layout)
         # Tiles issued before the loop: STAGES - 1 in turn (SCHEDULE 0 and
         # 1), STAGES - 2 with the scores a tile ahead (2).
         AHEAD: gl.constexpr = SCHEDULE == 2
         FIRST: gl.constexpr = STAGES - 2 if AHEAD else STAGES - 1
         for t in gl.static_range(FIRST):
-            pages = _issue_tile(
+            pages = gluon_steps.issue_tile(
                 key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end,
                 kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE,
                 HEAD, STAGES, load_layout,
@@ -378,7 +175,7 @@ def _prefill_kernel(
         # Tile 0's scores, alone.
         async_copy.wait_group(FIRST - 1)
         fence_async_shared()
-        _cta_barrier()
+        gluon_steps.cta_barrier()
         s_token = warpgroup_mma(
             q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True
         )
@@ -390,20 +187,20 @@ def _prefill_kernel(
             acc_token = warpgroup_mma_init(acc)
             last = num_kv_tiles - 1
             for j in range(0, gl.minimum(diagonal, last)):
-                s, acc_token, p, m_i, l_i, pages = _step_ahead(
+                s, acc_token, p, m_i, l_i, pages = gluon_steps.step_ahead(
                     j, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
                     key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
                     cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
                     BLOCK_SIZE, HEAD, STAGES, False, True, load_layout, p_layout,
                 )  # fmt: skip
             for j in range(gl.minimum(diagonal, last), last):
-                s, acc_token, p, m_i, l_i, pages = _step_ahead(
+                s, acc_token, p, m_i, l_i, pages = gluon_steps.step_ahead(
                     j, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
                     key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
                     cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
                     BLOCK_SIZE, HEAD, STAGES, True, True, load_layout, p_layout,
                 )  # fmt: skip
-            s, acc_token, p, m_i, l_i, pages = _step_ahead(
+            s, acc_token, p, m_i, l_i, pages = gluon_steps.step_ahead(
                 last, s, acc_token, p, m_i, l_i, pages, q_smem, k_smem, v_smem,
                 key_cache_ptr, value_cache_ptr, q_pos, row_table, kv_end, kv_head,
                 cache_stride_b, cache_stride_s, cache_stride_h, qk_scale, BLOCK_N,
@@ -412,17 +209,19 @@ def _prefill_kernel(
             acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
         else:
             # Tile 0's P V goes with tile 1's scores.
-            p, _, m_i, l_i = _softmax(s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True)
+            p, _, m_i, l_i = gluon_steps.softmax(
+                s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True
+            )
             p = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, diagonal):
-                s, acc, p, m_i, l_i, pages = _step(
+                s, acc, p, m_i, l_i, pages = gluon_steps.step(
                     j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
                     value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
                     cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD,
                     STAGES, False, SCHEDULE == 1, load_layout, p_layout,
                 )  # fmt: skip
             for j in range(gl.maximum(diagonal, 1), num_kv_tiles):
-                s, acc, p, m_i, l_i, pages = _step(
+                s, acc, p, m_i, l_i, pages = gluon_steps.step(
                     j, s, acc, p, m_i, l_i, pages, q_smem, k_smem, v_smem, key_cache_ptr,
                     value_cache_ptr, q_pos, row_table, kv_end, kv_head, cache_stride_b,
                     cache_stride_s, cache_stride_h, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD,
