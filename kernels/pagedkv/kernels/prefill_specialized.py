@@ -1,0 +1,347 @@
+"""The Gluon prefill with warps of its own for each task (sm_90): a
+program's 128 query rows are split between two warpgroups of 64 that only
+compute (scores, softmax, ``P V``), and a third warpgroup only copies K/V
+pages through the block table into a ring of shared-memory buffers.
+mbarriers order them: a buffer is *full* once every copier thread's
+``cp.async`` copies have landed, and *empty* once both computing
+warpgroups' products have read it. With no barrier across the program,
+each computing warpgroup runs at its own pace: one's softmax can run
+while the other's products hold the tensor cores, which the single-role
+kernel (``prefill_gluon``'s schedules 0 to 2), whose warpgroups met at a
+barrier each step, could not do.
+
+``prefill_gluon.prefill`` launches it for ``TILING``'s schedule 3; the
+batches, the tile schedule and the arguments are ``prefill_gluon``'s.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pagedkv.kernels import gluon_steps
+
+# A computing warpgroup's query rows.
+HALF_ROWS = gl.constexpr(64)
+# The copying warpgroup's warps and each partition's registers a thread:
+# three warpgroups share a multiprocessor's 64K registers (the launch's
+# ``maxnreg`` times 384 threads), the copiers need few.
+COPY_WARPS = gl.constexpr(4)
+COPY_REGISTERS = gl.constexpr(40)
+COMPUTE_REGISTERS = gl.constexpr(232)
+KERNEL_REGISTERS = 168
+
+
+@gluon.jit
+def _copy_partition(
+    key_cache_ptr,
+    value_cache_ptr,
+    k_smem,
+    v_smem,
+    full,
+    empty,
+    row_table,
+    kv_end,
+    num_kv_tiles,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Copies K/V tiles 0 .. num_kv_tiles - 1 into the ring, each into a
+    buffer both computing warpgroups have released; every thread's
+    copies of a tile arrive on its *full* barrier once they land."""
+    layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
+    pages = gluon_steps.gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, layout)
+    for t in range(num_kv_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        pages = gluon_steps.issue_tile(
+            key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end, kv_head,
+            cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+            layout,
+        )  # fmt: skip
+        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _ready(full, j, STAGES: gl.constexpr):
+    """Waits for K/V tile ``j``'s copies and fences them for the tensor
+    cores' reads."""
+    mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
+    fence_async_shared()
+
+
+@gluon.jit
+def _take_turn(turn, n, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """With ``PINGPONG``, waits for this warpgroup's ``n``-th turn at the
+    tensor cores: the two computing warpgroups issue their products in
+    alternation (the first goes first), so that one's softmax runs while
+    the other's products do."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(HALF), (n & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _pass_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """With ``PINGPONG``, hands the tensor cores to the other computing
+    warpgroup once this one's products are issued."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF))
+
+
+@gluon.jit
+def _compute_partition(
+    query_ptr,
+    out_ptr,
+    k_smem,
+    v_smem,
+    full,
+    empty,
+    turn,
+    q_start,
+    q_len,
+    context,
+    row0,
+    num_kv_tiles,
+    head,
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    qk_scale,
+    HALF: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    """Query rows ``row0 + HALF * 64`` onwards (64 of them) over the tiles
+    their keys reach: each step issues tile j's scores and tile j - 1's
+    ``P V`` together, computes tile j's softmax while the ``P V`` runs,
+    then releases tile j - 1's buffer. Tiles past the rows' last key are
+    waited for and released without work, so that the ring's phases stay
+    in step with the other warpgroup's."""
+    BLOCK_M: gl.constexpr = HALF_ROWS
+    WARPS: gl.constexpr = 4
+    dtype: gl.constexpr = query_ptr.dtype.element_ty
+    load_layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2
+    )
+    first = row0 + HALF * BLOCK_M
+    kv_end = context + gl.minimum(first + BLOCK_M, q_len)
+    my_tiles = gl.where(first < q_len, gl.cdiv(kv_end, BLOCK_N), 0).to(gl.int32)
+    if my_tiles > 0:
+        rows = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+        dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, load_layout))
+        row_mask = (rows < q_len)[:, None] & (dims < HEAD)[None, :]
+        q_offsets = (
+            (q_start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :]
+        )
+        q = gl.load(query_ptr + q_offsets, mask=row_mask, other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], smem_layout, q)
+        fence_async_shared()
+        gluon_steps.cta_barrier()  # the warpgroup's rows of Q, all stored
+
+        # Keys before the rows' first query (rounded down to BLOCK_N) are
+        # seen by every row: tiles before ``diagonal`` need no mask.
+        diagonal = gl.minimum((context + first) // BLOCK_N, my_tiles).to(gl.int32)
+        q_pos = context + first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([BLOCK_M], gluon_steps.MASKED, gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        _ready(full, 0, STAGES)
+        _take_turn(turn, 0, HALF, PINGPONG)
+        s_token = warpgroup_mma(
+            q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True
+        )
+        _pass_turn(turn, HALF, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s_token,))
+        p, _, m_i, l_i = gluon_steps.softmax(s, m_i, l_i, q_pos, 0, kv_end, qk_scale, BLOCK_N, True)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, diagonal):
+            s, acc, p, m_i, l_i = _step(
+                j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full, empty, turn, q_pos,
+                kv_end, qk_scale, HALF, BLOCK_N, STAGES, False, PINGPONG, p_layout,
+            )  # fmt: skip
+        for j in range(gl.maximum(diagonal, 1), my_tiles):
+            s, acc, p, m_i, l_i = _step(
+                j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full, empty, turn, q_pos,
+                kv_end, qk_scale, HALF, BLOCK_N, STAGES, True, PINGPONG, p_layout,
+            )  # fmt: skip
+        last = my_tiles - 1
+        _take_turn(turn, my_tiles, HALF, PINGPONG)
+        acc_token = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        _pass_turn(turn, HALF, PINGPONG)
+        acc = warpgroup_mma_wait(0, deps=(acc_token,))
+        mbarrier.arrive(empty.index(last % STAGES))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        out = gl.convert_layout(out.to(dtype), load_layout)
+        out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
+        gl.store(out_ptr + out_offsets, out, mask=row_mask)
+    else:  # no rows: the turn the first tile's scores would take
+        _take_turn(turn, 0, HALF, PINGPONG)
+        _pass_turn(turn, HALF, PINGPONG)
+    # The other warpgroup's last tiles, a turn each: both take
+    # num_kv_tiles + 1 turns.
+    for j in range(my_tiles, num_kv_tiles):
+        mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.arrive(empty.index(j % STAGES))
+        _take_turn(turn, j + 1, HALF, PINGPONG)
+        _pass_turn(turn, HALF, PINGPONG)
+
+
+@gluon.jit
+def _step(
+    j,
+    s,
+    acc,
+    p,
+    m_i,
+    l_i,
+    q_smem,
+    k_smem,
+    v_smem,
+    full,
+    empty,
+    turn,
+    q_pos,
+    kv_end,
+    qk_scale,
+    HALF: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    MASK: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    p_layout: gl.constexpr,
+):
+    """Tile ``j`` (``j >= 1``): its scores and tile ``j - 1``'s ``P V``
+    issued together, its softmax while the ``P V`` runs, tile ``j - 1``'s
+    buffer released once both are done, the accumulator rescaled."""
+    _ready(full, j, STAGES)
+    k_tile = k_smem.index(j % STAGES).permute((1, 0))
+    _take_turn(turn, j, HALF, PINGPONG)
+    s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
+    acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    _pass_turn(turn, HALF, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s_token,))
+    p_new, alpha, m_i, l_i = gluon_steps.softmax(
+        s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
+    )
+    acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
+    mbarrier.arrive(empty.index((j - 1) % STAGES))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    p = gl.convert_layout(p_new.to(p.dtype), p_layout)
+    return s, acc, p, m_i, l_i
+
+
+@gluon.jit
+def prefill_specialized_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_size]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    tiles_ptr,  # with TILED: [2, num_tiles], each program's sequence (-1: none) and tile
+    out_ptr,  # [num_tokens, num_q_heads, head_size]
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    qk_scale,  # the softmax scale times log2(e)
+    num_queries_per_kv,
+    num_tiles,
+    TILED: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr,  # a program's rows: a schedule tile's
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
+    head = gl.program_id(0).to(gl.int64)
+    if TILED:
+        seq = gl.load(tiles_ptr + gl.program_id(1)).to(gl.int64)
+        tile = gl.load(tiles_ptr + num_tiles + gl.program_id(1)).to(gl.int64)
+        tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
+        seq = gl.maximum(seq, 0)
+        row0 = tile * BLOCK_M
+    else:
+        row0 = (gl.num_programs(1) - 1 - gl.program_id(1)).to(gl.int64) * BLOCK_M
+        seq = gl.program_id(2).to(gl.int64)
+    kv_head = head // num_queries_per_kv
+    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int64)
+    context = seq_len - q_len
+    kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
+    if row0 < q_len:
+        dtype: gl.constexpr = query_ptr.dtype.element_ty
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2
+        )
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=COPY_WARPS * 32)  # each copier thread
+            mbarrier.init(empty.index(i), count=2)  # each computing warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
+        row_table = block_table_ptr + seq * block_table_stride
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (_compute_partition, (
+                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, q_start, q_len,
+                    context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
+                    out_stride_t, out_stride_h, qk_scale, 0, BLOCK_N, HEAD, STAGES, PINGPONG,
+                )),
+                (_compute_partition, (
+                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, q_start, q_len,
+                    context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
+                    out_stride_t, out_stride_h, qk_scale, 1, BLOCK_N, HEAD, STAGES, PINGPONG,
+                )),
+                (_copy_partition, (
+                    key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,
+                    kv_end, num_kv_tiles, kv_head, cache_stride_b, cache_stride_s,
+                    cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS,
+                )),
+            ],
+            [4, COPY_WARPS],
+            [COMPUTE_REGISTERS, COPY_REGISTERS],
+        )
+        # fmt: on
