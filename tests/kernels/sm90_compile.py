@@ -7,7 +7,7 @@ this is the CPU's check that every variant a GPU would build does build:
 each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
 not), prefill and decode attention (window, soft-cap, a tile schedule,
 the block table's read-ahead, widened V tiles and scaled int8 tiles on
-and off), the Gluon prefill (float16 and bfloat16), the one-launch decode
+and off), the Gluon prefill (float16 and bfloat16; warps of their own or not), the one-launch decode
 (rotated or not) and the block moves.
 
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
@@ -123,14 +123,26 @@ def _gluon_prefill(
     seq_lens, starts = mixed
     start_loc = torch.tensor(starts, dtype=torch.int32)
     tiles = torch.tensor([[1, 0, 2, -1], [0, 0, 0, 0]], dtype=torch.int32)
-    for head_size in prefill_gluon.TILING:
+    default = prefill_gluon.TILING
+    for head_size in default:
         query = torch.zeros(starts[-1], 8, head_size, dtype=dtype)
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
-        for schedule in (None, tiles):
-            prefill_gluon.prefill(
-                query, cache, cache, table, seq_lens, start_loc, torch.empty_like(query), 0.125,
-                128, schedule,
-            )  # fmt: skip
+        # The default tiling with a tile schedule and without; warps of
+        # their own, free (schedule 3) and taking turns (4), one each.
+        for tiling, schedule in (
+            (default[head_size], None),
+            (default[head_size], tiles),
+            ((64, 4, 3, 128), tiles),
+            ((64, 3, 4, 128), None),
+        ):
+            prefill_gluon.TILING = {head_size: tiling}
+            try:
+                prefill_gluon.prefill(
+                    query, cache, cache, table, seq_lens, start_loc, torch.empty_like(query),
+                    0.125, 128, schedule,
+                )  # fmt: skip
+            finally:
+                prefill_gluon.TILING = default
 
 
 def main() -> int:
@@ -145,12 +157,13 @@ def main() -> int:
     from pagedkv.bench.kernels.sass import machine_code
 
     # Each Gluon build's warpgroup products and its waits on them.
-    products = []
+    products: dict[str, list[list[int]]] = {"gluon": [], "specialized": []}
     for kernel in BUILT:
-        if kernel.name == "_prefill_kernel":
+        kind = {"_prefill_kernel": "gluon", "prefill_specialized_kernel": "specialized"}
+        if kernel.name in kind:
             code = machine_code(kernel.asm["cubin"])
-            products.append([code["products"], code["product_waits"]])
-    report = {"target": "sm_90", "built": dict(built), "failures": failures, "gluon": products}
+            products[kind[kernel.name]].append([code["products"], code["product_waits"]])
+    report = {"target": "sm_90", "built": dict(built), "failures": failures, **products}
     print(json.dumps(report, indent=1))
     return 1 if failures else 0
 

@@ -21,6 +21,7 @@ KERNELS = {
     "_rotary_and_cache_kernel",
     "_paged_attention_kernel",
     "_prefill_kernel",
+    "prefill_specialized_kernel",
     "_decode_split_kernel",
     "_decode_merge_kernel",
     "_copy_blocks_kernel",
@@ -53,9 +54,9 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     assert set(report["built"]) == KERNELS
     # The Gluon prefill's products overlap: ptxas did not serialize them (it
     # waits after every product when it does).
-    assert len(report["gluon"]) == 8
-    for products, waits in report["gluon"]:
-        assert products >= 16 and waits * 4 <= products, report["gluon"]
+    assert len(report["gluon"]) == 8 and len(report["specialized"]) == 8
+    for products, waits in report["gluon"] + report["specialized"]:
+        assert products >= 16 and waits * 4 <= products, report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU builds and runs them for real")
