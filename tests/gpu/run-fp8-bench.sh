@@ -199,7 +199,8 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
       if ((new > 1)); then
         kind=prefill kernel=_paged_attention_kernel
         if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill (sm_90)
-          kind=prefill-gluon kernel=_prefill_kernel gluon=(--gluon)
+          kind=prefill-gluon kernel='regex:^(_prefill_kernel|prefill_specialized_kernel)$'
+          gluon=(--gluon)
         fi
       fi
       report="$RESULTS/ncu-$kind-$kv-$shape-$size-$NAME"

@@ -127,12 +127,14 @@ def _gluon_prefill(
     for head_size in default:
         query = torch.zeros(starts[-1], 8, head_size, dtype=dtype)
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
-        # The default tiling with a tile schedule and without; warps of
-        # their own, free (schedule 3) and taking turns (4), one each.
+        # The default tiling (warps of their own) and schedule 1 (every
+        # warpgroup copies), each with a tile schedule and without; warps
+        # of their own taking turns at the tensor cores (schedule 4).
         for tiling, schedule in (
             (default[head_size], None),
             (default[head_size], tiles),
-            ((64, 4, 3, 128), tiles),
+            ((64, 4, 1, 128), None),
+            ((64, 4, 1, 128), tiles),
             ((64, 3, 4, 128), None),
         ):
             prefill_gluon.TILING = {head_size: tiling}

@@ -54,7 +54,7 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     assert set(report["built"]) == KERNELS
     # The Gluon prefill's products overlap: ptxas did not serialize them (it
     # waits after every product when it does).
-    assert len(report["gluon"]) == 8 and len(report["specialized"]) == 8
+    assert len(report["gluon"]) == 8 and len(report["specialized"]) == 12
     for products, waits in report["gluon"] + report["specialized"]:
         assert products >= 16 and waits * 4 <= products, report
 

@@ -72,11 +72,12 @@ PREFILL_FUSED_SCALE = True
 PREFILL_PREFETCH = True
 # On an sm_90 GPU, the batches prefill_gluon covers (a float16 or bfloat16
 # cache, head size 64 or 128, no window or soft-cap, 128-row tiles) take
-# its kernel, which overlaps each tile's softmax with the tensor cores.
-# Off: on an H100 its fastest tiling took 817 and 720 us against this
-# kernel's 776 and 716 (kernels-prefill-tune-bfloat16-gluon-h100.json,
-# b = 8, 2,048 new tokens and 512 over 4,096 cached).
-PREFILL_GLUON = False
+# its kernel: by default the one with warps of their own
+# (prefill_specialized), where two warpgroups compute and a third copies
+# K/V pages. On an H100 it took 684 and 609 us against this kernel's 779
+# and 722 (kernels-prefill-tune-bfloat16-specialized-h100.json, b = 8,
+# 2,048 new tokens and 512 over 4,096 cached).
+PREFILL_GLUON = True
 
 
 def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:

@@ -1,12 +1,15 @@
 """The prefill for sm_90 (H100, H200) written in Gluon, Triton's lower
 level, where the kernel states the order of its work itself: which
 products each warpgroup issues on the tensor cores asynchronously, and
-what it computes while they run (``TILING``'s schedules). By default
-(schedule 1) it issues tile j's scores (``Q K^T``) and tile j - 1's
-``P V`` together and computes tile j's softmax while the ``P V`` runs;
-schedule 2 issues tile j + 1's scores before tile j's softmax. K/V pages
-are gathered through the block table by ``cp.async`` into a ring of
-shared-memory buffers. Triton's compiler, given the same loop
+what it computes while they run (``TILING``'s schedules). Each issues
+tile j's scores (``Q K^T``) and tile j - 1's ``P V`` together and
+computes tile j's softmax while the ``P V`` runs (schedule 1; schedule 2
+issues tile j + 1's scores before tile j's softmax). By default
+(schedule 3) this runs in warps of their own (``prefill_specialized``):
+two warpgroups compute, each at its own pace, and a third gathers the
+K/V pages through the block table by ``cp.async`` into a ring of
+shared-memory buffers; schedules 0 to 2 have every warpgroup copy, then
+meet at a barrier each step. Triton's compiler, given the same loop
 (``prefill_kernel``), runs dot, softmax, dot in order within a warpgroup.
 No accumulator is read while a product that writes it may be in flight:
 ptxas would then serialize every product of the kernel (its note C7514).
@@ -15,7 +18,7 @@ It covers the prefill's common case: a float16 or bfloat16 cache, head
 size 64 or 128, causal attention with no window or soft-cap, 128 or 64
 query rows a program (two warpgroups of 64, or one) and the same tile
 schedule as ``prefill_kernel`` (a decode entry is a tile of one row).
-``supported`` says when it applies; ``paged_attention`` launches it (off
+``supported`` says when it applies; ``paged_attention`` launches it (on
 by default: ``PREFILL_GLUON``). It has no interpreter: its tests run on a
 GPU, and its sm_90 build on any machine (tests/kernels/sm90_compile.py).
 """
@@ -46,12 +49,16 @@ TILE_ROWS = 128
 # scores, their softmax); 1, a tile's scores and the previous tile's P V
 # issued together, the softmax beside the P V; 2, tile j + 1's scores
 # issued before tile j's softmax, which runs beside them and tile j - 1's
-# P V (at least 4 buffers). The fastest measured on an H100 at head size
-# 128 (kernels-prefill-tune-bfloat16-gluon{,-wait0}-h100.json): (64, 4, 1,
-# 128), 817 and 720 us at b = 8 (2,048 new tokens; 512 over 4,096 cached)
-# against 837 and 759 for (64, 4, 2, 128) and 888 and 757 for (128, 3, 1,
-# 128).
-TILING = {64: (64, 4, 1, 128), 128: (64, 4, 1, 128)}
+# P V (at least 4 buffers); 3, schedule 1 in warps of their own
+# (prefill_specialized: two computing warpgroups, each at its own pace,
+# and a copying one; 128 rows, at least 2 buffers); 4, the same with the
+# computing warpgroups taking turns at the tensor cores. On an H100 at
+# head size 128, b = 8 (kernels-prefill-tune-bfloat16-specialized-h100.json;
+# 2,048 new tokens, then 512 over 4,096 cached): (64, 4, 3, 128) 684 and
+# 609 us, (64, 4, 4, 128) 687 and 603, (64, 4, 1, 128) 821 and 715, the
+# Triton kernel 779 and 722; 128-key tiles spill in warps of their own
+# (1,350 and 1,339).
+TILING = {64: (64, 4, 3, 128), 128: (64, 4, 3, 128)}
 
 
 def supported(

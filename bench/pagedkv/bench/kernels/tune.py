@@ -201,7 +201,11 @@ def sweep_prefill(
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("PREFILL_")}
     tile_name = "PREFILL_TILE" if kv_dtype == DTYPE else "PREFILL_QUANTIZED_TILE"
-    settings_list = prefill_settings(tiles, switches, tile_name)
+    # The Triton kernel's rows take it, not the Gluon prefill.
+    settings_list = [
+        {**settings, "PREFILL_GLUON": False}
+        for settings in prefill_settings(tiles, switches, tile_name)
+    ]
     if quick:
         settings_list = settings_list[:1]
     # The Gluon prefill at each of its tilings (prefill_gluon.TILING's).
