@@ -36,6 +36,8 @@ COPY_WARPS = gl.constexpr(4)
 COPY_REGISTERS = gl.constexpr(40)
 COMPUTE_REGISTERS = gl.constexpr(232)
 KERNEL_REGISTERS = 168
+# K/V rows the copiers address at a time (16 bytes a thread a row's part).
+COPY_ROWS = gl.constexpr(32)
 
 
 @gluon.jit
@@ -58,20 +60,34 @@ def _copy_partition(
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):
     """Copies K/V tiles 0 .. num_kv_tiles - 1 into the ring, each into a
-    buffer both computing warpgroups have released; every thread's
-    copies of a tile arrive on its *full* barrier once they land."""
+    buffer both computing warpgroups have released, ``CHUNK`` rows at a
+    time (their pages read from the block table as they go); every
+    thread's copies of a tile arrive on its *full* barrier once they
+    land."""
     layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
-    pages = gluon_steps.gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, layout)
     for t in range(num_kv_tiles):
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        pages = gluon_steps.issue_tile(
-            key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end, kv_head,
-            cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
-            layout,
-        )  # fmt: skip
+        # CHUNK rows at a time: few registers whatever the tile's size.
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            start = t * BLOCK_N + c * CHUNK
+            k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
+            rows = (
+                pages.to(gl.int64) * cache_stride_b
+                + (k_pos % BLOCK_SIZE) * cache_stride_s
+                + kv_head * cache_stride_h
+            )
+            dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+            offsets = rows[:, None] + dims[None, :]
+            mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
+            k_rows = k_smem.index(slot).slice(c * CHUNK, CHUNK)
+            v_rows = v_smem.index(slot).slice(c * CHUNK, CHUNK)
+            async_copy.async_copy_global_to_shared(k_rows, key_cache_ptr + offsets, mask=mask)
+            async_copy.async_copy_global_to_shared(v_rows, value_cache_ptr + offsets, mask=mask)
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
@@ -338,7 +354,7 @@ def prefill_specialized_kernel(
                 (_copy_partition, (
                     key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,
                     kv_end, num_kv_tiles, kv_head, cache_stride_b, cache_stride_s,
-                    cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS,
+                    cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS, COPY_ROWS,
                 )),
             ],
             [4, COPY_WARPS],
