@@ -36,7 +36,10 @@ COPY_WARPS = gl.constexpr(4)
 COPY_REGISTERS = gl.constexpr(40)
 COMPUTE_REGISTERS = gl.constexpr(232)
 KERNEL_REGISTERS = 168
-# K/V rows the copiers address at a time (16 bytes a thread a row's part).
+# Tiles of up to COPY_TILE keys are copied at once; larger ones COPY_ROWS
+# rows at a time (at once, a 128-key tile's addresses spilled 336 bytes a
+# thread).
+COPY_TILE = gl.constexpr(64)
 COPY_ROWS = gl.constexpr(32)
 
 
@@ -60,35 +63,71 @@ def _copy_partition(
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    WHOLE: gl.constexpr,
     CHUNK: gl.constexpr,
 ):
     """Copies K/V tiles 0 .. num_kv_tiles - 1 into the ring, each into a
-    buffer both computing warpgroups have released, ``CHUNK`` rows at a
-    time (their pages read from the block table as they go); every
-    thread's copies of a tile arrive on its *full* barrier once they
-    land."""
+    buffer both computing warpgroups have released; every thread's
+    copies of a tile arrive on its *full* barrier once they land. A tile
+    of up to ``WHOLE`` keys is copied at once, its pages read a tile
+    ahead; a larger one ``CHUNK`` rows at a time, their pages read as
+    they go (at once, its addresses would spill)."""
     layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
+    if BLOCK_N <= WHOLE:
+        pages = gluon_steps.gather_pages(row_table, 0, kv_end, BLOCK_N, BLOCK_SIZE, layout)
     for t in range(num_kv_tiles):
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        # CHUNK rows at a time: few registers whatever the tile's size.
-        for c in gl.static_range(BLOCK_N // CHUNK):
-            start = t * BLOCK_N + c * CHUNK
-            k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
-            rows = (
-                pages.to(gl.int64) * cache_stride_b
-                + (k_pos % BLOCK_SIZE) * cache_stride_s
-                + kv_head * cache_stride_h
-            )
-            dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
-            offsets = rows[:, None] + dims[None, :]
-            mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
-            k_rows = k_smem.index(slot).slice(c * CHUNK, CHUNK)
-            v_rows = v_smem.index(slot).slice(c * CHUNK, CHUNK)
-            async_copy.async_copy_global_to_shared(k_rows, key_cache_ptr + offsets, mask=mask)
-            async_copy.async_copy_global_to_shared(v_rows, value_cache_ptr + offsets, mask=mask)
+        if BLOCK_N <= WHOLE:
+            pages = gluon_steps.issue_tile(
+                key_cache_ptr, value_cache_ptr, k_smem, v_smem, pages, t, row_table, kv_end,
+                kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE,
+                HEAD, STAGES, layout,
+            )  # fmt: skip
+        else:
+            for c in gl.static_range(BLOCK_N // CHUNK):
+                _copy_rows(
+                    key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
+                    v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
+                    row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
+                    BLOCK_SIZE, HEAD, layout,
+                )  # fmt: skip
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _copy_rows(
+    key_cache_ptr,
+    value_cache_ptr,
+    k_rows,
+    v_rows,
+    start,
+    row_table,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """Starts the copies of keys and values ``start`` onwards into
+    ``k_rows`` and ``v_rows`` (rows past ``kv_end`` zeroed), their pages
+    read from the block table first."""
+    CHUNK: gl.constexpr = k_rows.shape[0]
+    k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
+    rows = (
+        pages.to(gl.int64) * cache_stride_b
+        + (k_pos % BLOCK_SIZE) * cache_stride_s
+        + kv_head * cache_stride_h
+    )
+    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] + dims[None, :]
+    mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
+    async_copy.async_copy_global_to_shared(k_rows, key_cache_ptr + offsets, mask=mask)
+    async_copy.async_copy_global_to_shared(v_rows, value_cache_ptr + offsets, mask=mask)
 
 
 @gluon.jit
@@ -354,7 +393,8 @@ def prefill_specialized_kernel(
                 (_copy_partition, (
                     key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,
                     kv_end, num_kv_tiles, kv_head, cache_stride_b, cache_stride_s,
-                    cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS, COPY_ROWS,
+                    cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS, COPY_TILE,
+                    COPY_ROWS,
                 )),
             ],
             [4, COPY_WARPS],
