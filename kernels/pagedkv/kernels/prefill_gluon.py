@@ -266,19 +266,14 @@ def prefill(
     block_n, stages, schedule, block_m = TILING[head_size]
     if schedule == 2 and stages < 4:
         raise ValueError(f"TILING: the scores a tile ahead need 4 buffers or more, not {stages}")
-    if schedule in (3, 4):
-        if block_m != TILE_ROWS:
-            raise ValueError(f"TILING: schedule {schedule} takes {TILE_ROWS} rows a program")
-        _specialized(
-            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
-            max_query_len, tiles, block_n, stages, schedule == 4,
-        )  # fmt: skip
-        return
+    specialized = schedule in (3, 4)
+    if specialized and block_m != TILE_ROWS:
+        raise ValueError(f"TILING: schedule {schedule} takes {TILE_ROWS} rows a program")
     if tiles is not None:
         grid: tuple[int, ...] = (num_q_heads, tiles.shape[1] * (TILE_ROWS // block_m), 1)
     else:
         grid = (num_q_heads, triton.cdiv(max_query_len, block_m), len(seq_lens))
-    _prefill_kernel[grid](
+    args = (
         query,
         key_cache,
         value_cache,
@@ -298,67 +293,28 @@ def prefill(
         scale * LOG2E,
         num_q_heads // key_cache.shape[2],
         tiles.shape[1] if tiles is not None else 0,
-        TILED=tiles is not None,
-        BLOCK_SIZE=key_cache.shape[1],
-        ROWS=TILE_ROWS,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD=head_size,
-        STAGES=stages,
-        SCHEDULE=schedule,
-        num_warps=block_m // 16,  # four a warpgroup of 64 rows
     )
-
-
-def _specialized(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    tiles: torch.Tensor | None,
-    block_n: int,
-    stages: int,
-    pingpong: bool,
-) -> None:
-    """Schedules 3 and 4: ``prefill_specialized``'s kernel, a program a schedule
-    tile (two computing warpgroups and a copying one)."""
-    num_q_heads, head_size = query.shape[1:]
-    if tiles is not None:
-        grid: tuple[int, ...] = (num_q_heads, tiles.shape[1], 1)
+    shape = {
+        "TILED": tiles is not None,
+        "BLOCK_SIZE": key_cache.shape[1],
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "HEAD": head_size,
+        "STAGES": stages,
+    }
+    if specialized:  # two computing warpgroups and a copying one
+        prefill_specialized.prefill_specialized_kernel[grid](
+            *args,
+            **shape,
+            PINGPONG=schedule == 4,
+            num_warps=4,  # the first computing warpgroup; the others are its partitions
+            maxnreg=prefill_specialized.KERNEL_REGISTERS,
+        )
     else:
-        grid = (num_q_heads, triton.cdiv(max_query_len, TILE_ROWS), len(seq_lens))
-    prefill_specialized.prefill_specialized_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        tiles if tiles is not None else query_start_loc,
-        out,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_table.stride(0),
-        scale * LOG2E,
-        num_q_heads // key_cache.shape[2],
-        tiles.shape[1] if tiles is not None else 0,
-        TILED=tiles is not None,
-        BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_M=TILE_ROWS,
-        BLOCK_N=block_n,
-        HEAD=head_size,
-        STAGES=stages,
-        PINGPONG=pingpong,
-        num_warps=4,  # the first computing warpgroup; the others are the kernel's partitions
-        maxnreg=prefill_specialized.KERNEL_REGISTERS,
-    )
+        _prefill_kernel[grid](
+            *args,
+            **shape,
+            ROWS=TILE_ROWS,
+            SCHEDULE=schedule,
+            num_warps=block_m // 16,  # four a warpgroup of 64 rows
+        )
