@@ -157,7 +157,7 @@ def _pass_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _compute_partition(
+def _compute_rows(
     query_ptr,
     out_ptr,
     k_smem,
@@ -165,6 +165,8 @@ def _compute_partition(
     full,
     empty,
     turn,
+    ring,
+    turns,
     q_start,
     q_len,
     context,
@@ -187,7 +189,9 @@ def _compute_partition(
     ``P V`` together, computes tile j's softmax while the ``P V`` runs,
     then releases tile j - 1's buffer. Tiles past the rows' last key are
     waited for and released without work, so that the ring's phases stay
-    in step with the other warpgroup's."""
+    in step with the other warpgroup's. Tile j is the ring's ``ring + j``-th
+    and its turn (with ``PINGPONG``) the ``turns + j``-th: a persistent
+    program's earlier items took the ones before."""
     BLOCK_M: gl.constexpr = HALF_ROWS
     WARPS: gl.constexpr = 4
     dtype: gl.constexpr = query_ptr.dtype.element_ty
@@ -226,10 +230,10 @@ def _compute_partition(
         acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=o_layout)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
-        _ready(full, 0, STAGES)
-        _take_turn(turn, 0, HALF, PINGPONG)
+        _ready(full, ring, STAGES)
+        _take_turn(turn, turns, HALF, PINGPONG)
         s_token = warpgroup_mma(
-            q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True
+            q_smem, k_smem.index(ring % STAGES).permute((1, 0)), s, use_acc=False, is_async=True
         )
         _pass_turn(turn, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_token,))
@@ -237,16 +241,18 @@ def _compute_partition(
         p = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, diagonal):
             s, acc, p, m_i, l_i = _step(
-                j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full, empty, turn, q_pos,
-                kv_end, qk_scale, HALF, BLOCK_N, STAGES, False, PINGPONG, p_layout,
+                j, ring + j, turns + j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full,
+                empty, turn, q_pos, kv_end, qk_scale, HALF, BLOCK_N, STAGES, False, PINGPONG,
+                p_layout,
             )  # fmt: skip
         for j in range(gl.maximum(diagonal, 1), my_tiles):
             s, acc, p, m_i, l_i = _step(
-                j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full, empty, turn, q_pos,
-                kv_end, qk_scale, HALF, BLOCK_N, STAGES, True, PINGPONG, p_layout,
+                j, ring + j, turns + j, s, acc, p, m_i, l_i, q_smem, k_smem, v_smem, full,
+                empty, turn, q_pos, kv_end, qk_scale, HALF, BLOCK_N, STAGES, True, PINGPONG,
+                p_layout,
             )  # fmt: skip
-        last = my_tiles - 1
-        _take_turn(turn, my_tiles, HALF, PINGPONG)
+        last = ring + my_tiles - 1
+        _take_turn(turn, turns + my_tiles, HALF, PINGPONG)
         acc_token = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         _pass_turn(turn, HALF, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc_token,))
@@ -258,20 +264,57 @@ def _compute_partition(
         out_offsets = (q_start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
         gl.store(out_ptr + out_offsets, out, mask=row_mask)
     else:  # no rows: the turn the first tile's scores would take
-        _take_turn(turn, 0, HALF, PINGPONG)
+        _take_turn(turn, turns, HALF, PINGPONG)
         _pass_turn(turn, HALF, PINGPONG)
     # The other warpgroup's last tiles, a turn each: both take
     # num_kv_tiles + 1 turns.
     for j in range(my_tiles, num_kv_tiles):
-        mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(empty.index(j % STAGES))
-        _take_turn(turn, j + 1, HALF, PINGPONG)
+        mbarrier.wait(full.index((ring + j) % STAGES), ((ring + j) // STAGES) & 1)
+        mbarrier.arrive(empty.index((ring + j) % STAGES))
+        _take_turn(turn, turns + j + 1, HALF, PINGPONG)
         _pass_turn(turn, HALF, PINGPONG)
+
+
+@gluon.jit
+def _compute_partition(
+    query_ptr,
+    out_ptr,
+    k_smem,
+    v_smem,
+    full,
+    empty,
+    turn,
+    q_start,
+    q_len,
+    context,
+    row0,
+    num_kv_tiles,
+    head,
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    qk_scale,
+    HALF: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    """A computing warpgroup of a program of one tile: ``_compute_rows``
+    from the ring's first tile."""
+    _compute_rows(
+        query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, 0, 0, q_start, q_len, context,
+        row0, num_kv_tiles, head, query_stride_t, query_stride_h, out_stride_t, out_stride_h,
+        qk_scale, HALF, BLOCK_N, HEAD, STAGES, PINGPONG,
+    )  # fmt: skip
 
 
 @gluon.jit
 def _step(
     j,
+    r,
+    n,
     s,
     acc,
     p,
@@ -293,21 +336,22 @@ def _step(
     PINGPONG: gl.constexpr,
     p_layout: gl.constexpr,
 ):
-    """Tile ``j`` (``j >= 1``): its scores and tile ``j - 1``'s ``P V``
-    issued together, its softmax while the ``P V`` runs, tile ``j - 1``'s
-    buffer released once both are done, the accumulator rescaled."""
-    _ready(full, j, STAGES)
-    k_tile = k_smem.index(j % STAGES).permute((1, 0))
-    _take_turn(turn, j, HALF, PINGPONG)
+    """Tile ``j`` (``j >= 1``; the ring's ``r``-th, its turn the ``n``-th):
+    its scores and tile ``j - 1``'s ``P V`` issued together, its softmax
+    while the ``P V`` runs, tile ``j - 1``'s buffer released once both are
+    done, the accumulator rescaled."""
+    _ready(full, r, STAGES)
+    k_tile = k_smem.index(r % STAGES).permute((1, 0))
+    _take_turn(turn, n, HALF, PINGPONG)
     s_token = warpgroup_mma(q_smem, k_tile, s, use_acc=False, is_async=True)
-    acc_token = warpgroup_mma(p, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+    acc_token = warpgroup_mma(p, v_smem.index((r - 1) % STAGES), acc, is_async=True)
     _pass_turn(turn, HALF, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_token,))
     p_new, alpha, m_i, l_i = gluon_steps.softmax(
         s, m_i, l_i, q_pos, j * BLOCK_N, kv_end, qk_scale, BLOCK_N, MASK
     )
     acc, p = warpgroup_mma_wait(0, deps=(acc_token, p))
-    mbarrier.arrive(empty.index((j - 1) % STAGES))
+    mbarrier.arrive(empty.index((r - 1) % STAGES))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     p = gl.convert_layout(p_new.to(p.dtype), p_layout)
     return s, acc, p, m_i, l_i
