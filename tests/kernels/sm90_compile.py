@@ -129,13 +129,16 @@ def _gluon_prefill(
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
         # The default tiling (warps of their own) and schedule 1 (every
         # warpgroup copies), each with a tile schedule and without; warps
-        # of their own taking turns at the tensor cores (schedule 4).
+        # of their own taking turns at the tensor cores (schedule 4);
+        # persistent programs (5), with 64- and 128-key tiles.
         for tiling, schedule in (
             (default[head_size], None),
             (default[head_size], tiles),
             ((64, 4, 1, 128), None),
             ((64, 4, 1, 128), tiles),
             ((64, 3, 4, 128), None),
+            ((64, 4, 5, 128), None),
+            ((128, 3, 5, 128), tiles),
         ):
             prefill_gluon.TILING = {head_size: tiling}
             try:
@@ -159,9 +162,13 @@ def main() -> int:
     from pagedkv.bench.kernels.sass import machine_code
 
     # Each Gluon build's warpgroup products and its waits on them.
-    products: dict[str, list[list[int]]] = {"gluon": [], "specialized": []}
+    products: dict[str, list[list[int]]] = {"gluon": [], "specialized": [], "persistent": []}
     for kernel in BUILT:
-        kind = {"_prefill_kernel": "gluon", "prefill_specialized_kernel": "specialized"}
+        kind = {
+            "_prefill_kernel": "gluon",
+            "prefill_specialized_kernel": "specialized",
+            "prefill_persistent_kernel": "persistent",
+        }
         if kernel.name in kind:
             code = machine_code(kernel.asm["cubin"])
             products[kind[kernel.name]].append([code["products"], code["product_waits"]])

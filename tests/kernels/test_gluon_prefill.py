@@ -97,14 +97,19 @@ def test_other_tilings_match_the_oracle(
 
 
 @needs_sm90
-@pytest.mark.parametrize("tiling", [(64, 4, 3, 128), (64, 3, 4, 128), (128, 2, 3, 128)])
+@pytest.mark.parametrize(
+    "tiling",
+    [(64, 4, 3, 128), (64, 3, 4, 128), (128, 2, 3, 128), (64, 4, 5, 128), (128, 3, 5, 128)],
+)
 @pytest.mark.parametrize("tiles", [False, True])
 def test_warps_of_their_own_match_the_oracle(
     tiling: tuple[int, ...], tiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Schedules 3 and 4 (prefill_specialized): computing and copying
-    # warpgroups, free or taking turns at the tensor cores; chunks whose
-    # second warpgroup has no rows (decode entries, 40 rows) or fewer tiles.
+    # Schedules 3 to 5 (prefill_specialized): computing and copying
+    # warpgroups, free or taking turns at the tensor cores, or in
+    # persistent programs (the second batch has more tiles than an H100 or
+    # H200 has multiprocessors); chunks whose second warpgroup has no rows
+    # (decode entries, 40 rows) or fewer tiles.
     monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
     _check([0, 300, 17, 0, 1000], [300, 40, 1, 129, 700], torch.float16, 128, tiles=tiles)
     _check([0, 700], [2048, 1500], torch.bfloat16, 64, num_kv_heads=1, tiles=tiles)

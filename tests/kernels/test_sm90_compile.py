@@ -22,6 +22,7 @@ KERNELS = {
     "_paged_attention_kernel",
     "_prefill_kernel",
     "prefill_specialized_kernel",
+    "prefill_persistent_kernel",
     "_decode_split_kernel",
     "_decode_merge_kernel",
     "_copy_blocks_kernel",
@@ -54,8 +55,9 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     assert set(report["built"]) == KERNELS
     # The Gluon prefill's products overlap: ptxas did not serialize them (it
     # waits after every product when it does).
-    assert len(report["gluon"]) == 8 and len(report["specialized"]) == 12
-    for products, waits in report["gluon"] + report["specialized"]:
+    builds = [len(report[name]) for name in ("gluon", "specialized", "persistent")]
+    assert builds == [8, 12, 8], builds
+    for products, waits in report["gluon"] + report["specialized"] + report["persistent"]:
         assert products >= 16 and waits * 4 <= products, report
 
 

@@ -266,7 +266,7 @@ def prefill(
     block_n, stages, schedule, block_m = TILING[head_size]
     if schedule == 2 and stages < 4:
         raise ValueError(f"TILING: the scores a tile ahead need 4 buffers or more, not {stages}")
-    specialized = schedule in (3, 4)
+    specialized = schedule in (3, 4, 5)
     if specialized and block_m != TILE_ROWS:
         raise ValueError(f"TILING: schedule {schedule} takes {TILE_ROWS} rows a program")
     if tiles is not None:
@@ -302,7 +302,20 @@ def prefill(
         "HEAD": head_size,
         "STAGES": stages,
     }
-    if specialized:  # two computing warpgroups and a copying one
+    if schedule == 5:  # programs that each take tiles in turn
+        row_tiles = grid[1] if tiles is None else 0
+        items = grid[0] * grid[1] * grid[2]
+        prefill_specialized.prefill_persistent_kernel[(min(items, _programs(query)),)](
+            *args,
+            num_q_heads,
+            row_tiles,
+            items,
+            **shape,
+            PINGPONG=False,
+            num_warps=4,  # the first computing warpgroup; the others are its partitions
+            maxnreg=prefill_specialized.KERNEL_REGISTERS,
+        )
+    elif specialized:  # two computing warpgroups and a copying one
         prefill_specialized.prefill_specialized_kernel[grid](
             *args,
             **shape,
@@ -318,3 +331,11 @@ def prefill(
             SCHEDULE=schedule,
             num_warps=block_m // 16,  # four a warpgroup of 64 rows
         )
+
+
+def _programs(query: torch.Tensor) -> int:
+    """A persistent launch's programs: one a multiprocessor (132 where
+    the kernel is only built, off a GPU)."""
+    if not query.is_cuda:
+        return 132
+    return int(torch.cuda.get_device_properties(query.device).multi_processor_count)
