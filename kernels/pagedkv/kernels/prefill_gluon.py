@@ -52,7 +52,9 @@ TILE_ROWS = 128
 # P V (at least 4 buffers); 3, schedule 1 in warps of their own
 # (prefill_specialized: two computing warpgroups, each at its own pace,
 # and a copying one; 128 rows, at least 2 buffers); 4, the same with the
-# computing warpgroups taking turns at the tensor cores. On an H100 at
+# computing warpgroups taking turns at the tensor cores; 5, schedule 3 in
+# persistent programs, one a multiprocessor, each taking tiles in turn
+# (not yet run on a GPU). On an H100 at
 # head size 128, b = 8 (kernels-prefill-tune-bfloat16-specialized-h100.json;
 # 2,048 new tokens, then 512 over 4,096 cached): (64, 4, 3, 128) 684 and
 # 609 us, (64, 4, 4, 128) 687 and 603, (64, 4, 1, 128) 821 and 715, the
