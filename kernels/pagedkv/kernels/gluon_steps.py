@@ -1,8 +1,8 @@
 """The steps of the Gluon prefill's loop (``prefill_gluon``): a K/V tile's
-copies through the block table into the ring of shared-memory buffers,
-one tile's softmax, and one step of each schedule (which products a
-warpgroup issues on the tensor cores, and what it computes while they
-run)."""
+copies through the block table into the ring of shared-memory buffers
+(whole, or some rows of it: ``copy_rows``), one tile's softmax, and one
+step of schedules 0 to 2 (which products a warpgroup issues on the tensor
+cores, and what it computes while they run)."""
 
 from __future__ import annotations
 
@@ -221,3 +221,38 @@ def step_ahead(
     p = gl.convert_layout(p_new.to(p.dtype), p_layout)
     acc_token = warpgroup_mma(p, v_smem.index(j % STAGES), acc, is_async=True)
     return s, acc_token, p, m_i, l_i, pages
+
+
+@gluon.jit
+def copy_rows(
+    key_cache_ptr,
+    value_cache_ptr,
+    k_rows,
+    v_rows,
+    start,
+    row_table,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """Starts the copies of keys and values ``start`` onwards into
+    ``k_rows`` and ``v_rows`` (rows past ``kv_end`` zeroed), their pages
+    read from the block table first."""
+    CHUNK: gl.constexpr = k_rows.shape[0]
+    k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
+    rows = (
+        pages.to(gl.int64) * cache_stride_b
+        + (k_pos % BLOCK_SIZE) * cache_stride_s
+        + kv_head * cache_stride_h
+    )
+    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] + dims[None, :]
+    mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
+    async_copy.async_copy_global_to_shared(k_rows, key_cache_ptr + offsets, mask=mask)
+    async_copy.async_copy_global_to_shared(v_rows, value_cache_ptr + offsets, mask=mask)

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from pagedkv.kernels import gluon_steps, prefill_specialized
+from pagedkv.kernels import gluon_steps, prefill_persistent, prefill_specialized
 from pagedkv.kernels.gluon_steps import MASKED
 
 LOG2E = 1.4426950408889634
@@ -307,7 +307,7 @@ def prefill(
     if schedule == 5:  # programs that each take tiles in turn
         row_tiles = grid[1] if tiles is None else 0
         items = grid[0] * grid[1] * grid[2]
-        prefill_specialized.prefill_persistent_kernel[(min(items, _programs(query)),)](
+        prefill_persistent.prefill_persistent_kernel[(min(items, _programs(query)),)](
             *args,
             num_q_heads,
             row_tiles,
