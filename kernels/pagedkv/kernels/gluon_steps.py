@@ -64,13 +64,11 @@ def issue_tile(
     and returns the next tile's pages."""
     start = tile * BLOCK_N
     k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    rows = pages * cache_stride_b + (k_pos % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
-    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
-    offsets = rows[:, None] + dims[None, :]
-    mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]
     slot = tile % STAGES
-    async_copy.async_copy_global_to_shared(k_smem.index(slot), key_cache_ptr + offsets, mask=mask)
-    async_copy.async_copy_global_to_shared(v_smem.index(slot), value_cache_ptr + offsets, mask=mask)
+    _copy_pages(
+        key_cache_ptr, value_cache_ptr, k_smem.index(slot), v_smem.index(slot), pages, k_pos,
+        kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE, HEAD, layout,
+    )  # fmt: skip
     async_copy.commit_group()
     return gather_pages(row_table, start + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE, layout)
 
@@ -246,11 +244,33 @@ def copy_rows(
     CHUNK: gl.constexpr = k_rows.shape[0]
     k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
-    rows = (
-        pages.to(gl.int64) * cache_stride_b
-        + (k_pos % BLOCK_SIZE) * cache_stride_s
-        + kv_head * cache_stride_h
-    )
+    _copy_pages(
+        key_cache_ptr, value_cache_ptr, k_rows, v_rows, pages.to(gl.int64), k_pos, kv_end,
+        kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE, HEAD, layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _copy_pages(
+    key_cache_ptr,
+    value_cache_ptr,
+    k_rows,
+    v_rows,
+    pages,
+    k_pos,
+    kv_end,
+    kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """Starts the copies of the keys and values at positions ``k_pos``
+    (on ``pages``) into ``k_rows`` and ``v_rows``, rows past ``kv_end``
+    zeroed."""
+    rows = pages * cache_stride_b + (k_pos % BLOCK_SIZE) * cache_stride_s + kv_head * cache_stride_h
     dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
     offsets = rows[:, None] + dims[None, :]
     mask = (k_pos < kv_end)[:, None] & (dims < HEAD)[None, :]

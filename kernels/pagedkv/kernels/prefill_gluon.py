@@ -25,6 +25,8 @@ GPU, and its sm_90 build on any machine (tests/kernels/sm90_compile.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -340,4 +342,11 @@ def _programs(query: torch.Tensor) -> int:
     the kernel is only built, off a GPU)."""
     if not query.is_cuda:
         return 132
-    return int(torch.cuda.get_device_properties(query.device).multi_processor_count)
+    return _multiprocessors(query.device.index or 0)
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    """The GPU's multiprocessors, asked once a device (a launch happens a
+    layer a step)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 
-from pagedkv.kernels import gluon_rows, gluon_steps
+from pagedkv.kernels import gluon_rows, gluon_steps, prefill_specialized
 from pagedkv.kernels.prefill_specialized import (
     COMPUTE_REGISTERS,
     COPY_REGISTERS,
@@ -207,20 +207,9 @@ def prefill_persistent_kernel(
     multiprocessor's worth of programs): one ring of K/V buffers, its
     barriers set up once, the copies of the next tile's K/V under way
     while the last tile's rows finish."""
-    dtype: gl.constexpr = query_ptr.dtype.element_ty
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2
+    k_smem, v_smem, full, empty, turn = prefill_specialized.allocate_ring(
+        query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES
     )
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=COPY_WARPS * 32)  # each copier thread
-        mbarrier.init(empty.index(i), count=2)  # each computing warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
     # fmt: off
     gl.warp_specialize(
         [

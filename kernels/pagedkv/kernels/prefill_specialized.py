@@ -92,38 +92,27 @@ def _copy_partition(
 
 
 @gluon.jit
-def _compute_partition(
-    query_ptr,
-    out_ptr,
-    k_smem,
-    v_smem,
-    full,
-    empty,
-    turn,
-    q_start,
-    q_len,
-    context,
-    row0,
-    num_kv_tiles,
-    head,
-    query_stride_t,
-    query_stride_h,
-    out_stride_t,
-    out_stride_h,
-    qk_scale,
-    HALF: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD: gl.constexpr,
-    STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
+def allocate_ring(
+    dtype: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr
 ):
-    """A computing warpgroup of a program of one tile: ``gluon_rows.compute_rows``
-    from the ring's first tile."""
-    gluon_rows.compute_rows(
-        query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, 0, 0, q_start, q_len, context,
-        row0, num_kv_tiles, head, query_stride_t, query_stride_h, out_stride_t, out_stride_h,
-        qk_scale, HALF, BLOCK_N, HEAD, STAGES, PINGPONG,
-    )  # fmt: skip
+    """The K/V ring (``STAGES`` buffers of ``BLOCK_N`` keys) and its
+    barriers: a *full* one a buffer (an arrival from each copier thread),
+    an *empty* one (one from each computing warpgroup) and the two
+    computing warpgroups' turns."""
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2
+    )
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=COPY_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return k_smem, v_smem, full, empty, turn
 
 
 @gluon.jit
@@ -174,32 +163,22 @@ def prefill_specialized_kernel(
     context = seq_len - q_len
     kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
     if row0 < q_len:
-        dtype: gl.constexpr = query_ptr.dtype.element_ty
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2
+        k_smem, v_smem, full, empty, turn = allocate_ring(
+            query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES
         )
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=COPY_WARPS * 32)  # each copier thread
-            mbarrier.init(empty.index(i), count=2)  # each computing warpgroup
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
         num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
         row_table = block_table_ptr + seq * block_table_stride
         # fmt: off
         gl.warp_specialize(
             [
-                (_compute_partition, (
-                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, q_start, q_len,
+                # The computing warpgroups from the ring's first tile and turn.
+                (gluon_rows.compute_rows, (
+                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, 0, 0, q_start, q_len,
                     context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
                     out_stride_t, out_stride_h, qk_scale, 0, BLOCK_N, HEAD, STAGES, PINGPONG,
                 )),
-                (_compute_partition, (
-                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, q_start, q_len,
+                (gluon_rows.compute_rows, (
+                    query_ptr, out_ptr, k_smem, v_smem, full, empty, turn, 0, 0, q_start, q_len,
                     context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
                     out_stride_t, out_stride_h, qk_scale, 1, BLOCK_N, HEAD, STAGES, PINGPONG,
                 )),
