@@ -186,10 +186,12 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # the instruction mix and the SASS lines warps stall at most. CASES (apart
     # by spaces or commas): each
     # KV_DTYPE:BATCHxCONTEXT:HEAD_SIZE[:NEW_TOKENS] (one new token: the
-    # decode kernel; more: the prefill kernel, the Gluon one with GLUON set). Files:
+    # decode kernel; more: the prefill kernel, the Gluon one with GLUON set: 1 for
+    # its default tiling, else KEYSxBUFFERSxSCHEDULExROWS). Files:
     # ncu-KIND-CASE-NAME.txt, the report (.ncu-rep) and its SASS lines with
     # their stalls (-sass.csv), and their summary, ncu-KIND-NAME.md
-    # (pagedkv.bench.kernels.ncu_summary), KIND decode or prefill.
+    # (pagedkv.bench.kernels.ncu_summary), KIND decode or prefill; TAG, when
+    # set, follows NAME in each.
     ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
     cases=${CASES:-bfloat16:32x8192:128 fp8_e4m3:32x8192:128 int8:32x8192:128 \
       bfloat16:64x768:64 fp8_e4m3:64x768:64}
@@ -198,12 +200,16 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
       new=${new:-1} kind=decode kernel=_decode_split_kernel gluon=()
       if ((new > 1)); then
         kind=prefill kernel=_paged_attention_kernel
-        if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill (sm_90)
-          kind=prefill-gluon kernel='regex:^(_prefill_kernel|prefill_specialized_kernel)$'
+        if [[ -n ${GLUON:-} ]]; then  # the Gluon prefill (sm_90); a tiling: that one's
+          kind=prefill-gluon
+          kernel='regex:^(_prefill_kernel|prefill_specialized_kernel|prefill_persistent_kernel)$'
           gluon=(--gluon)
+          if [[ $GLUON == *x* ]]; then
+            gluon=(--gluon-tiling "$GLUON")
+          fi
         fi
       fi
-      report="$RESULTS/ncu-$kind-$kv-$shape-$size-$NAME"
+      report="$RESULTS/ncu-$kind-$kv-$shape-$size-$NAME${TAG:+-$TAG}"
       "$ncu_bin" --clock-control none --kernel-name "$kernel" --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -219,10 +225,10 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     done
     for kind in decode prefill prefill-gluon; do
       # [bfi]: a cache dtype's first letter (bfloat16, fp8_*, int8), not gluon's.
-      pages=("$RESULTS"/ncu-"$kind"-[bfi]*-"$NAME"-sass.csv)
+      pages=("$RESULTS"/ncu-"$kind"-[bfi]*-"$NAME${TAG:+-$TAG}"-sass.csv)
       if [[ -e ${pages[0]} ]]; then
-        "$PYTHON" -m pagedkv.bench.kernels.ncu_summary --output "$RESULTS/ncu-$kind-$NAME.md" \
-          "${pages[@]}"
+        "$PYTHON" -m pagedkv.bench.kernels.ncu_summary \
+          --output "$RESULTS/ncu-$kind-$NAME${TAG:+-$TAG}.md" "${pages[@]}"
       fi
     done
     ;;

@@ -5,6 +5,8 @@
 # tests/gpu/device-wheels.sh in .whl/, then, from anywhere:
 #
 #   bash tests/gpu/run-gpu-tests.sh
+#   bash tests/gpu/run-gpu-tests.sh -x tests/executor/test_block_tags.py  # pytest's own
+#                                             # arguments: these tests (still -m gpu) alone
 #
 # It installs those wheels into SITE (/tmp/site), puts the parts' sources on
 # PYTHONPATH (nothing of pagedkv is installed; their `pagedkv` subcommands are
@@ -109,8 +111,12 @@ main() {
   setup
   report
   local status=0
-  echo "run-gpu-tests: pytest -m gpu tests/executor tests/kernels"
-  "$PYTHON" -m pytest -m gpu tests/executor tests/kernels -q || status=1
+  local tests=("$@")
+  if [[ ${#tests[@]} -eq 0 ]]; then
+    tests=(tests/executor tests/kernels)
+  fi
+  echo "run-gpu-tests: pytest -m gpu ${tests[*]}"
+  "$PYTHON" -m pytest -m gpu -q "${tests[@]}" || status=1
   if [[ "${END_TO_END:-0}" == 1 ]]; then
     echo "run-gpu-tests: pytest tests/executor/test_executor_api.py tests/service/test_hardening.py"
     "$PYTHON" -m pytest tests/executor/test_executor_api.py tests/service/test_hardening.py -q \
@@ -124,5 +130,5 @@ main() {
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   mkdir -p "$(dirname "$LOG")"
   echo "run-gpu-tests: log in $LOG"
-  main 2>&1 | tee "$LOG"
+  main "$@" 2>&1 | tee "$LOG"
 fi

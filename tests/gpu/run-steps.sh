@@ -16,13 +16,16 @@
 # its status and seconds in steps.txt; the archive is ARCHIVE (OUT's
 # gpu-steps.tgz when OUT is set, else TMPDIR's). Unpack it into
 # tests/benchmarks/results and keep the files worth keeping. Exits with the
-# first failed step's status, after the rest have run.
+# first failed step's status, after the rest have run. STEP_LIMIT (seconds;
+# 0, the default: none) stops a step that runs longer, with status 124, and
+# goes on to the next: a kernel that never returns costs one step.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 WORK=${WORK:-/tmp/gpu-steps}
 ARCHIVE=${ARCHIVE:-${OUT:-${TMPDIR:-/tmp}}/gpu-steps.tgz}
 PACK_EVERY=${PACK_EVERY:-15}
+STEP_LIMIT=${STEP_LIMIT:-0}
 mkdir -p "$WORK"
 
 if [[ -z ${DEVICE_NAME:-} ]]; then
@@ -73,7 +76,8 @@ for step in "$@"; do
     fi
   done
   SECONDS=0
-  env "${settings[@]}" OUT="$WORK" bash "$script" "${args[@]}" > "$WORK/log-$n.txt" 2>&1 &
+  env "${settings[@]}" OUT="$WORK" timeout "$STEP_LIMIT" bash "$script" "${args[@]}" \
+    > "$WORK/log-$n.txt" 2>&1 &
   pid=$!
   waited=0
   while kill -0 "$pid" 2> /dev/null; do

@@ -4,6 +4,8 @@ profiler to read (Nsight Compute: ``tests/gpu/run-fp8-bench.sh ncu``)::
     python -m pagedkv.bench.kernels.profile_decode fp8_e4m3 32x8192 --head-size 128
     python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048
     python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048 --gluon
+    python -m pagedkv.bench.kernels.profile_decode bfloat16 8x0 --new-tokens 2048 \
+        --gluon-tiling 64x4x5x128
 
 It builds the case (paged K/V behind shuffled block tables, quantized as
 the bench quantizes them), calls the kernel ``--calls`` times (the first
@@ -17,7 +19,8 @@ import argparse
 import torch
 
 from pagedkv.bench.kernels.bench import DTYPE, HEAD_SIZE, Case
-from pagedkv.kernels import fp8_kv, int8_kv, paged_attention
+from pagedkv.bench.kernels.tune import gluon_tilings
+from pagedkv.kernels import fp8_kv, int8_kv, paged_attention, prefill_gluon
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gluon", action="store_true", help="a prefill takes the Gluon kernel (PREFILL_GLUON)"
     )
+    parser.add_argument(
+        "--gluon-tiling",
+        type=gluon_tilings,
+        help="KEYSxBUFFERSxSCHEDULExROWS: the Gluon prefill's tiling at every head size "
+        "(prefill_gluon.TILING; implies --gluon)",
+    )
     args = parser.parse_args(argv)
-    paged_attention.PREFILL_GLUON = args.gluon
+    paged_attention.PREFILL_GLUON = args.gluon or args.gluon_tiling is not None
+    if args.gluon_tiling is not None:
+        if len(args.gluon_tiling) != 1:
+            parser.error("--gluon-tiling: one tiling")
+        prefill_gluon.TILING = dict.fromkeys(prefill_gluon.TILING, args.gluon_tiling[0])
     try:
         batch, context = (int(part) for part in args.shape.lower().split("x"))
     except ValueError:

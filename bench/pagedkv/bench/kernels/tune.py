@@ -300,7 +300,7 @@ def _tiles(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tiles)
 
 
-def _gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
+def gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
     try:
         tilings = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
     except ValueError:
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gluon-tilings",
-        type=_gluon_tilings,
+        type=gluon_tilings,
         default=(),
         metavar="NxSTAGESxSCHEDULExROWS,...",
         help="also time the Gluon prefill (sm_90) at these tilings: keys a tile, ring buffers, "
