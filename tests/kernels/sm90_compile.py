@@ -129,14 +129,16 @@ def _gluon_prefill(
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
         # The default tiling (warps of their own) and schedule 1 (every
         # warpgroup copies), each with a tile schedule and without; warps
-        # of their own taking turns at the tensor cores (schedule 4);
-        # persistent programs (5), with 64- and 128-key tiles.
+        # of their own taking turns at the tensor cores (schedule 4), their
+        # pages copied by the Tensor Memory Accelerator (6); persistent
+        # programs (5), with 64- and 128-key tiles.
         for tiling, schedule in (
             (default[head_size], None),
             (default[head_size], tiles),
             ((64, 4, 1, 128), None),
             ((64, 4, 1, 128), tiles),
             ((64, 3, 4, 128), None),
+            ((64, 4, 6, 128), tiles),
             ((64, 4, 5, 128), None),
             ((128, 3, 5, 128), tiles),
         ):

@@ -99,17 +99,63 @@ def test_other_tilings_match_the_oracle(
 @needs_sm90
 @pytest.mark.parametrize(
     "tiling",
-    [(64, 4, 3, 128), (64, 3, 4, 128), (128, 2, 3, 128), (64, 4, 5, 128), (128, 3, 5, 128)],
+    [
+        (64, 4, 3, 128),
+        (64, 3, 4, 128),
+        (128, 2, 3, 128),
+        (64, 4, 5, 128),
+        (128, 3, 5, 128),
+        (64, 4, 6, 128),
+        (64, 3, 7, 128),
+        (128, 3, 6, 128),
+    ],
 )
 @pytest.mark.parametrize("tiles", [False, True])
 def test_warps_of_their_own_match_the_oracle(
     tiling: tuple[int, ...], tiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Schedules 3 to 5 (prefill_specialized): computing and copying
-    # warpgroups, free or taking turns at the tensor cores, or in
-    # persistent programs (the second batch has more tiles than an H100 or
-    # H200 has multiprocessors); chunks whose second warpgroup has no rows
-    # (decode entries, 40 rows) or fewer tiles.
+    # Schedules 3 to 7 (prefill_specialized): computing and copying
+    # warpgroups, free or taking turns at the tensor cores, in persistent
+    # programs (the second batch has more tiles than an H100 or H200 has
+    # multiprocessors), or copying by the Tensor Memory Accelerator;
+    # chunks whose second warpgroup has no rows (decode entries, 40 rows)
+    # or fewer tiles.
     monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
     _check([0, 300, 17, 0, 1000], [300, 40, 1, 129, 700], torch.float16, 128, tiles=tiles)
     _check([0, 700], [2048, 1500], torch.bfloat16, 64, num_kv_heads=1, tiles=tiles)
+
+
+@needs_sm90
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("tiling", [(64, 4, 6, 128), (128, 3, 6, 128)])
+def test_pages_copied_by_the_tensor_memory_accelerator_match_the_oracle(
+    block_size: int, tiling: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy a page (8 to 32 rows), or a tile's part of one (128); pages
+    # past a tile's last key read as zeros, the last page's rows past it
+    # masked.
+    monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
+    _check([0, 300, 17, 0, 1000], [300, 40, 1, 129, 700], torch.float16, 128, 2, block_size)
+    _check([0, 700], [2048, 1500], torch.bfloat16, 64, 1, block_size, tiles=True)
+
+
+def test_the_tensor_memory_accelerator_copies_pages_where_the_cache_allows() -> None:
+    """Schedules 6 and 7 take the caches' descriptors where a block's rows
+    of a KV head lie a row apart in a ``[num_blocks * block_size,
+    num_kv_heads * head_size]`` view and start on a swizzle group;
+    elsewhere the copier takes ``cp.async``."""
+    cache = torch.zeros(10, 16, 2, 128, dtype=torch.bfloat16)
+    descriptors = prefill_gluon._page_descriptors(cache, cache)
+    assert descriptors is not None
+    assert descriptors[0].shape == [160, 256]
+    assert descriptors[0].block_shape == [16, 128]
+    wide = torch.zeros(10, 128, 2, 64, dtype=torch.float16)  # a tile's part of a block
+    assert prefill_gluon._page_descriptors(wide, wide)[0].block_shape == [  # type: ignore[index]
+        prefill_gluon.TILING[64][0],
+        64,
+    ]
+    assert prefill_gluon._page_descriptors(cache[:, :12], cache[:, :12]) is None  # not a row apart
+    small = torch.zeros(10, 4, 2, 128, dtype=torch.bfloat16)  # 4 rows: half a swizzle group
+    assert prefill_gluon._page_descriptors(small, small) is None
+    heads_first = torch.zeros(10, 2, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert prefill_gluon._page_descriptors(heads_first, heads_first) is None

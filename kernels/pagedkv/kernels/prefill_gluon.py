@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedkv.kernels import gluon_steps, prefill_persistent, prefill_specialized
 from pagedkv.kernels.gluon_steps import MASKED
@@ -56,7 +57,9 @@ TILE_ROWS = 128
 # and a copying one; 128 rows, at least 2 buffers); 4, the same with the
 # computing warpgroups taking turns at the tensor cores; 5, schedule 3 in
 # persistent programs, one a multiprocessor, each taking tiles in turn
-# (not yet run on a GPU). On an H100 at
+# (not yet run on a GPU); 6 and 7, schedules 3 and 4 with the pages copied
+# by the Tensor Memory Accelerator (a copy a page; where the cache's layout
+# allows, else by cp.async: _page_descriptors). On an H100 at
 # head size 128, b = 8 (kernels-prefill-tune-bfloat16-specialized-h100.json;
 # 2,048 new tokens, then 512 over 4,096 cached): (64, 4, 3, 128) 684 and
 # 609 us, (64, 4, 4, 128) 687 and 603, (64, 4, 1, 128) 821 and 715, the
@@ -270,7 +273,7 @@ def prefill(
     block_n, stages, schedule, block_m = TILING[head_size]
     if schedule == 2 and stages < 4:
         raise ValueError(f"TILING: the scores a tile ahead need 4 buffers or more, not {stages}")
-    specialized = schedule in (3, 4, 5)
+    specialized = schedule in (3, 4, 5, 6, 7)
     if specialized and block_m != TILE_ROWS:
         raise ValueError(f"TILING: schedule {schedule} takes {TILE_ROWS} rows a program")
     if tiles is not None:
@@ -320,10 +323,13 @@ def prefill(
             maxnreg=prefill_specialized.KERNEL_REGISTERS,
         )
     elif specialized:  # two computing warpgroups and a copying one
+        descriptors = _page_descriptors(key_cache, value_cache) if schedule >= 6 else None
         prefill_specialized.prefill_specialized_kernel[grid](
             *args,
+            *(descriptors or (key_cache, value_cache)),
             **shape,
-            PINGPONG=schedule == 4,
+            PINGPONG=schedule in (4, 7),
+            TMA=descriptors is not None,
             num_warps=4,  # the first computing warpgroup; the others are its partitions
             maxnreg=prefill_specialized.KERNEL_REGISTERS,
         )
@@ -335,6 +341,36 @@ def prefill(
             SCHEDULE=schedule,
             num_warps=block_m // 16,  # four a warpgroup of 64 rows
         )
+
+
+def _page_descriptors(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Tensor descriptors of the caches viewed as ``[num_blocks *
+    block_size, num_kv_heads * head_size]``, a block's rows of one KV head
+    a copy, for schedules 6 and 7; None where that view does not hold (a
+    cache whose block, slot and head are not laid out in that order) or a
+    page's rows would not start on a swizzle row group (block sizes other
+    than multiples of 8): then the copier takes ``cp.async``."""
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    rows = (num_blocks * block_size, num_kv_heads * head_size)
+    block = [min(block_size, TILING[head_size][0]), head_size]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    descriptors = []
+    for cache in (key_cache, value_cache):
+        stride_b, stride_s, stride_h, stride_d = cache.stride()
+        if (
+            block_size % 8
+            or stride_d != 1
+            or stride_h != head_size
+            or stride_s != num_kv_heads * head_size
+            or stride_b != block_size * stride_s
+            or cache.data_ptr() % 16
+            or rows[0] >= 2**31
+        ):
+            return None
+        descriptors.append(TensorDescriptor(cache, list(rows), [stride_s, 1], block, layout))
+    return descriptors[0], descriptors[1]
 
 
 def _programs(query: torch.Tensor) -> int:

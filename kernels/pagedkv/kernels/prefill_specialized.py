@@ -11,8 +11,11 @@ kernel (``prefill_gluon``'s schedules 0 to 2), whose warpgroups met at a
 barrier each step, could not do.
 
 ``prefill_gluon.prefill`` launches it for ``TILING``'s schedules 3 and 4
-(the computing warpgroups free, or taking turns at the tensor cores); the
-batches, the tile schedule and the arguments are ``prefill_gluon``'s. A
+(the computing warpgroups free, or taking turns at the tensor cores), and
+6 and 7 (the same, the copier's pages moved by the Tensor Memory
+Accelerator: a copy a page, issued by one thread, instead of a ``cp.async``
+a thread each 16 bytes); the batches, the tile schedule and the arguments
+are ``prefill_gluon``'s. A
 computing warpgroup's work is ``gluon_rows``'s; ``prefill_persistent``
 runs the same partitions in persistent programs (schedule 5).
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper.mbarrier import expect
 
 from pagedkv.kernels import gluon_rows, gluon_steps
 
@@ -92,13 +97,73 @@ def _copy_partition(
 
 
 @gluon.jit
+def _tma_copy_partition(
+    key_desc,
+    value_desc,
+    k_smem,
+    v_smem,
+    full,
+    empty,
+    row_table,
+    kv_end,
+    num_kv_tiles,
+    kv_head,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """``_copy_partition``'s work by the Tensor Memory Accelerator: each
+    page's rows of a tile (``key_desc`` and ``value_desc`` view a cache as
+    ``[num_blocks * block_size, num_kv_heads * head_size]``) in one copy,
+    the buffer *full* once the tile's bytes have landed; the block table
+    is read a tile ahead. A page past ``kv_end`` is read from past the
+    view's last row, which the copy fills with zeros; the rows of the last
+    page past ``kv_end`` are the cache's, which the computing warpgroups
+    mask."""
+    ROWS: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N  # a copy's
+    COPIES: gl.constexpr = BLOCK_N // ROWS
+    TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD * key_desc.dtype.primitive_bitwidth // 8
+    # A tile's copies, every thread holding them all.
+    layout: gl.constexpr = gl.BlockedLayout([COPIES], [32], [WARPS], [0])
+    copies = gl.arange(0, COPIES, layout=layout)
+    column = (kv_head * HEAD).to(gl.int32)
+    pages = gl.load(row_table + copies * ROWS // BLOCK_SIZE, mask=copies * ROWS < kv_end, other=0)
+    for t in range(num_kv_tiles):
+        slot = t % STAGES
+        pos = t * BLOCK_N + copies * ROWS
+        rows = gl.where(pos < kv_end, pages * BLOCK_SIZE + pos % BLOCK_SIZE, key_desc.shape[0])
+        ahead = pos + BLOCK_N  # the next tile's pages, read while this one's copies go
+        pages = gl.load(row_table + ahead // BLOCK_SIZE, mask=ahead < kv_end, other=0)
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        expect(full.index(slot), TILE_BYTES)
+        for c in gl.static_range(COPIES):
+            row = gl.sum(gl.where(copies == c, rows, 0), 0)
+            tma.async_copy_global_to_shared(
+                key_desc, [row, column], full.index(slot), k_smem.index(slot).slice(c * ROWS, ROWS)
+            )
+            tma.async_copy_global_to_shared(
+                value_desc,
+                [row, column],
+                full.index(slot),
+                v_smem.index(slot).slice(c * ROWS, ROWS),
+            )
+
+
+@gluon.jit
 def allocate_ring(
-    dtype: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr
+    dtype: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD: gl.constexpr,
+    STAGES: gl.constexpr,
+    TMA: gl.constexpr = False,
 ):
     """The K/V ring (``STAGES`` buffers of ``BLOCK_N`` keys) and its
-    barriers: a *full* one a buffer (an arrival from each copier thread),
-    an *empty* one (one from each computing warpgroup) and the two
-    computing warpgroups' turns."""
+    barriers: a *full* one a buffer (an arrival from each copier thread,
+    or with ``TMA`` the one that expects the tile's bytes), an *empty* one
+    (one from each computing warpgroup) and the two computing warpgroups'
+    turns."""
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2
     )
@@ -108,7 +173,7 @@ def allocate_ring(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=COPY_WARPS * 32)
+        mbarrier.init(full.index(i), count=1 if TMA else COPY_WARPS * 32)
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -136,6 +201,8 @@ def prefill_specialized_kernel(
     qk_scale,  # the softmax scale times log2(e)
     num_queries_per_kv,
     num_tiles,
+    key_desc,  # with TMA: the caches' tensor descriptors (_tma_copy_partition's)
+    value_desc,
     TILED: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr,  # a program's rows: a schedule tile's
@@ -143,6 +210,7 @@ def prefill_specialized_kernel(
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
+    TMA: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
@@ -164,7 +232,7 @@ def prefill_specialized_kernel(
     kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
     if row0 < q_len:
         k_smem, v_smem, full, empty, turn = allocate_ring(
-            query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES
+            query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES, TMA
         )
         num_kv_tiles = gl.cdiv(kv_end, BLOCK_N).to(gl.int32)
         row_table = block_table_ptr + seq * block_table_stride
@@ -182,7 +250,10 @@ def prefill_specialized_kernel(
                     context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
                     out_stride_t, out_stride_h, qk_scale, 1, BLOCK_N, HEAD, STAGES, PINGPONG,
                 )),
-                (_copy_partition, (
+                (_tma_copy_partition, (
+                    key_desc, value_desc, k_smem, v_smem, full, empty, row_table, kv_end,
+                    num_kv_tiles, kv_head, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS,
+                )) if TMA else (_copy_partition, (
                     key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,
                     kv_end, num_kv_tiles, kv_head, cache_stride_b, cache_stride_s,
                     cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS, COPY_TILE,
