@@ -24,7 +24,10 @@ def _check(
     num_kv_heads: int = 2,
     block_size: int = 16,
     tiles: bool = False,
+    stale: float = 0.0,
 ) -> None:
+    """``stale``: what a sequence's last block holds past its end (a
+    block's earlier owner may have left an inf or a NaN there)."""
     batch = build_batch(
         contexts, query_lens, num_q_heads=8, num_kv_heads=num_kv_heads, dtype=dtype,
         head_size=head_size, block_size=block_size,
@@ -33,6 +36,13 @@ def _check(
     expected = reference.paged_attention(
         *[a.float() if a.is_floating_point() else a for a in args], scale=0.3
     )  # type: ignore[arg-type]
+    if stale:
+        _, key_cache, value_cache, block_table, seq_lens = args[:5]
+        for seq, seq_len in enumerate(seq_lens.tolist()):
+            if seq_len % block_size:
+                last = int(block_table[seq, seq_len // block_size])
+                key_cache[last, seq_len % block_size :] = stale
+                value_cache[last, seq_len % block_size :] = stale
     kwargs: dict[str, object] = {"scale": 0.3}
     if tiles:
         kwargs["max_query_len"] = 2048
@@ -123,6 +133,7 @@ def test_warps_of_their_own_match_the_oracle(
     monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
     _check([0, 300, 17, 0, 1000], [300, 40, 1, 129, 700], torch.float16, 128, tiles=tiles)
     _check([0, 700], [2048, 1500], torch.bfloat16, 64, num_kv_heads=1, tiles=tiles)
+    _check([5, 300], [250, 41], torch.float16, 128, tiles=tiles, stale=float("nan"))
 
 
 @needs_sm90
@@ -131,12 +142,14 @@ def test_warps_of_their_own_match_the_oracle(
 def test_pages_copied_by_the_tensor_memory_accelerator_match_the_oracle(
     block_size: int, tiling: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A copy a page (8 to 32 rows), or a tile's part of one (128); pages
-    # past a tile's last key read as zeros, the last page's rows past it
-    # masked.
+    # A copy a page (8 to 32 rows), or a tile's part of one (128); each
+    # chunk's last tile by cp.async, its rows past the chunk's last key
+    # zeroed, so that a NaN a block's earlier owner left past the
+    # sequence's end stays out of the products.
     monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
     _check([0, 300, 17, 0, 1000], [300, 40, 1, 129, 700], torch.float16, 128, 2, block_size)
     _check([0, 700], [2048, 1500], torch.bfloat16, 64, 1, block_size, tiles=True)
+    _check([5, 300], [250, 41], torch.float16, 128, 2, block_size, stale=float("nan"))
 
 
 def test_the_tensor_memory_accelerator_copies_pages_where_the_cache_allows() -> None:

@@ -100,6 +100,8 @@ def _copy_partition(
 def _tma_copy_partition(
     key_desc,
     value_desc,
+    key_cache_ptr,
+    value_cache_ptr,
     k_smem,
     v_smem,
     full,
@@ -108,20 +110,26 @@ def _tma_copy_partition(
     kv_end,
     num_kv_tiles,
     kv_head,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):
     """``_copy_partition``'s work by the Tensor Memory Accelerator: each
     page's rows of a tile (``key_desc`` and ``value_desc`` view a cache as
     ``[num_blocks * block_size, num_kv_heads * head_size]``) in one copy,
-    the buffer *full* once the tile's bytes have landed; the block table
-    is read a tile ahead. A page past ``kv_end`` is read from past the
-    view's last row, which the copy fills with zeros; the rows of the last
-    page past ``kv_end`` are the cache's, which the computing warpgroups
-    mask."""
+    the block table read a tile ahead. The last tile, which holds the keys
+    past ``kv_end``, goes by ``cp.async``, ``CHUNK`` rows at a time, those
+    rows zeroed: a block's slots past its sequence's end hold whatever the
+    block held before, and a product by a zero weight keeps an inf or a NaN
+    there. A buffer is *full* once its tile's bytes (the copy expected)
+    and every copier thread's ``cp.async`` copies (none for the other
+    tiles) have landed."""
     ROWS: gl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N  # a copy's
     COPIES: gl.constexpr = BLOCK_N // ROWS
     TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD * key_desc.dtype.primitive_bitwidth // 8
@@ -133,22 +141,28 @@ def _tma_copy_partition(
     for t in range(num_kv_tiles):
         slot = t % STAGES
         pos = t * BLOCK_N + copies * ROWS
-        rows = gl.where(pos < kv_end, pages * BLOCK_SIZE + pos % BLOCK_SIZE, key_desc.shape[0])
+        rows = pages * BLOCK_SIZE + pos % BLOCK_SIZE
         ahead = pos + BLOCK_N  # the next tile's pages, read while this one's copies go
         pages = gl.load(row_table + ahead // BLOCK_SIZE, mask=ahead < kv_end, other=0)
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        expect(full.index(slot), TILE_BYTES)
-        for c in gl.static_range(COPIES):
-            row = gl.sum(gl.where(copies == c, rows, 0), 0)
-            tma.async_copy_global_to_shared(
-                key_desc, [row, column], full.index(slot), k_smem.index(slot).slice(c * ROWS, ROWS)
-            )
-            tma.async_copy_global_to_shared(
-                value_desc,
-                [row, column],
-                full.index(slot),
-                v_smem.index(slot).slice(c * ROWS, ROWS),
-            )
+        if t < num_kv_tiles - 1:
+            expect(full.index(slot), TILE_BYTES)
+            for c in gl.static_range(COPIES):
+                row = gl.sum(gl.where(copies == c, rows, 0), 0)
+                k_rows = k_smem.index(slot).slice(c * ROWS, ROWS)
+                v_rows = v_smem.index(slot).slice(c * ROWS, ROWS)
+                tma.async_copy_global_to_shared(key_desc, [row, column], full.index(slot), k_rows)
+                tma.async_copy_global_to_shared(value_desc, [row, column], full.index(slot), v_rows)
+        else:
+            mbarrier.arrive(full.index(slot))
+            for c in gl.static_range(BLOCK_N // CHUNK):
+                gluon_steps.copy_rows(
+                    key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
+                    v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
+                    row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
+                    BLOCK_SIZE, HEAD, gluon_steps.load_layout(HEAD, WARPS),
+                )  # fmt: skip
+        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
 @gluon.jit
@@ -161,7 +175,7 @@ def allocate_ring(
 ):
     """The K/V ring (``STAGES`` buffers of ``BLOCK_N`` keys) and its
     barriers: a *full* one a buffer (an arrival from each copier thread,
-    or with ``TMA`` the one that expects the tile's bytes), an *empty* one
+    and with ``TMA`` the one that expects the tile's bytes), an *empty* one
     (one from each computing warpgroup) and the two computing warpgroups'
     turns."""
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
@@ -173,7 +187,7 @@ def allocate_ring(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1 if TMA else COPY_WARPS * 32)
+        mbarrier.init(full.index(i), count=COPY_WARPS * 32 + (1 if TMA else 0))
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -251,8 +265,10 @@ def prefill_specialized_kernel(
                     out_stride_t, out_stride_h, qk_scale, 1, BLOCK_N, HEAD, STAGES, PINGPONG,
                 )),
                 (_tma_copy_partition, (
-                    key_desc, value_desc, k_smem, v_smem, full, empty, row_table, kv_end,
-                    num_kv_tiles, kv_head, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, COPY_WARPS,
+                    key_desc, value_desc, key_cache_ptr, value_cache_ptr, k_smem, v_smem, full,
+                    empty, row_table, kv_end, num_kv_tiles, kv_head, cache_stride_b,
+                    cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+                    COPY_WARPS, COPY_ROWS if COPY_ROWS < BLOCK_N else BLOCK_N,
                 )) if TMA else (_copy_partition, (
                     key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,
                     kv_end, num_kv_tiles, kv_head, cache_stride_b, cache_stride_s,
