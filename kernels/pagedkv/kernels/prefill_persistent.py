@@ -22,6 +22,8 @@ from pagedkv.kernels.prefill_specialized import (
     COPY_REGISTERS,
     COPY_ROWS,
     COPY_WARPS,
+    scheduled_tile,
+    tile_keys,
 )
 
 
@@ -46,18 +48,13 @@ def _item(
     head = (item % num_heads).to(gl.int64)
     rest = item // num_heads
     if TILED:
-        seq = gl.load(tiles_ptr + rest).to(gl.int64)
-        tile = gl.load(tiles_ptr + num_tiles + rest).to(gl.int64)
-        tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
-        seq = gl.maximum(seq, 0)
-        row0 = tile * BLOCK_M
+        seq, row0 = scheduled_tile(tiles_ptr, num_tiles, rest, BLOCK_M)
     else:
         row0 = (num_row_tiles - 1 - rest % num_row_tiles).to(gl.int64) * BLOCK_M
         seq = (rest // num_row_tiles).to(gl.int64)
-    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
-    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
-    context = gl.load(seq_lens_ptr + seq).to(gl.int64) - q_len
-    kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
+    q_start, q_len, context, kv_end = tile_keys(
+        seq, row0, seq_lens_ptr, query_start_loc_ptr, BLOCK_M
+    )
     num_kv_tiles = gl.where(row0 < q_len, gl.cdiv(kv_end, BLOCK_N), 0).to(gl.int32)
     return head, seq, row0, q_start, q_len, context, kv_end, num_kv_tiles
 

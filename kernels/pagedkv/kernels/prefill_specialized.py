@@ -195,6 +195,27 @@ def allocate_ring(
 
 
 @gluon.jit
+def scheduled_tile(tiles_ptr, num_tiles, entry, BLOCK_M: gl.constexpr):
+    """A tile schedule's ``entry`` (``tiles_ptr``: ``[2, num_tiles]``):
+    its sequence and first row, past every row for an entry with no tile."""
+    seq = gl.load(tiles_ptr + entry).to(gl.int64)
+    tile = gl.load(tiles_ptr + num_tiles + entry).to(gl.int64)
+    tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
+    return gl.maximum(seq, 0), tile * BLOCK_M
+
+
+@gluon.jit
+def tile_keys(seq, row0, seq_lens_ptr, query_start_loc_ptr, BLOCK_M: gl.constexpr):
+    """For the tile of rows ``row0`` onwards of sequence ``seq``: the
+    sequence's first query and queries, its cached keys, and the tile's
+    key end."""
+    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
+    context = gl.load(seq_lens_ptr + seq).to(gl.int64) - q_len
+    return q_start, q_len, context, context + gl.minimum(row0 + BLOCK_M, q_len)
+
+
+@gluon.jit
 def prefill_specialized_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -230,20 +251,14 @@ def prefill_specialized_kernel(
     # The grid as prefill_kernel's: heads fastest, the longest (last) tiles first.
     head = gl.program_id(0).to(gl.int64)
     if TILED:
-        seq = gl.load(tiles_ptr + gl.program_id(1)).to(gl.int64)
-        tile = gl.load(tiles_ptr + num_tiles + gl.program_id(1)).to(gl.int64)
-        tile = gl.where(seq >= 0, tile, 1 << 24)  # no tile: no row, no key
-        seq = gl.maximum(seq, 0)
-        row0 = tile * BLOCK_M
+        seq, row0 = scheduled_tile(tiles_ptr, num_tiles, gl.program_id(1), BLOCK_M)
     else:
         row0 = (gl.num_programs(1) - 1 - gl.program_id(1)).to(gl.int64) * BLOCK_M
         seq = gl.program_id(2).to(gl.int64)
     kv_head = head // num_queries_per_kv
-    q_start = gl.load(query_start_loc_ptr + seq).to(gl.int64)
-    q_len = gl.load(query_start_loc_ptr + seq + 1).to(gl.int64) - q_start
-    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int64)
-    context = seq_len - q_len
-    kv_end = context + gl.minimum(row0 + BLOCK_M, q_len)
+    q_start, q_len, context, kv_end = tile_keys(
+        seq, row0, seq_lens_ptr, query_start_loc_ptr, BLOCK_M
+    )
     if row0 < q_len:
         k_smem, v_smem, full, empty, turn = allocate_ring(
             query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES, TMA
