@@ -131,7 +131,7 @@ def _gluon_prefill(
         # warpgroup copies), each with a tile schedule and without; warps
         # of their own taking turns at the tensor cores (schedule 4), their
         # pages copied by the Tensor Memory Accelerator (6); persistent
-        # programs (5), with 64- and 128-key tiles.
+        # programs (5), with 64- and 128-key tiles, and copying by it (8).
         for tiling, schedule in (
             (default[head_size], None),
             (default[head_size], tiles),
@@ -141,6 +141,7 @@ def _gluon_prefill(
             ((64, 4, 6, 128), tiles),
             ((64, 4, 5, 128), None),
             ((128, 3, 5, 128), tiles),
+            ((64, 4, 8, 128), None),
         ):
             prefill_gluon.TILING = {head_size: tiling}
             try:

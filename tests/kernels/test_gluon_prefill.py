@@ -118,16 +118,18 @@ def test_other_tilings_match_the_oracle(
         (64, 4, 6, 128),
         (64, 3, 7, 128),
         (128, 3, 6, 128),
+        (64, 4, 8, 128),
     ],
 )
 @pytest.mark.parametrize("tiles", [False, True])
 def test_warps_of_their_own_match_the_oracle(
     tiling: tuple[int, ...], tiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Schedules 3 to 7 (prefill_specialized): computing and copying
+    # Schedules 3 to 8 (prefill_specialized): computing and copying
     # warpgroups, free or taking turns at the tensor cores, in persistent
     # programs (the second batch has more tiles than an H100 or H200 has
-    # multiprocessors), or copying by the Tensor Memory Accelerator;
+    # multiprocessors), copying by the Tensor Memory Accelerator or by
+    # cp.async;
     # chunks whose second warpgroup has no rows (decode entries, 40 rows)
     # or fewer tiles.
     monkeypatch.setattr(prefill_gluon, "TILING", dict.fromkeys(prefill_gluon.TILING, tiling))
@@ -138,7 +140,7 @@ def test_warps_of_their_own_match_the_oracle(
 
 @needs_sm90
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-@pytest.mark.parametrize("tiling", [(64, 4, 6, 128), (128, 3, 6, 128)])
+@pytest.mark.parametrize("tiling", [(64, 4, 6, 128), (128, 3, 6, 128), (64, 4, 8, 128)])
 def test_pages_copied_by_the_tensor_memory_accelerator_match_the_oracle(
     block_size: int, tiling: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,7 +155,7 @@ def test_pages_copied_by_the_tensor_memory_accelerator_match_the_oracle(
 
 
 def test_the_tensor_memory_accelerator_copies_pages_where_the_cache_allows() -> None:
-    """Schedules 6 and 7 take the caches' descriptors where a block's rows
+    """Schedules 6 to 8 take the caches' descriptors where a block's rows
     of a KV head lie a row apart in a ``[num_blocks * block_size,
     num_kv_heads * head_size]`` view and start on a swizzle group;
     elsewhere the copier takes ``cp.async``."""

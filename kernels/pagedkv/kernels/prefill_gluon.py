@@ -57,9 +57,9 @@ TILE_ROWS = 128
 # and a copying one; 128 rows, at least 2 buffers); 4, the same with the
 # computing warpgroups taking turns at the tensor cores; 5, schedule 3 in
 # persistent programs, one a multiprocessor, each taking tiles in turn
-# (not yet run on a GPU); 6 and 7, schedules 3 and 4 with the pages copied
-# by the Tensor Memory Accelerator (a copy a page; where the cache's layout
-# allows, else by cp.async: _page_descriptors). On an H100 at
+# (not yet run on a GPU); 6, 7 and 8, schedules 3, 4 and 5 with the pages
+# copied by the Tensor Memory Accelerator (a copy a page; where the cache's
+# layout allows, else by cp.async: _page_descriptors). On an H100 at
 # head size 128, b = 8 (kernels-prefill-tune-bfloat16-specialized-h100.json;
 # 2,048 new tokens, then 512 over 4,096 cached): (64, 4, 3, 128) 684 and
 # 609 us, (64, 4, 4, 128) 687 and 603, (64, 4, 1, 128) 821 and 715, the
@@ -273,7 +273,7 @@ def prefill(
     block_n, stages, schedule, block_m = TILING[head_size]
     if schedule == 2 and stages < 4:
         raise ValueError(f"TILING: the scores a tile ahead need 4 buffers or more, not {stages}")
-    specialized = schedule in (3, 4, 5, 6, 7)
+    specialized = schedule >= 3
     if specialized and block_m != TILE_ROWS:
         raise ValueError(f"TILING: schedule {schedule} takes {TILE_ROWS} rows a program")
     if tiles is not None:
@@ -309,7 +309,8 @@ def prefill(
         "HEAD": head_size,
         "STAGES": stages,
     }
-    if schedule == 5:  # programs that each take tiles in turn
+    descriptors = _page_descriptors(key_cache, value_cache) if schedule >= 6 else None
+    if schedule in (5, 8):  # programs that each take tiles in turn
         row_tiles = grid[1] if tiles is None else 0
         items = grid[0] * grid[1] * grid[2]
         prefill_persistent.prefill_persistent_kernel[(min(items, _programs(query)),)](
@@ -317,13 +318,14 @@ def prefill(
             num_q_heads,
             row_tiles,
             items,
+            *(descriptors or (key_cache, value_cache)),
             **shape,
             PINGPONG=False,
+            TMA=descriptors is not None,
             num_warps=4,  # the first computing warpgroup; the others are its partitions
             maxnreg=prefill_specialized.KERNEL_REGISTERS,
         )
     elif specialized:  # two computing warpgroups and a copying one
-        descriptors = _page_descriptors(key_cache, value_cache) if schedule >= 6 else None
         prefill_specialized.prefill_specialized_kernel[grid](
             *args,
             *(descriptors or (key_cache, value_cache)),

@@ -80,6 +80,8 @@ def _copy_items(
     cache_stride_b,
     cache_stride_s,
     cache_stride_h,
+    key_desc,
+    value_desc,
     TILED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -88,11 +90,13 @@ def _copy_items(
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
     CHUNK: gl.constexpr,
+    TMA: gl.constexpr,
 ):
     """The copying warpgroup of a persistent program: every K/V tile of
-    its items, in turn, through one ring (``CHUNK`` rows at a time), so
-    that the next item's first tiles land while the computing warpgroups
-    finish the last one's."""
+    its items, in turn, through one ring (``CHUNK`` rows at a time, or
+    with ``TMA`` a page a copy, ``prefill_specialized.tma_copy_tiles``),
+    so that the next item's first tiles land while the computing
+    warpgroups finish the last one's."""
     layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
     ring = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
@@ -102,17 +106,25 @@ def _copy_items(
         )  # fmt: skip
         row_table = block_table_ptr + seq * block_table_stride
         kv_head = head // num_queries_per_kv
-        for t in range(num_kv_tiles):
-            slot = (ring + t) % STAGES
-            mbarrier.wait(empty.index(slot), (((ring + t) // STAGES) & 1) ^ 1)
-            for c in gl.static_range(BLOCK_N // CHUNK):
-                gluon_steps.copy_rows(
-                    key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
-                    v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
-                    row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
-                    BLOCK_SIZE, HEAD, layout,
-                )  # fmt: skip
-            async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+        if TMA:
+            prefill_specialized.tma_copy_tiles(
+                key_desc, value_desc, key_cache_ptr, value_cache_ptr, k_smem, v_smem, full,
+                empty, row_table, kv_end, num_kv_tiles, kv_head, cache_stride_b,
+                cache_stride_s, cache_stride_h, ring, BLOCK_N, BLOCK_SIZE, HEAD, STAGES, WARPS,
+                CHUNK,
+            )  # fmt: skip
+        else:
+            for t in range(num_kv_tiles):
+                slot = (ring + t) % STAGES
+                mbarrier.wait(empty.index(slot), (((ring + t) // STAGES) & 1) ^ 1)
+                for c in gl.static_range(BLOCK_N // CHUNK):
+                    gluon_steps.copy_rows(
+                        key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
+                        v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
+                        row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
+                        BLOCK_SIZE, HEAD, layout,
+                    )  # fmt: skip
+                async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
         ring += num_kv_tiles
 
 
@@ -190,6 +202,8 @@ def prefill_persistent_kernel(
     num_heads,
     num_row_tiles,  # without TILED: row tiles a sequence
     num_items,  # tiles times heads
+    key_desc,  # with TMA: the caches' tensor descriptors (prefill_specialized.tma_copy_tiles')
+    value_desc,
     TILED: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -197,6 +211,7 @@ def prefill_persistent_kernel(
     HEAD: gl.constexpr,
     STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
+    TMA: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """``prefill_specialized_kernel``'s work in programs that each take
@@ -205,7 +220,7 @@ def prefill_persistent_kernel(
     barriers set up once, the copies of the next tile's K/V under way
     while the last tile's rows finish."""
     k_smem, v_smem, full, empty, turn = prefill_specialized.allocate_ring(
-        query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES
+        query_ptr.dtype.element_ty, BLOCK_N, HEAD, STAGES, TMA
     )
     # fmt: off
     gl.warp_specialize(
@@ -226,8 +241,8 @@ def prefill_persistent_kernel(
                 key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, block_table_ptr,
                 block_table_stride, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, num_tiles,
                 num_heads, num_row_tiles, num_items, num_queries_per_kv, cache_stride_b,
-                cache_stride_s, cache_stride_h, TILED, BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD,
-                STAGES, COPY_WARPS, COPY_ROWS,
+                cache_stride_s, cache_stride_h, key_desc, value_desc, TILED, BLOCK_M, BLOCK_N,
+                BLOCK_SIZE, HEAD, STAGES, COPY_WARPS, COPY_ROWS, TMA,
             )),
         ],
         [4, COPY_WARPS],

@@ -97,7 +97,7 @@ def _copy_partition(
 
 
 @gluon.jit
-def _tma_copy_partition(
+def tma_copy_tiles(
     key_desc,
     value_desc,
     key_cache_ptr,
@@ -113,6 +113,7 @@ def _tma_copy_partition(
     cache_stride_b,
     cache_stride_s,
     cache_stride_h,
+    ring,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     HEAD: gl.constexpr,
@@ -120,7 +121,8 @@ def _tma_copy_partition(
     WARPS: gl.constexpr,
     CHUNK: gl.constexpr,
 ):
-    """``_copy_partition``'s work by the Tensor Memory Accelerator: each
+    """``_copy_partition``'s work by the Tensor Memory Accelerator, the
+    tiles taking the ring's buffers from its ``ring``-th on: each
     page's rows of a tile (``key_desc`` and ``value_desc`` view a cache as
     ``[num_blocks * block_size, num_kv_heads * head_size]``) in one copy,
     the block table read a tile ahead. The last tile, which holds the keys
@@ -139,12 +141,12 @@ def _tma_copy_partition(
     column = (kv_head * HEAD).to(gl.int32)
     pages = gl.load(row_table + copies * ROWS // BLOCK_SIZE, mask=copies * ROWS < kv_end, other=0)
     for t in range(num_kv_tiles):
-        slot = t % STAGES
+        slot = (ring + t) % STAGES
         pos = t * BLOCK_N + copies * ROWS
         rows = pages * BLOCK_SIZE + pos % BLOCK_SIZE
         ahead = pos + BLOCK_N  # the next tile's pages, read while this one's copies go
         pages = gl.load(row_table + ahead // BLOCK_SIZE, mask=ahead < kv_end, other=0)
-        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(slot), (((ring + t) // STAGES) & 1) ^ 1)
         if t < num_kv_tiles - 1:
             expect(full.index(slot), TILE_BYTES)
             for c in gl.static_range(COPIES):
@@ -236,7 +238,7 @@ def prefill_specialized_kernel(
     qk_scale,  # the softmax scale times log2(e)
     num_queries_per_kv,
     num_tiles,
-    key_desc,  # with TMA: the caches' tensor descriptors (_tma_copy_partition's)
+    key_desc,  # with TMA: the caches' tensor descriptors (tma_copy_tiles')
     value_desc,
     TILED: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
@@ -279,10 +281,10 @@ def prefill_specialized_kernel(
                     context, row0, num_kv_tiles, head, query_stride_t, query_stride_h,
                     out_stride_t, out_stride_h, qk_scale, 1, BLOCK_N, HEAD, STAGES, PINGPONG,
                 )),
-                (_tma_copy_partition, (
+                (tma_copy_tiles, (
                     key_desc, value_desc, key_cache_ptr, value_cache_ptr, k_smem, v_smem, full,
                     empty, row_table, kv_end, num_kv_tiles, kv_head, cache_stride_b,
-                    cache_stride_s, cache_stride_h, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
+                    cache_stride_s, cache_stride_h, 0, BLOCK_N, BLOCK_SIZE, HEAD, STAGES,
                     COPY_WARPS, COPY_ROWS if COPY_ROWS < BLOCK_N else BLOCK_N,
                 )) if TMA else (_copy_partition, (
                     key_cache_ptr, value_cache_ptr, k_smem, v_smem, full, empty, row_table,

@@ -308,14 +308,14 @@ def gluon_tilings(text: str) -> tuple[tuple[int, ...], ...]:
     if not tilings or any(
         len(t) != 4
         or t[0] < 16
-        or t[2] not in range(8)
-        or t[1] < {2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2}.get(t[2], 3)
+        or t[2] not in range(9)
+        or t[1] < {2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}.get(t[2], 3)
         or t[3] not in ((128,) if t[2] >= 3 else (64, 128))
         for t in tilings
     ):
         raise argparse.ArgumentTypeError(
-            f"not NxSTAGESxSCHEDULExROWS,... (N >= 16, SCHEDULE 0 to 7, STAGES >= 3, or 4 "
-            f"with SCHEDULE 2, or 2 with 3 to 7, ROWS 64 or 128, 128 with SCHEDULE 3 to 7: "
+            f"not NxSTAGESxSCHEDULExROWS,... (N >= 16, SCHEDULE 0 to 8, STAGES >= 3, or 4 "
+            f"with SCHEDULE 2, or 2 with 3 to 8, ROWS 64 or 128, 128 with SCHEDULE 3 to 8: "
             f"prefill_gluon.TILING): {text!r}"
         )
     return tuple(tilings)
