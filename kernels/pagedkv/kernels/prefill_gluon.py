@@ -350,7 +350,7 @@ def _page_descriptors(
 ) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Tensor descriptors of the caches viewed as ``[num_blocks *
     block_size, num_kv_heads * head_size]``, a block's rows of one KV head
-    a copy, for schedules 6 and 7; None where that view does not hold (a
+    a copy, for schedules 6 to 8; None where that view does not hold (a
     cache whose block, slot and head are not laid out in that order) or a
     page's rows would not start on a swizzle row group (block sizes other
     than multiples of 8): then the copier takes ``cp.async``."""

@@ -1,5 +1,6 @@
 """The Gluon prefill with warps of their own (``prefill_specialized``) in
-persistent programs (``TILING``'s schedule 5): one program a
+persistent programs (``TILING``'s schedule 5; 8 with the pages copied
+by the Tensor Memory Accelerator): one program a
 multiprocessor, each taking tiles in the order a program a tile would run
 (heads fastest, the longest first) and in turn. One program of 384
 threads fills a multiprocessor, so a program a tile starts cold (its Q,

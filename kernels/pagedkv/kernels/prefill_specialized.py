@@ -15,9 +15,9 @@ barrier each step, could not do.
 6 and 7 (the same, the copier's pages moved by the Tensor Memory
 Accelerator: a copy a page, issued by one thread, instead of a ``cp.async``
 a thread each 16 bytes); the batches, the tile schedule and the arguments
-are ``prefill_gluon``'s. A
-computing warpgroup's work is ``gluon_rows``'s; ``prefill_persistent``
-runs the same partitions in persistent programs (schedule 5).
+are ``prefill_gluon``'s. A computing warpgroup's work is
+``gluon_rows``'s; ``prefill_persistent`` runs the same partitions in
+persistent programs (schedule 5, and 8 with the pages copied so).
 """
 
 from __future__ import annotations
