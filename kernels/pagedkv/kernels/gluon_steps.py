@@ -236,18 +236,20 @@ def copy_rows(
     cache_stride_h,
     BLOCK_SIZE: gl.constexpr,
     HEAD: gl.constexpr,
+    CHUNK: gl.constexpr,
     layout: gl.constexpr,
 ):
     """Starts the copies of keys and values ``start`` onwards into
-    ``k_rows`` and ``v_rows`` (rows past ``kv_end`` zeroed), their pages
-    read from the block table first."""
-    CHUNK: gl.constexpr = k_rows.shape[0]
-    k_pos = start + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
-    _copy_pages(
-        key_cache_ptr, value_cache_ptr, k_rows, v_rows, pages.to(gl.int64), k_pos, kv_end,
-        kv_head, cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE, HEAD, layout,
-    )  # fmt: skip
+    ``k_rows`` and ``v_rows`` (rows past ``kv_end`` zeroed), ``CHUNK``
+    rows at a time, each chunk's pages read from the block table first."""
+    for c in gl.static_range(k_rows.shape[0] // CHUNK):
+        k_pos = start + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        pages = gl.load(row_table + k_pos // BLOCK_SIZE, mask=k_pos < kv_end, other=0)
+        _copy_pages(
+            key_cache_ptr, value_cache_ptr, k_rows.slice(c * CHUNK, CHUNK),
+            v_rows.slice(c * CHUNK, CHUNK), pages.to(gl.int64), k_pos, kv_end, kv_head,
+            cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE, HEAD, layout,
+        )  # fmt: skip
 
 
 @gluon.jit

@@ -118,13 +118,11 @@ def _copy_items(
             for t in range(num_kv_tiles):
                 slot = (ring + t) % STAGES
                 mbarrier.wait(empty.index(slot), (((ring + t) // STAGES) & 1) ^ 1)
-                for c in gl.static_range(BLOCK_N // CHUNK):
-                    gluon_steps.copy_rows(
-                        key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
-                        v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
-                        row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
-                        BLOCK_SIZE, HEAD, layout,
-                    )  # fmt: skip
+                gluon_steps.copy_rows(
+                    key_cache_ptr, value_cache_ptr, k_smem.index(slot), v_smem.index(slot),
+                    t * BLOCK_N, row_table, kv_end, kv_head, cache_stride_b, cache_stride_s,
+                    cache_stride_h, BLOCK_SIZE, HEAD, CHUNK, layout,
+                )  # fmt: skip
                 async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
         ring += num_kv_tiles
 

@@ -86,13 +86,11 @@ def _copy_partition(
                 HEAD, STAGES, layout,
             )  # fmt: skip
         else:
-            for c in gl.static_range(BLOCK_N // CHUNK):
-                gluon_steps.copy_rows(
-                    key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
-                    v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
-                    row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
-                    BLOCK_SIZE, HEAD, layout,
-                )  # fmt: skip
+            gluon_steps.copy_rows(
+                key_cache_ptr, value_cache_ptr, k_smem.index(slot), v_smem.index(slot),
+                t * BLOCK_N, row_table, kv_end, kv_head, cache_stride_b, cache_stride_s,
+                cache_stride_h, BLOCK_SIZE, HEAD, CHUNK, layout,
+            )  # fmt: skip
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
@@ -157,13 +155,11 @@ def tma_copy_tiles(
                 tma.async_copy_global_to_shared(value_desc, [row, column], full.index(slot), v_rows)
         else:
             mbarrier.arrive(full.index(slot))
-            for c in gl.static_range(BLOCK_N // CHUNK):
-                gluon_steps.copy_rows(
-                    key_cache_ptr, value_cache_ptr, k_smem.index(slot).slice(c * CHUNK, CHUNK),
-                    v_smem.index(slot).slice(c * CHUNK, CHUNK), t * BLOCK_N + c * CHUNK,
-                    row_table, kv_end, kv_head, cache_stride_b, cache_stride_s, cache_stride_h,
-                    BLOCK_SIZE, HEAD, gluon_steps.load_layout(HEAD, WARPS),
-                )  # fmt: skip
+            gluon_steps.copy_rows(
+                key_cache_ptr, value_cache_ptr, k_smem.index(slot), v_smem.index(slot),
+                t * BLOCK_N, row_table, kv_end, kv_head, cache_stride_b, cache_stride_s,
+                cache_stride_h, BLOCK_SIZE, HEAD, CHUNK, gluon_steps.load_layout(HEAD, WARPS),
+            )  # fmt: skip
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
 
 
