@@ -8,19 +8,20 @@ updates and copy ops it produces.
 
 The result types live in ``kv_cache_types`` and are re-exported here. The
 prefix-cache lookup across groups is ``PrefixLookup`` (prefix_lookup.py);
-the fast paths of the common layout, one full-attention group, are in
-single_group.py.
+the general allocation across groups is ``allocate_groups``
+(group_allocation.py), and the fast paths of the common layout, one
+full-attention group, are in single_group.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 from pagedkv.common.block_hash import root_hash
 from pagedkv.common.ids import BlockId, SeqId
 from pagedkv.common.kv_cache_spec import KVCacheSpec
 from pagedkv.scheduler.block_pool import BlockPool, IntegrityReport
+from pagedkv.scheduler.group_allocation import allocate_groups
 from pagedkv.scheduler.holders_audit import audit_holders
 from pagedkv.scheduler.host_tier import UNMEASURED, HostCopy, HostTier, LoadCosts
 from pagedkv.scheduler.host_traffic import HostTraffic
@@ -48,9 +49,6 @@ __all__ = [
     "PrefixCacheStats",
     "TableUpdate",
 ]
-
-
-_block_id = attrgetter("block_id")
 
 
 class KVCacheManager:
@@ -225,74 +223,18 @@ class KVCacheManager:
         computed: ComputedBlocks | None,
         num_lookahead_tokens: int,
     ) -> Allocation | None:
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError("num_new_tokens and num_lookahead_tokens must not be negative")
-        seq_id = request.seq_id
-        managers = self.managers
+        """The general path, for any layout (``allocate_groups``)."""
         if computed is None or not computed.num_tokens:
             computed = self._empty_hit
-            num_computed = request.num_computed_tokens
-        else:
-            if request.num_computed_tokens or any(m.req_to_blocks.get(seq_id) for m in managers):
-                raise ValueError(f"{seq_id}: prefix hits are for a request with no blocks")
-            num_computed = computed.num_tokens
-        num_tokens = num_computed + num_new_tokens
-        # (With no new tokens the computed count may run ahead of the known
-        # tokens: samples still in flight, async stepping.)
-        if num_new_tokens and num_tokens > request.num_tokens:
-            raise ValueError(
-                f"{seq_id}: {num_tokens} tokens scheduled, the request has {request.num_tokens}"
-            )
-        num_slots = num_tokens + num_lookahead_tokens
-
-        pool = self.pool
-        num_needed = 0
-        for manager, hits in zip(managers, computed.blocks, strict=True):
-            num_needed += manager.get_num_blocks_to_allocate(seq_id, num_computed, num_slots, hits)
-            # Hits sitting in the free queue leave it when touched.
-            num_needed += sum(1 for b in hits if not b.ref_cnt and not b.is_null)
-        num_free = pool.get_num_free_blocks()
-        if num_needed > num_free:
-            num_free += sum(m.get_num_releasable_blocks(seq_id, num_computed) for m in managers)
-            if num_needed > num_free:
-                return None
-
-        # First every group takes its hits and releases what left its window,
-        # so that no group's fresh blocks come from another group's hits and
-        # every released block is free before any group allocates.
-        starts = [len(m.req_to_blocks.get(seq_id, ())) for m in managers]
-        for manager, hits in zip(managers, computed.blocks, strict=True):
-            if hits:
-                pool.touch(hits)
-                manager.save_new_computed_blocks(seq_id, hits)
-            manager.remove_skipped_blocks(seq_id, num_computed)
-        host_hits = computed.host
-        if host_hits:  # one full-attention group: see host_tier.py
-            assert self.host is not None
-            self.host.pin(host_hits)
-        copy_ops: list[tuple[BlockId, BlockId]] = []
-        updates: list[TableUpdate] = []
-        write_index = num_computed // self.block_size
-        for manager, start in zip(managers, starts, strict=True):
-            num_copies = len(copy_ops)
-            manager.allocate_new_blocks(seq_id, num_computed, num_slots, copy_ops)
-            if len(copy_ops) > num_copies:
-                start = min(start, write_index)
-            if self.enable_caching:
-                manager.cache_blocks(seq_id, request.block_hashes, num_tokens)
-            blocks = manager.req_to_blocks[seq_id]
-            updates.append(TableUpdate(start, tuple(map(_block_id, blocks[start:]))))
-        if host_hits:
-            assert self.host is not None
-            first = len(computed.blocks[0])
-            loaded = managers[0].req_to_blocks[seq_id][first : first + len(host_hits)]
-            self.host.load(host_hits, [block.block_id for block in loaded])
-        if computed.num_tokens:
-            request.num_computed_tokens = num_computed
-        self._copy_ops.extend(BlockCopy(src, dst) for src, dst in copy_ops)
-        if all(not u.block_ids for u in updates):
-            return NO_TABLE_CHANGE
-        return Allocation(tuple(updates))
+        return allocate_groups(
+            self.managers,
+            request,
+            num_new_tokens,
+            computed,
+            num_lookahead_tokens,
+            self.enable_caching,
+            self._copy_ops,
+        )
 
     def allocate_decode_slots(
         self, requests: Sequence[Request], start: int = 0

@@ -4,13 +4,13 @@ KV-cache group (``KVCacheManager._single_full``).
 ``admit_single`` gives a request new to the group its prefix hits and fresh
 blocks; ``decode_single`` gives each running request a slot for one more
 token, most of them with a few attribute reads. Both have the same effects
-as the general allocation across groups (``KVCacheManager._allocate_slots``)
-and change only what it would: the group's tables and cached-block counts,
-the pool's ref counts, free queue and prefix-cache index, and
-``request.num_computed_tokens`` on a hit, and the host tier's queued loads
-(a hit there takes a fresh block, host_tier.py). A decode that needs more (a
-shared block about to be written, or no free block) goes to the general
-path through ``allocate_one_more``.
+as the general allocation across groups (``allocate_groups``,
+group_allocation.py) and change only what it would: the group's tables and
+cached-block counts, the pool's ref counts, free queue and prefix-cache
+index, and ``request.num_computed_tokens`` on a hit, and the host tier's
+queued loads (a hit there takes a fresh block, host_tier.py). A decode that
+needs more (a shared block about to be written, or no free block) goes to
+the general path through ``allocate_one_more``.
 """
 
 from __future__ import annotations
