@@ -20,7 +20,8 @@ import torch
 from pagedkv.common.logging import get_logger
 from pagedkv.common.model_source import resolve_model
 from pagedkv.executor import attention
-from pagedkv.executor.fused_model import FusedDecoder, unsupported_reason
+from pagedkv.executor.fused_model import FusedDecoder
+from pagedkv.executor.fused_support import unsupported_reason
 from pagedkv.executor.model_spec import ModelSpec, model_spec_from_config
 from pagedkv.kernels.backend import KernelBackend
 
