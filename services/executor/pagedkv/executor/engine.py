@@ -5,12 +5,12 @@ and the unary calls see one order. Each call is validated in whole (owner,
 then ``plan_message``) before anything changes; a refused call changes
 nothing.
 
-Fencing: the executor has at most one owner ``(owner_id, epoch)``, set by
-``reset``. Mutating calls must carry exactly the current owner; ``reset``
-takes a higher epoch (a new owner), or the same owner and epoch (a restart of
-its session). Both free every row and end open step streams (their session
-number changes); KV contents are kept, and so are the block tags unless the
-reset asks to drop them.
+Fencing (fencing.py): the executor has at most one owner ``(owner_id,
+epoch)``, set by ``reset``; mutating calls must carry exactly the current
+owner. A reset, by a new owner (a higher epoch) or by the current one (a
+restart of its session), frees every row and ends open step streams (their
+session number changes); KV contents are kept, and so are the block tags
+unless the reset asks to drop them.
 
 Steps are launched and completed (launched.py): ``launch`` applies a step and
 enqueues its device work, ``complete`` waits for it and makes the response,
@@ -44,13 +44,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.common.errors import FailedPrecondition, InvalidArgument
-from pagedkv.common.ids import MAX_EPOCH, BlockId
+from pagedkv.common.errors import FailedPrecondition
+from pagedkv.common.ids import BlockId
 from pagedkv.common.logging import get_logger
 from pagedkv.common.step_trace import step_trace
 from pagedkv.executor.block_store import move_blocks
 from pagedkv.executor.block_tags import LIST_CHUNK_SIZE, BlockTags, listing
-from pagedkv.executor.host_costs import HostCosts
+from pagedkv.executor.executor_info import info_response
+from pagedkv.executor.fencing import check_current, check_owner_fields, check_takeover
 from pagedkv.executor.launched import (
     TRACE_FIELDS,
     DeviceOrigin,
@@ -71,18 +72,6 @@ DRAIN_IDLE_S = 2.0
 """A draining executor whose live rows nobody has stepped for this long
 stops: a running row is stepped every few milliseconds while its owner
 lives."""
-
-
-def _check_owner_fields(owner: common_pb2.Owner) -> None:
-    """InvalidArgument for an owner no lease can have (see Owner in common.proto):
-    checked before fencing, so that an epoch past ``MAX_EPOCH`` never becomes
-    the owner's (no scheduler could take over with ``epoch + 1`` in a uint64)."""
-    if not owner.owner_id:
-        raise InvalidArgument("owner.owner_id: required")
-    if owner.epoch == 0:
-        raise InvalidArgument("owner.epoch: 0 is no epoch (epochs start at 1)")
-    if owner.epoch > MAX_EPOCH:
-        raise InvalidArgument(f"owner.epoch: {owner.epoch} > the largest epoch {MAX_EPOCH}")
 
 
 class Executor:
@@ -145,23 +134,13 @@ class Executor:
 
     def check_owner(self, owner: common_pb2.Owner) -> None:
         """FailedPrecondition unless ``owner`` is the current owner."""
-        _check_owner_fields(owner)
-        if (owner.owner_id, owner.epoch) != (self.owner.owner_id, self.owner.epoch):
-            raise FailedPrecondition(
-                f"owner: {owner.owner_id!r} epoch {owner.epoch} is not the current owner "
-                f"({self.owner.owner_id!r} epoch {self.owner.epoch})"
-            )
+        check_current(owner, self.owner)
 
     def reset(self, request: executor_pb2.ResetRequest) -> executor_pb2.ResetResponse:
         owner = request.owner
-        _check_owner_fields(owner)
+        check_owner_fields(owner)
         with self.lock:
-            same = (owner.owner_id, owner.epoch) == (self.owner.owner_id, self.owner.epoch)
-            if not same and owner.epoch <= self.owner.epoch:
-                raise FailedPrecondition(
-                    f"owner.epoch: {owner.epoch} is not above the current epoch "
-                    f"{self.owner.epoch} ({self.owner.owner_id!r})"
-                )
+            check_takeover(owner, self.owner)
             previous = common_pb2.Owner()
             previous.CopyFrom(self.owner)
             self.owner.CopyFrom(owner)
@@ -191,34 +170,16 @@ class Executor:
     # -- reads ----------------------------------------------------------------
 
     def get_info(self) -> executor_pb2.GetInfoResponse:
-        runner = self.runner
-        spec = runner.spec
         with self.lock:
             self._settle_tags()
             num_tagged_blocks = len(self.tags)
-        costs = runner.host_costs or HostCosts(0.0, 0.0, 0.0)
-        return executor_pb2.GetInfoResponse(
-            model_id=self.model_id,
-            dtype=str(runner.dtype).removeprefix("torch."),
-            max_model_len=spec.max_model_len,
-            vocab_size=spec.vocab_size,
-            eos_token_ids=spec.eos_token_ids,
-            block_size=runner.config.block_size,
-            num_blocks=runner.limits.num_blocks,
-            bytes_per_block=runner.bytes_per_block,
-            kv_cache_groups=[group.to_proto() for group in runner.groups],
-            incarnation_id=self.incarnation_id,
-            owner=self.owner,
-            max_num_rows=runner.config.max_num_rows,
-            max_num_batched_tokens=runner.config.max_num_batched_tokens,
-            max_logprobs=runner.config.max_logprobs,
-            device=str(runner.device),
-            num_tagged_blocks=num_tagged_blocks,
+        return info_response(
+            self.runner,
+            self.model_id,
+            self.incarnation_id,
+            self.owner,
+            num_tagged_blocks,
             draining=self.drain_deadline is not None,
-            num_host_blocks=runner.limits.num_host_blocks,
-            prefill_seconds_per_token=costs.prefill_seconds_per_token,
-            host_load_seconds=costs.load_seconds,
-            host_load_seconds_per_block=costs.load_seconds_per_block,
         )
 
     def list_cached_blocks(
