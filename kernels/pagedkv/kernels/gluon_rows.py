@@ -88,16 +88,10 @@ def compute_rows(
     WARPS: gl.constexpr = 4
     dtype: gl.constexpr = query_ptr.dtype.element_ty
     load_layout: gl.constexpr = gluon_steps.load_layout(HEAD, WARPS)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2
-    )
+    s_layout: gl.constexpr = gluon_steps.mma_layout(BLOCK_N, WARPS)
+    o_layout: gl.constexpr = gluon_steps.mma_layout(HEAD, WARPS)
+    p_layout: gl.constexpr = gluon_steps.p_layout(HEAD, WARPS)
+    smem_layout: gl.constexpr = gluon_steps.shared_layout()
     first = row0 + HALF * BLOCK_M
     kv_end = context + gl.minimum(first + BLOCK_M, q_len)
     my_tiles = gl.where(first < q_len, gl.cdiv(kv_end, BLOCK_N), 0).to(gl.int32)

@@ -30,6 +30,28 @@ def load_layout(head_size, num_warps):
     return gl.BlockedLayout([1, 8], [32 // across, across], [num_warps, 1], [1, 0])
 
 
+@triton.constexpr_function
+def mma_layout(columns, num_warps):
+    """A warpgroup product's result of ``columns`` columns in registers:
+    the scores (``BLOCK_N``) or the output (``HEAD``)."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, columns, 16]
+    )
+
+
+@triton.constexpr_function
+def p_layout(head_size, num_warps):
+    """The softmax weights as ``P V``'s left operand, in registers."""
+    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(head_size, num_warps), k_width=2)
+
+
+@triton.constexpr_function
+def shared_layout():
+    """Q and the K/V buffers in shared memory, as the tensor cores read
+    them: 16-bit values, 128-byte swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
 @gluon.jit
 def gather_pages(
     row_table, start, kv_end, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr

@@ -141,16 +141,10 @@ def _prefill_kernel(
     if row0 < q_len:
         dtype: gl.constexpr = query_ptr.dtype.element_ty
         load_layout: gl.constexpr = gluon_steps.load_layout(HEAD, num_warps)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2
-        )
+        s_layout: gl.constexpr = gluon_steps.mma_layout(BLOCK_N, num_warps)
+        o_layout: gl.constexpr = gluon_steps.mma_layout(HEAD, num_warps)
+        p_layout: gl.constexpr = gluon_steps.p_layout(HEAD, num_warps)
+        smem_layout: gl.constexpr = gluon_steps.shared_layout()
 
         # Q into shared memory, the scores' left operand.
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
@@ -357,7 +351,7 @@ def _page_descriptors(
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     rows = (num_blocks * block_size, num_kv_heads * head_size)
     block = [min(block_size, TILING[head_size][0]), head_size]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    layout = gluon_steps.shared_layout()
     descriptors = []
     for cache in (key_cache, value_cache):
         stride_b, stride_s, stride_h, stride_d = cache.stride()

@@ -176,9 +176,7 @@ def allocate_ring(
     and with ``TMA`` the one that expects the tile's bytes), an *empty* one
     (one from each computing warpgroup) and the two computing warpgroups'
     turns."""
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2
-    )
+    smem_layout: gl.constexpr = gluon_steps.shared_layout()
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], smem_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
