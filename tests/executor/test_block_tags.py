@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from tests.executor.test_executor_api import (
     take_samples,
 )
 from tests.executor.test_generation import hf_greedy
+from tests.executor.test_gpu import hf_greedy_cuda
 
 EPOCHS = itertools.count(1)
 
@@ -347,7 +348,9 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 
 
 def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
-    stub: executor_pb2_grpc.ExecutorStub, model_dir: Path
+    stub: executor_pb2_grpc.ExecutorStub,
+    model_dir: Path,
+    greedy: Callable[[Path, list[int], int], list[int]] = hf_greedy,
 ) -> None:
     """The old owner runs P_D (40 tokens: blocks 1 and 2 full, 3 partial),
     tagging its full blocks in the prefill step itself, and decodes on. The
@@ -356,7 +359,7 @@ def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
     at num_computed_tokens 32 on those blocks. Q then samples what a second
     row computing all of Q samples, logprobs included (the tokens of a tiny
     random model alone hardly depend on the prefix's KV), and Hugging Face's
-    greedy tokens."""
+    greedy tokens (``greedy``: on the executor's device)."""
     old = take_over(stub, "old", drop=True)
     d = Seq(0, [1, 2, 3], 0)
     step = prefill(old, d, "D", P_D)
@@ -398,7 +401,7 @@ def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
         run([seq], start)
     for _ in range(8):
         run([hit, full], decode(new, [hit, full]))
-    assert hit.output == full.output == hf_greedy(model_dir, q, 9)
+    assert hit.output == full.output == greedy(model_dir, q, 9)
     assert logprobs[hit.row] == pytest.approx(logprobs[full.row], abs=1e-4)
 
 
@@ -451,4 +454,6 @@ def test_on_cuda_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompu
         model_dir, backend="triton", device="cuda", num_blocks=NUM_BLOCKS, extra_args=LIMITS
     )
     with cuda:
-        test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(cuda.stub, model_dir)
+        test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
+            cuda.stub, model_dir, hf_greedy_cuda
+        )
