@@ -2,7 +2,8 @@
 copies through the block table into the ring of shared-memory buffers
 (whole, or some rows of it: ``copy_rows``), one tile's softmax, and one
 step of schedules 0 to 2 (which products a warpgroup issues on the tensor
-cores, and what it computes while they run)."""
+cores, and what it computes while they run); and the layouts that every
+Gluon program of the prefill shares."""
 
 from __future__ import annotations
 
