@@ -351,6 +351,7 @@ def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
     stub: executor_pb2_grpc.ExecutorStub,
     model_dir: Path,
     greedy: Callable[[Path, list[int], int], list[int]] = hf_greedy,
+    logprob_tolerance: float = 1e-4,
 ) -> None:
     """The old owner runs P_D (40 tokens: blocks 1 and 2 full, 3 partial),
     tagging its full blocks in the prefill step itself, and decodes on. The
@@ -359,7 +360,8 @@ def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
     at num_computed_tokens 32 on those blocks. Q then samples what a second
     row computing all of Q samples, logprobs included (the tokens of a tiny
     random model alone hardly depend on the prefix's KV), and Hugging Face's
-    greedy tokens (``greedy``: on the executor's device)."""
+    greedy tokens (``greedy``: on the executor's device); the logprobs
+    within ``logprob_tolerance``."""
     old = take_over(stub, "old", drop=True)
     d = Seq(0, [1, 2, 3], 0)
     step = prefill(old, d, "D", P_D)
@@ -402,7 +404,7 @@ def test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
     for _ in range(8):
         run([hit, full], decode(new, [hit, full]))
     assert hit.output == full.output == greedy(model_dir, q, 9)
-    assert logprobs[hit.row] == pytest.approx(logprobs[full.row], abs=1e-4)
+    assert logprobs[hit.row] == pytest.approx(logprobs[full.row], abs=logprob_tolerance)
 
 
 # -- other processes ----------------------------------------------------------
@@ -449,11 +451,15 @@ def test_on_cuda_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompu
     model_dir: Path,
 ) -> None:
     """The same takeover on a CUDA executor (Triton kernels, decode steps
-    replayed from CUDA graphs): tags are set once the device has run the step."""
+    replayed from CUDA graphs): tags are set once the device has run the step.
+    The Triton kernels' float32 products round their operands to TF32 (10
+    mantissa bits), and the hit's prefix is read through the cache where the
+    full row computes it in its own tiles: the sums' orders differ, and the
+    logprobs by up to 6e-4 on an H100."""
     cuda = ExecutorProcess(
         model_dir, backend="triton", device="cuda", num_blocks=NUM_BLOCKS, extra_args=LIMITS
     )
     with cuda:
         test_a_new_owner_serves_a_prefix_hit_from_the_tags_as_a_full_recompute(
-            cuda.stub, model_dir, hf_greedy_cuda
+            cuda.stub, model_dir, hf_greedy_cuda, logprob_tolerance=2e-3
         )

@@ -104,9 +104,12 @@ case "${1:-tests}" in
       -k "fp8 or int8 or cache or rotate or word or paged_attention or prefill or decode"
     ;;
   gluon)
-    # The Gluon prefill's tests, and the prefill kernels' tests beside them.
+    # The Gluon prefill's tests, and the prefill kernels' tests beside them;
+    # K (names' parts, commas between them) picks some of them.
+    default="gluon,paged_attention,prefill,tile"
+    picked=${K:-$default}
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
-      tests/kernels/test_triton_kernels.py -k "gluon or paged_attention or prefill or tile"
+      tests/kernels/test_triton_kernels.py -k "${picked//,/ or }"
     ;;
   int8-tests)
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_int8_cache_kernels.py
@@ -241,7 +244,7 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     # and fp8_e4m3 blocks (KV). Files: kernels-prefill-tune-KV-NAME.json.
     # SWITCHES: the constants timed off and on, commas or spaces between
     # them (set empty: none, each tile as the defaults set the rest); TAG:
-    # a name's part after the dtype.
+    # a name's part after the dtype; HEAD: the head size (128).
     switches=()
     switch_names=${SWITCHES-PREFILL_PREFETCH PREFILL_FUSED_SCALE}
     for name in ${switch_names//,/ }; do
@@ -256,7 +259,7 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     fi
     for kv in ${KV:-bfloat16 fp8_e4m3}; do
       "$PYTHON" -m pagedkv.bench.kernels.tune --only prefill --kv-cache-dtype "$kv" \
-        "${tiles[@]}" "${switches[@]}" \
+        --head-size "${HEAD:-128}" "${tiles[@]}" "${switches[@]}" \
         --output "$RESULTS/kernels-prefill-tune-$kv${TAG:+-$TAG}-$NAME.json"
     done
     ;;

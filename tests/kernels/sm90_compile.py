@@ -127,7 +127,8 @@ def _gluon_prefill(
     for head_size in default:
         query = torch.zeros(starts[-1], 8, head_size, dtype=dtype)
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
-        # The default tiling (warps of their own) and schedule 1 (every
+        # The default tiling (warps of their own: schedule 3 at head size
+        # 64, 8 at 128) and schedule 1 (every
         # warpgroup copies), each with a tile schedule and without; warps
         # of their own taking turns at the tensor cores (schedule 4), their
         # pages copied by the Tensor Memory Accelerator (6); persistent

@@ -56,7 +56,7 @@ def test_every_cache_kernel_variant_compiles_for_sm90() -> None:
     # The Gluon prefill's products overlap: ptxas did not serialize them (it
     # waits after every product when it does).
     builds = [len(report[name]) for name in ("gluon", "specialized", "persistent")]
-    assert builds == [8, 16, 12], builds
+    assert builds == [8, 12, 16], builds
     for products, waits in report["gluon"] + report["specialized"] + report["persistent"]:
         assert products >= 16 and waits * 4 <= products, report
 

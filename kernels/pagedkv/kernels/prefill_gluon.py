@@ -4,12 +4,15 @@ products each warpgroup issues on the tensor cores asynchronously, and
 what it computes while they run (``TILING``'s schedules). Each issues
 tile j's scores (``Q K^T``) and tile j - 1's ``P V`` together and
 computes tile j's softmax while the ``P V`` runs (schedule 1; schedule 2
-issues tile j + 1's scores before tile j's softmax). By default
-(schedule 3) this runs in warps of their own (``prefill_specialized``):
-two warpgroups compute, each at its own pace, and a third gathers the
-K/V pages through the block table by ``cp.async`` into a ring of
-shared-memory buffers; schedules 0 to 2 have every warpgroup copy, then
-meet at a barrier each step. Triton's compiler, given the same loop
+issues tile j + 1's scores before tile j's softmax). Schedules 3 to 8
+run this in warps of their own (``prefill_specialized``): two
+warpgroups compute, each at its own pace, and a third gathers the K/V
+pages through the block table into a ring of shared-memory buffers, by
+``cp.async`` or, a page a copy, by the Tensor Memory Accelerator; by
+default at head size 128 (schedule 8) in persistent programs, one a
+multiprocessor, each taking tiles in turn (``prefill_persistent``).
+Schedules 0 to 2 have every warpgroup copy, then meet at a barrier each
+step. Triton's compiler, given the same loop
 (``prefill_kernel``), runs dot, softmax, dot in order within a warpgroup.
 No accumulator is read while a product that writes it may be in flight:
 ptxas would then serialize every product of the kernel (its note C7514).
@@ -56,8 +59,8 @@ TILE_ROWS = 128
 # (prefill_specialized: two computing warpgroups, each at its own pace,
 # and a copying one; 128 rows, at least 2 buffers); 4, the same with the
 # computing warpgroups taking turns at the tensor cores; 5, schedule 3 in
-# persistent programs, one a multiprocessor, each taking tiles in turn
-# (not yet run on a GPU); 6, 7 and 8, schedules 3, 4 and 5 with the pages
+# persistent programs, one a multiprocessor, each taking tiles in turn;
+# 6, 7 and 8, schedules 3, 4 and 5 with the pages
 # copied by the Tensor Memory Accelerator (a copy a page; where the cache's
 # layout allows, else by cp.async: _page_descriptors). On an H100 at
 # head size 128, b = 8 (kernels-prefill-tune-bfloat16-specialized-h100.json;
@@ -65,8 +68,12 @@ TILE_ROWS = 128
 # 609 us, (64, 4, 4, 128) 687 and 603, (64, 4, 1, 128) 821 and 715, the
 # Triton kernel 779 and 722. On an H200
 # (kernels-prefill-tune-bfloat16-specialized-h200.json) (128, 3, 3, 128)
-# took 700 and 579 against 687 and 615 for the default.
-TILING = {64: (64, 4, 3, 128), 128: (64, 4, 3, 128)}
+# took 700 and 579 against 687 and 615 for (64, 4, 3, 128). On an H100
+# (kernels-prefill-tune-bfloat16-tma-h100.json; the same shapes, cuDNN
+# 505 us at the first): (64, 4, 3, 128) 683 and 605 us, (64, 4, 6, 128)
+# 640 and 560, (64, 4, 5, 128) 635 and 603, (64, 4, 8, 128) 588 and 552
+# (467 TFLOP/s, 0.86x cuDNN's speed), the Triton kernel 781 and 715.
+TILING = {64: (64, 4, 3, 128), 128: (64, 4, 8, 128)}
 
 
 def supported(

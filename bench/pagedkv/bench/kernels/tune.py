@@ -193,11 +193,13 @@ def sweep_prefill(
     switches: tuple[str, ...] = (),
     kv_dtype: torch.dtype = DTYPE,
     gluon_tilings: tuple[tuple[int, ...], ...] = (),
+    head_size: int = HEAD_SIZE,
 ) -> list[dict[str, Any]]:
-    """The prefill kernel at the benchmark's prefill shapes under each of
-    ``prefill_settings``, then the Gluon prefill (``PREFILL_GLUON``) at each
-    of ``gluon_tilings`` (``prefill_gluon.TILING``'s), with the best SDPA
-    backend's time at each shape (``ratio_vs_sdpa``: ours over it)."""
+    """The prefill kernel at the benchmark's prefill shapes (``head_size``)
+    under each of ``prefill_settings``, then the Gluon prefill
+    (``PREFILL_GLUON``) at each of ``gluon_tilings``
+    (``prefill_gluon.TILING``'s), with the best SDPA backend's time at each
+    shape (``ratio_vs_sdpa``: ours over it)."""
     rows = []
     defaults = {name: getattr(pa, name) for name in dir(pa) if name.startswith("PREFILL_")}
     tile_name = "PREFILL_TILE" if kv_dtype == DTYPE else "PREFILL_QUANTIZED_TILE"
@@ -212,7 +214,7 @@ def sweep_prefill(
     settings_list += [{"PREFILL_GLUON": True, GLUON_TILING: tiling} for tiling in gluon_tilings]
     gluon_default = dict(prefill_gluon.TILING)
     for batch, context, new_tokens in PREFILL_SHAPES:
-        case = Case(batch, context, new_tokens, kv_dtype=kv_dtype)
+        case = Case(batch, context, new_tokens, head_size, kv_dtype)
         sdpa_us, backend = case.best_sdpa_us()
         for settings in settings_list:
             for name, value in settings.items():
@@ -235,6 +237,7 @@ def sweep_prefill(
                     "batch": batch,
                     "context": context,
                     "new_tokens": new_tokens,
+                    "head_size": head_size,
                     **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
                     "us": us,
                     "tflops": case.flops() / us / 1e6,
@@ -402,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(args.prefill_switch),
                 formats.get(args.kv_cache_dtype, DTYPE),
                 args.gluon_tilings,
+                args.head_size,
             )
         except ValueError as exc:
             parser.error(str(exc))
