@@ -116,7 +116,9 @@ main() {
     tests=(tests/executor tests/kernels)
   fi
   echo "run-gpu-tests: pytest -m gpu ${tests[*]}"
-  "$PYTHON" -m pytest -m gpu -q "${tests[@]}" || status=1
+  # A line a test as it ends (and the slowest ten): a run cut off at its
+  # time limit still says which tests passed.
+  "$PYTHON" -m pytest -m gpu -v --durations=10 "${tests[@]}" || status=1
   if [[ "${END_TO_END:-0}" == 1 ]]; then
     echo "run-gpu-tests: pytest tests/executor/test_executor_api.py tests/service/test_hardening.py"
     "$PYTHON" -m pytest tests/executor/test_executor_api.py tests/service/test_hardening.py -q \
