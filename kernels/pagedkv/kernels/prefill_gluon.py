@@ -74,6 +74,10 @@ TILE_ROWS = 128
 # 640 and 560, (64, 4, 5, 128) 635 and 603, (64, 4, 8, 128) 588 and 552
 # (467 TFLOP/s, 0.86x cuDNN's speed), the Triton kernel 781 and 715.
 TILING = {64: (64, 4, 3, 128), 128: (64, 4, 8, 128)}
+# The ring buffers' layout, as the page descriptors give it to the copies:
+# built once, since calling the constexpr function from the host costs
+# more than the descriptors themselves (a launch of schedules 6 to 8 a layer).
+_PAGE_LAYOUT = gluon_steps.shared_layout()
 
 
 def supported(
@@ -358,7 +362,6 @@ def _page_descriptors(
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     rows = (num_blocks * block_size, num_kv_heads * head_size)
     block = [min(block_size, TILING[head_size][0]), head_size]
-    layout = gluon_steps.shared_layout()
     descriptors = []
     for cache in (key_cache, value_cache):
         stride_b, stride_s, stride_h, stride_d = cache.stride()
@@ -372,7 +375,7 @@ def _page_descriptors(
             or rows[0] >= 2**31
         ):
             return None
-        descriptors.append(TensorDescriptor(cache, list(rows), [stride_s, 1], block, layout))
+        descriptors.append(TensorDescriptor(cache, list(rows), [stride_s, 1], block, _PAGE_LAYOUT))
     return descriptors[0], descriptors[1]
 
 
