@@ -178,9 +178,9 @@ def under_load(
     max_tokens: int = MAX_TOKENS,
 ) -> LoadResult:
     """Runs greedy SDK streams of ``max_tokens`` (one AsyncClient over
-    ``targets``), ``concurrency`` at a time, while ``action`` runs in a thread beside them:
-    each prompt once, or (``continuous``) the prompts in turn until
-    ``action`` has returned. An exception of ``action`` is raised after the
+    ``targets``), ``concurrency`` at a time, while ``action`` runs in a
+    thread beside them: each prompt once, or (``continuous``) the prompts in
+    turn until ``action`` has returned. An exception of ``action`` is raised after the
     streams end."""
     progress = Progress()
     outputs: list[tuple[list[int], list[int]]] = []
@@ -411,8 +411,8 @@ def test_a_scheduler_paused_past_its_lease_loses_its_executors_and_corrupts_noth
     # it stops (two decode windows of 8 by default) still complete under its
     # lease, so a request must need more tokens than those to be handed back;
     # and on a loaded machine the tokens the client has read lag behind
-    # those the schedulers have made (by more than 8 a request when these
-    # were 24 long).
+    # those the schedulers have made, by more than the 8 a 24-token request
+    # would have left.
     max_tokens = 96
 
     def pause(progress: Progress) -> None:

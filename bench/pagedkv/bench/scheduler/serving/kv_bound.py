@@ -10,9 +10,9 @@ change) stay as they are. So, from the run with the model's dtype:
 - ``last_first_token_s``: the run's seconds less ``N - 1`` steps of its
   median inter-token latency (the decode-only step; the prompt steps are the
   slow tail of that distribution);
-- ``bytes_per_step``: the weights a decode step reads (all but the
-  embedding table, whose rows it gathers) plus the batch's K and V at the
-  steps' mean context, ``P + N / 2``;
+- ``weight_gb`` and ``kv_gb``: what a decode step reads, the weights (all
+  but the embedding table, whose rows it gathers) and the batch's K and V
+  at the steps' mean context, ``P + N / 2``;
 - the output tokens/s that a cache of ``ratio`` times the bytes would give
   with every decode step at the copy ceiling, at the measured run's share
   of it, and with no K and V read at all.
