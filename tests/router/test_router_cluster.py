@@ -169,6 +169,12 @@ def check_the_api_edges(router: RouterProcess, cluster: Cluster) -> None:
         )
 
     wait_until(nothing_held, what="every block free again")
+    # The reset passes through to every scheduler: the peaks read once, then 0.
+    reset = scheduler_pb2.GetStatsRequest(reset_peak_used_blocks=True)
+    peaks = [e.peak_used_blocks for e in router.stub.GetStats(reset, timeout=30).executors]
+    assert max(peaks) > 0  # the requests above, though every block is free now
+    after = router.stub.GetStats(reset, timeout=30).executors
+    assert [e.peak_used_blocks for e in after] == [0] * len(peaks)
 
 
 def test_placement_survives_router_restart_trimmed_streams_and_a_scheduler_kill(

@@ -108,6 +108,26 @@ def test_usage_counts_held_blocks_over_usable_blocks() -> None:
     assert pool.usage == pytest.approx(0.5)
 
 
+def test_the_peak_counts_the_most_blocks_held_at_once_until_it_is_reset() -> None:
+    pool = BlockPool(9)
+    assert pool.peak_used_blocks == 0
+    first = pool.get_new_blocks(3)
+    second = pool.get_new_block()
+    pool.free_blocks([*first, second])
+    assert pool.peak_used_blocks == 4  # gone before anyone looked, still counted
+    pool.cache_full_blocks(first, [BlockHash(bytes([i]) * 16) for i in range(3)], 0, 3)
+    pool.reset_peak()
+    assert pool.peak_used_blocks == 0  # cached blocks no one holds are free
+    pool.touch(first)  # prefix hits take blocks too
+    held = pool.get_new_blocks(2)
+    pool.free_blocks(first)
+    assert pool.peak_used_blocks == 5
+    pool.reset_peak()  # starts over from what is held now
+    assert pool.peak_used_blocks == 2
+    pool.free_blocks(held)
+    assert pool.peak_used_blocks == 2 and pool.get_num_free_blocks() == 8
+
+
 def test_integrity_check_reports_a_leaked_block() -> None:
     pool = BlockPool(4)
     (block,) = pool.get_new_blocks(1)

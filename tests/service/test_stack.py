@@ -108,6 +108,20 @@ def test_a_placement_hint_is_honoured_when_held_and_said_when_not(stack, model_d
     assert_nothing_held(stack.stub)
 
 
+def test_the_peak_of_blocks_held_outlives_the_request_until_a_reset(stack) -> None:
+    """A request too short for any poll to see still leaves its blocks in
+    the executor's peak; a GetStats asking for the reset reads it and starts
+    it over from what is held now (nothing)."""
+    reset = scheduler_pb2.GetStatsRequest(reset_peak_used_blocks=True)
+    first, second = (e.address for e in stack.stub.GetStats(reset).executors)
+    prompt = PROMPTS[0]
+    collect(stack.stub, greedy_request(prompt, 8, preferred_executor=first))
+    peaks = {e.address: e.peak_used_blocks for e in stack.stub.GetStats(reset).executors}
+    assert peaks[first] >= -(-(len(prompt) + 7) // 16) and peaks[second] == 0
+    after = assert_nothing_held(stack.stub)
+    assert [e.peak_used_blocks for e in after.executors] == [0, 0]
+
+
 def test_many_concurrent_streams_survive_preemption(stack, model_dirs) -> None:
     """64 streams on two pools of 47 usable blocks: they cannot all fit, so
     running sequences are preempted and recomputed; outputs stay exact."""

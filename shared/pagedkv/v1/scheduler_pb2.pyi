@@ -149,8 +149,10 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("reset_peak_used_blocks",)
+    RESET_PEAK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reset_peak_used_blocks: bool
+    def __init__(self, reset_peak_used_blocks: _Optional[bool] = ...) -> None: ...
 
 class IntegrityCheck(_message.Message):
     __slots__ = ("ok", "message")
@@ -161,7 +163,7 @@ class IntegrityCheck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries", "draining", "num_adopted_cached_blocks", "num_host_blocks", "num_cached_host_blocks", "prefix_cache_host_hits", "num_offloaded_blocks", "num_loaded_blocks", "host_loads_chosen", "host_recomputes_chosen", "prefill_seconds_per_token", "host_load_seconds", "host_load_seconds_per_block", "offloaded_bytes", "loaded_bytes", "offload_copy_seconds", "load_copy_seconds", "kv_cache_dtype", "bytes_per_block")
+    __slots__ = ("address", "healthy", "num_blocks", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "incarnation_id", "epoch", "num_usable_blocks", "suspect", "down_reason", "num_recoveries", "draining", "num_adopted_cached_blocks", "num_host_blocks", "num_cached_host_blocks", "prefix_cache_host_hits", "num_offloaded_blocks", "num_loaded_blocks", "host_loads_chosen", "host_recomputes_chosen", "prefill_seconds_per_token", "host_load_seconds", "host_load_seconds_per_block", "offloaded_bytes", "loaded_bytes", "offload_copy_seconds", "load_copy_seconds", "kv_cache_dtype", "bytes_per_block", "peak_used_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class ExecutorStats(_message.Message):
     LOAD_COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     num_blocks: int
@@ -224,7 +227,8 @@ class ExecutorStats(_message.Message):
     load_copy_seconds: float
     kv_cache_dtype: str
     bytes_per_block: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ..., draining: _Optional[bool] = ..., num_adopted_cached_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_cached_host_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., host_loads_chosen: _Optional[int] = ..., host_recomputes_chosen: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., host_load_seconds: _Optional[float] = ..., host_load_seconds_per_block: _Optional[float] = ..., offloaded_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., offload_copy_seconds: _Optional[float] = ..., load_copy_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    peak_used_blocks: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., down_reason: _Optional[str] = ..., num_recoveries: _Optional[int] = ..., draining: _Optional[bool] = ..., num_adopted_cached_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_cached_host_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., host_loads_chosen: _Optional[int] = ..., host_recomputes_chosen: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., host_load_seconds: _Optional[float] = ..., host_load_seconds_per_block: _Optional[float] = ..., offloaded_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., offload_copy_seconds: _Optional[float] = ..., load_copy_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., bytes_per_block: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterExecutor(_message.Message):
     __slots__ = ("address", "incarnation_id", "owner_id", "epoch")

@@ -135,12 +135,18 @@ class AsyncClient(ClientBase):
                 outcomes.append(exc)
         return self._aborted(outcomes)
 
-    async def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
+    async def stats(
+        self,
+        *,
+        target: str | None = None,
+        timeout: float | None = None,
+        reset_peak_used_blocks: bool = False,
+    ) -> Stats:
         """As ``Client.stats``."""
         index = self._target_index(target)
         try:
             response = await self._stubs[index].GetStats(
-                scheduler_pb2.GetStatsRequest(),
+                scheduler_pb2.GetStatsRequest(reset_peak_used_blocks=reset_peak_used_blocks),
                 timeout=self._deadline(timeout),
                 metadata=self._metadata,
             )

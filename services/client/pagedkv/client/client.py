@@ -152,13 +152,22 @@ class Client(ClientBase):
                 outcomes.append(exc)
         return self._aborted(outcomes)
 
-    def stats(self, *, target: str | None = None, timeout: float | None = None) -> Stats:
+    def stats(
+        self,
+        *,
+        target: str | None = None,
+        timeout: float | None = None,
+        reset_peak_used_blocks: bool = False,
+    ) -> Stats:
         """A snapshot of one replica's load, executors and block-pool
-        integrity: ``target`` (one of ``targets``; default: the first)."""
+        integrity: ``target`` (one of ``targets``; default: the first).
+        ``reset_peak_used_blocks``: each executor's ``peak_used_blocks``
+        starts over once answered (it then covers the time since the
+        previous such call)."""
         index = self._target_index(target)
         try:
             response = self._stubs[index].GetStats(
-                scheduler_pb2.GetStatsRequest(),
+                scheduler_pb2.GetStatsRequest(reset_peak_used_blocks=reset_peak_used_blocks),
                 timeout=self._deadline(timeout),
                 metadata=self._metadata,
             )

@@ -50,6 +50,10 @@ class ExecutorStats:
     executor --kv-cache-dtype``); empty from servers older than the field."""
     bytes_per_block: int = 0
     """Device bytes one block takes over every layer, K and V (0 likewise)."""
+    peak_used_blocks: int = 0
+    """The most blocks held at once (usable minus free) since the replica
+    took the executor, or since a ``stats(reset_peak_used_blocks=True)``
+    (0 likewise)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -154,6 +158,7 @@ def stats_from_proto(msg: scheduler_pb2.GetStatsResponse) -> Stats:
                 num_recoveries=ex.num_recoveries,
                 kv_cache_dtype=ex.kv_cache_dtype,
                 bytes_per_block=ex.bytes_per_block,
+                peak_used_blocks=ex.peak_used_blocks,
             )
             for ex in msg.executors
         ),

@@ -66,11 +66,14 @@ class SchedulerChannels:
         return any(isinstance(r, scheduler_pb2.AbortResponse) and r.aborted for r in replies)
 
     async def summed_stats(
-        self, members: Sequence[MemberRecord], metadata: Metadata
+        self,
+        members: Sequence[MemberRecord],
+        metadata: Metadata,
+        request: scheduler_pb2.GetStatsRequest,
     ) -> tuple[scheduler_pb2.GetStatsResponse, list[str]]:
         """The stats of ``members`` summed (their executors, counts and
-        integrity), and the ids of the members that did not answer."""
-        request = scheduler_pb2.GetStatsRequest()
+        integrity), and the ids of the members that did not answer;
+        ``request`` is sent to each as it came."""
         replies = await asyncio.gather(
             *(
                 self.stub(m.address).GetStats(request, timeout=self.timeout_s, metadata=metadata)

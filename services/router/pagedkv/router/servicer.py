@@ -107,7 +107,8 @@ class RouterServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: Any
     ) -> scheduler_pb2.GetStatsResponse:
-        return await self.service.stats(forwarded_metadata(context.invocation_metadata()))
+        metadata = forwarded_metadata(context.invocation_metadata())
+        return await self.service.stats(metadata, request)
 
 
 class RouterServer:

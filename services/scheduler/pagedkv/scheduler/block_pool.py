@@ -83,6 +83,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # The fewest free blocks since the last ``reset_peak``: checked once
+        # per call that takes blocks, not per block.
+        self.min_free_blocks = num_blocks - 1
         self.cached_blocks: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         self.events: list[CacheEvent] | None = [] if record_events else None
         self.host: HostTier | None = None
@@ -102,17 +105,28 @@ class BlockPool:
         """Fraction of the usable blocks (all but the null block) held by requests."""
         return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
 
+    @property
+    def peak_used_blocks(self) -> int:
+        """The most usable blocks held at once since the last ``reset_peak``
+        (or since the pool was made)."""
+        return self.num_blocks - 1 - self.min_free_blocks
+
+    def reset_peak(self) -> None:
+        """Starts ``peak_used_blocks`` over from the blocks held now."""
+        self.min_free_blocks = self.free_block_queue.num_free_blocks
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pops ``num_blocks`` from the head of the free queue with ref_cnt 1.
 
         A popped block that was in the prefix-cache index is evicted from it.
         Raises ValueError when fewer blocks are free; callers check first.
         """
-        if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(
-                f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
-            )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks: {queue.num_free_blocks} are free")
+        blocks = queue.popleft_n(num_blocks)
+        if queue.num_free_blocks < self.min_free_blocks:
+            self.min_free_blocks = queue.num_free_blocks
         cached = []
         for block in blocks:
             block.ref_cnt = 1
@@ -126,7 +140,10 @@ class BlockPool:
         """``get_new_blocks(1)`` without the list: the head of the free queue."""
         if not self.free_block_queue.num_free_blocks:
             raise ValueError("cannot get a block: none is free")
-        block = self.free_block_queue.popleft()
+        queue = self.free_block_queue
+        block = queue.popleft()
+        if queue.num_free_blocks < self.min_free_blocks:
+            self.min_free_blocks = queue.num_free_blocks
         if block.block_hash is not None:
             self._evict_all((block,))
         block.ref_cnt = 1
@@ -145,6 +162,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
+        if queue.num_free_blocks < self.min_free_blocks:
+            self.min_free_blocks = queue.num_free_blocks
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference on each block, in eviction order.

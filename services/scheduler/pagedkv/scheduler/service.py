@@ -251,7 +251,9 @@ class SchedulerService:
 
     # -- stats ----------------------------------------------------------------
 
-    def stats(self) -> scheduler_pb2.GetStatsResponse:
+    def stats(self, reset_peak_used_blocks: bool = False) -> scheduler_pb2.GetStatsResponse:
+        """The replica's snapshot; with ``reset_peak_used_blocks``, each
+        pool's peak starts over once read."""
         executors = self.executors
         response = scheduler_pb2.GetStatsResponse(
             num_running=executors.num_running,
@@ -277,6 +279,9 @@ class SchedulerService:
             executor.num_blocks = scheduler.info.num_blocks
             executor.num_usable_blocks = scheduler.info.num_blocks - 1
             executor.num_free_blocks = kv.pool.get_num_free_blocks()
+            executor.peak_used_blocks = kv.pool.peak_used_blocks
+            if reset_peak_used_blocks:
+                kv.pool.reset_peak()
             executor.kv_cache_usage = kv.usage
             executor.prefix_cache_queries = prefix.queries
             executor.prefix_cache_hits = prefix.hits

@@ -79,7 +79,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: Any
     ) -> scheduler_pb2.GetStatsResponse:
-        return self.service.stats()
+        return self.service.stats(request.reset_peak_used_blocks)
 
 
 class BoundServer(NamedTuple):

@@ -7,6 +7,9 @@ CPU executor, 16-token blocks) as a child process, through the serving
 benchmark's ``ServeStack``. ``BlockSampler`` polls the
 scheduler's ``GetStats`` while a workload runs: blocks held are the usable
 blocks minus the free ones (cached blocks with no holder count as free).
+Each poll also reads the executor's peak since the previous one and starts
+it over, so the peak is exact however briefly it lasts: a short run can
+fall between two polls.
 """
 
 from __future__ import annotations
@@ -64,9 +67,12 @@ class Samples:
     num_waiting: list[int] = field(default_factory=list)
     tokens_held: list[int] = field(default_factory=list)
     num_started: list[int] = field(default_factory=list)
+    # The most blocks held at once since the previous sample (the pool's own
+    # count, not a poll's): the peak between samples.
+    peak_blocks_held: list[int] = field(default_factory=list)
 
     def peak_blocks(self) -> int:
-        return max(self.blocks_held, default=0)
+        return max(self.blocks_held + self.peak_blocks_held, default=0)
 
     def time_weighted_mean(self, values: list[int], busy_only: bool = True) -> float:
         """Mean of ``values`` over time (each sample holds until the next),
@@ -88,6 +94,7 @@ class Samples:
             "num_waiting": self.num_waiting,
             "tokens_held": self.tokens_held,
             "num_started": self.num_started,
+            "peak_blocks_held": self.peak_blocks_held,
         }
 
 
@@ -105,14 +112,16 @@ class BlockSampler:
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
+        await self.client.stats(timeout=30, reset_peak_used_blocks=True)  # peaks from now
         start = time.perf_counter()
         while True:
-            stats = await self.client.stats(timeout=30)
+            stats = await self.client.stats(timeout=30, reset_peak_used_blocks=True)
             tokens, started = self.tokens()
             executor = stats.executors[0]
             s = self.samples
             s.times_s.append(time.perf_counter() - start)
             s.blocks_held.append(executor.num_usable_blocks - executor.num_free_blocks)
+            s.peak_blocks_held.append(executor.peak_used_blocks)
             s.num_running.append(stats.num_running)
             s.num_waiting.append(stats.num_waiting)
             s.tokens_held.append(tokens)

@@ -141,7 +141,9 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"Live stack: `pagedkv serve` on one CPU executor, {report['model']}, 16-token blocks, "
         f"a pool of {settings['num_blocks']:,} blocks (no run is preempted). Blocks held "
         "are read from GetStats every 50 ms while each run goes on (usable minus free blocks; "
-        "cached blocks no request holds count as free); peak and time-weighted mean.",
+        "cached blocks no request holds count as free); the time-weighted mean is over those "
+        "reads, the peak is the pool's own (each read takes the most blocks held since the "
+        "previous one and starts that count over).",
         "",
     ]
     if "chat" in report:
