@@ -23,9 +23,11 @@ def test_chat_lengths_have_their_mean_and_stay_within_the_context() -> None:
     assert max(lengths) > 2 * 1331  # a long tail
 
 
-def test_time_weighted_mean_skips_idle_samples() -> None:
+def test_the_mean_skips_idle_samples_and_the_peak_takes_the_pools_own() -> None:
     samples = Samples(times_s=[0.0, 1.0, 3.0, 4.0], blocks_held=[0, 10, 40, 0])
     assert samples.peak_blocks() == 40
+    samples.peak_blocks_held = [0, 12, 44, 40]  # the pool's peaks between reads
+    assert samples.peak_blocks() == 44
     assert samples.time_weighted_mean(samples.blocks_held) == pytest.approx((10 * 2 + 40) / 3)
     assert blocks_for(16) == 1 and blocks_for(17) == 2
 
