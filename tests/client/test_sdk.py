@@ -69,6 +69,7 @@ STATS = scheduler_pb2.GetStatsResponse(
             prefix_cache_hits=50,
             incarnation_id="inc-1",
             epoch=3,
+            peak_used_blocks=300,
         ),
         scheduler_pb2.ExecutorStats(address="10.0.0.2:7001", healthy=False, num_blocks=9),
     ],
@@ -84,6 +85,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     """Records every request; acts as the prompt text says (see the module doc)."""
 
     requests: list[scheduler_pb2.GenerateRequest] = field(default_factory=list)
+    stats_requests: list[scheduler_pb2.GetStatsRequest] = field(default_factory=list)
     stats_code: grpc.StatusCode | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set when a "hang" call ends before its handler gives up (after 5 s): by
@@ -147,6 +149,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: Any
     ) -> scheduler_pb2.GetStatsResponse:
+        self.stats_requests.append(request)
         if self.stats_code is not None:
             context.abort(self.stats_code, "no executor reachable")
         return STATS
@@ -372,7 +375,20 @@ def test_stats_from_proto_converts_executors_and_hit_rate() -> None:
         executors=(
             # num_usable_blocks unset (a server older than the field): num_blocks - 1
             ExecutorStats(
-                "10.0.0.1:7001", True, 1025, 768, 0.25, 200, 50, "inc-1", 3, 1024, False, "", 0
+                "10.0.0.1:7001",
+                True,
+                1025,
+                768,
+                0.25,
+                200,
+                50,
+                "inc-1",
+                3,
+                1024,
+                False,
+                "",
+                0,
+                peak_used_blocks=300,
             ),
             ExecutorStats("10.0.0.2:7001", False, 9, 0, 0.0, 0, 0, "", 0, 8, False, "", 0),
         ),
@@ -395,6 +411,8 @@ def test_generate_streams_chunks_as_sent_and_generate_text_accumulates(served: S
         assert client.abort("live") is True
         assert client.abort("gone") is False
         assert client.stats() == stats_from_proto(STATS)
+        assert client.stats(reset_peak_used_blocks=True).executors[0].peak_used_blocks == 300
+    assert [r.reset_peak_used_blocks for r in served.servicer.stats_requests] == [False, True]
     sent = served.servicer.requests[0].request_id  # the SDK's own: a uuid4 hex
     assert len(sent) == 32 and int(sent, 16) >= 0
     assert [c.request_id for c in chunks] == [sent] * 3
@@ -473,6 +491,8 @@ def test_async_client_streams_maps_errors_and_cancels(served: Served) -> None:
             assert completion.texts == ("Hello",) * 3
             assert await client.abort("live") is True
             assert (await client.stats()).scheduler_id == "sched-a"
+            await client.stats(reset_peak_used_blocks=True)
+            assert served.servicer.stats_requests[-1].reset_peak_used_blocks
 
             received = []
             with pytest.raises(InternalError, match="lost"):
