@@ -30,8 +30,12 @@ def test_a_call_that_holds_the_gil_is_measured_as_that_long_a_lag() -> None:
     time.sleep(3 * INTERVAL)
     lag.stop()
     assert len(lags) >= 3
-    # The thread was due at most INTERVAL after the sort began.
-    assert max(lags) >= held - INTERVAL
+    # The thread was due at most INTERVAL after the sort began, so it reports
+    # about the sort's length. Not all of it: ``held`` also counts any wait
+    # of this thread for the GIL or a core between its clock reads and the
+    # sort, which a busy machine stretches (0.302 s of lag for 0.322 s held
+    # has been seen). Half is far above the lags of a thread left alone.
+    assert max(lags) >= held / 2
 
 
 @pytest.fixture(scope="module")
