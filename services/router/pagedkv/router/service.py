@@ -364,15 +364,12 @@ class RouterService:
         return await self.channels.abort(addresses, request_id, metadata)
 
     async def stats(
-        self,
-        metadata: Metadata = (),
-        request: scheduler_pb2.GetStatsRequest | None = None,
+        self, metadata: Metadata, request: scheduler_pb2.GetStatsRequest
     ) -> scheduler_pb2.GetStatsResponse:
         """The live schedulers' stats summed, the cluster view and the
         router's state; ``metadata`` as for ``abort``; ``request`` (its
         peak reset) is passed on to each scheduler."""
         members = sorted(self.snapshot.members.values(), key=lambda m: m.member_id)
-        request = request or scheduler_pb2.GetStatsRequest()
         response, unreachable = await self.channels.summed_stats(members, metadata, request)
         response.scheduler_id = self.router_id
         response.cluster.CopyFrom(self.snapshot.state())

@@ -138,9 +138,9 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """``get_new_blocks(1)`` without the list: the head of the free queue."""
-        if not self.free_block_queue.num_free_blocks:
-            raise ValueError("cannot get a block: none is free")
         queue = self.free_block_queue
+        if not queue.num_free_blocks:
+            raise ValueError("cannot get a block: none is free")
         block = queue.popleft()
         if queue.num_free_blocks < self.min_free_blocks:
             self.min_free_blocks = queue.num_free_blocks
