@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.kernels import paged_attention, prefill_gluon, reference
+from pagedkv.kernels import dequant_blocks, paged_attention, prefill_gluon, reference
+from tests.kernels.test_dequant_blocks import oracle, quantized_batch
 from tests.kernels.test_reference import build_batch
 from tests.kernels.test_triton_kernels import NAMES, tile_schedule
 
@@ -80,6 +81,40 @@ def test_long_chunks_wrap_the_buffer_ring(num_kv_heads: int, block_size: int) ->
 @needs_sm90
 def test_a_tile_schedule_read_on_the_device_gives_the_same_output() -> None:
     _check([0, 300, 17, 0], [300, 40, 1, 129], torch.float16, 128, tiles=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_quantized_caches_are_widened_for_it(
+    kind: str, head_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over an fp8 or int8 cache the batch's blocks are widened to the
+    # query's dtype (dequant_blocks) and this kernel computes it; with no
+    # room for the buffer the Triton kernel reads the quantized cache.
+    batch, kv = quantized_batch(kind, head_size)
+    args = [batch[name].cuda() for name in NAMES]  # type: ignore[union-attr]
+    on = {name: t.cuda() for name, t in kv.items()}
+    query = args[0].to(torch.bfloat16)
+    expected = reference.paged_attention(
+        query.float(),
+        oracle(batch["key_cache"], kv["k_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
+        oracle(batch["value_cache"], kv["v_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
+        *args[3:],
+        scale=0.3,
+    )
+    widened = []
+    real = dequant_blocks.dequantize_blocks
+    monkeypatch.setattr(
+        dequant_blocks, "dequantize_blocks", lambda *a: widened.append(a[-1]) or real(*a)
+    )
+    out = paged_attention.paged_attention(query, *args[1:], scale=0.3, **on)
+    assert widened == [torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(paged_attention, "PREFILL_DEQUANT_MAX_BYTES", 0)
+    out = paged_attention.paged_attention(query, *args[1:], scale=0.3, **on)
+    assert widened == [torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_it_covers_only_what_it_computes() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from pagedkv.kernels import prefill_gluon
+from pagedkv.kernels import dequant_blocks, prefill_gluon
 from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
 from pagedkv.kernels.decode_attention import Rotary, decode
 from pagedkv.kernels.kv_quant import scale_args
@@ -78,6 +78,15 @@ PREFILL_PREFETCH = True
 # and 722 (kernels-prefill-tune-bfloat16-specialized-h100.json, b = 8,
 # 2,048 new tokens and 512 over 4,096 cached).
 PREFILL_GLUON = True
+# Over an fp8 or int8 cache, a batch the Gluon prefill would take over a
+# float cache widens the blocks it reads into a buffer of the query's dtype
+# first (``dequant_blocks``), then takes that kernel, when the buffer (its
+# sequences times the longest one's pages, K and V) is at most
+# PREFILL_DEQUANT_MAX_BYTES; else the Triton kernel reads the quantized
+# cache. An executor holds that much back from its KV memory
+# (model_runner.py), so a prefill's buffer never competes with the blocks.
+PREFILL_DEQUANTIZE = True
+PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 
 
 def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:
@@ -174,6 +183,21 @@ def paged_attention(
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
             raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
         tiles = tiles.contiguous()
+    if (
+        PREFILL_GLUON
+        and PREFILL_DEQUANTIZE
+        and scales.quantized
+        and tiles is None
+        and tile_rows(max_query_len, head_size) == prefill_gluon.TILE_ROWS
+        and prefill_gluon.supports_query(query, sliding_window, softcap)
+    ):
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        size = dequant_blocks.buffer_bytes(len(seq_lens), max_seq_len, key_cache, query.dtype)
+        if size <= PREFILL_DEQUANT_MAX_BYTES:
+            key_cache, value_cache, block_table = dequant_blocks.dequantize_blocks(
+                key_cache, value_cache, block_table, seq_lens, max_seq_len, scales, query.dtype
+            )
     if (
         PREFILL_GLUON
         and tile_rows(max_query_len, head_size) == prefill_gluon.TILE_ROWS

@@ -72,8 +72,11 @@ TILE_ROWS = 128
 # (kernels-prefill-tune-bfloat16-tma-h100.json; the same shapes, cuDNN
 # 505 us at the first): (64, 4, 3, 128) 683 and 605 us, (64, 4, 6, 128)
 # 640 and 560, (64, 4, 5, 128) 635 and 603, (64, 4, 8, 128) 588 and 552
-# (467 TFLOP/s, 0.86x cuDNN's speed), the Triton kernel 781 and 715.
-TILING = {64: (64, 4, 3, 128), 128: (64, 4, 8, 128)}
+# (467 TFLOP/s, 0.86x cuDNN's speed), the Triton kernel 781 and 715. At
+# head size 64 (kernels-prefill-tune-bfloat16-tma-64-h100.json; cuDNN 353
+# us at the first): (64, 4, 3, 128) 486 and 427 us, (64, 4, 6, 128) 485
+# and 422, (64, 4, 8, 128) 456 and 433, the Triton kernel 530 and 511.
+TILING = {64: (64, 4, 8, 128), 128: (64, 4, 8, 128)}
 # The ring buffers' layout, as the page descriptors give it to the copies:
 # built once, since calling the constexpr function from the host costs
 # more than the descriptors themselves (a launch of schedules 6 to 8 a layer).
@@ -89,11 +92,16 @@ def supported(
     """Whether this kernel computes the batch: on an sm_90 GPU, a float16 or
     bfloat16 query and cache of the same dtype, head size 64 or 128, no
     window or soft-cap."""
+    return key_cache.dtype == query.dtype and supports_query(query, sliding_window, softcap)
+
+
+def supports_query(query: torch.Tensor, sliding_window: int | None, softcap: float | None) -> bool:
+    """``supported`` over a cache of the query's dtype (what
+    ``dequant_blocks`` makes of a quantized one)."""
     return (
         query.is_cuda
         and torch.cuda.get_device_capability(query.device) == (9, 0)
         and query.dtype in (torch.float16, torch.bfloat16)
-        and key_cache.dtype == query.dtype
         and query.shape[-1] in TILING
         and sliding_window is None
         and softcap is None

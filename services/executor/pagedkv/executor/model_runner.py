@@ -38,6 +38,7 @@ from pagedkv.executor.runner_config import RunnerConfig, kv_cache_dtype
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
+from pagedkv.kernels import paged_attention
 from pagedkv.kernels.backend import get_backend
 from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
@@ -162,6 +163,8 @@ class ModelRunner:
         budget = total * self.config.gpu_memory_utilization - others - peak
         if self.uses_cuda_graphs:  # captured after the KV memory, kept while it lives
             budget -= graph_logits_bytes(self.config, self.spec.vocab_size, self.dtype)
+        if self.kv_dtype.itemsize == 1:  # fp8 or int8: a prefill's widened blocks (paged_attention)
+            budget -= paged_attention.PREFILL_DEQUANT_MAX_BYTES
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 2:
             raise ValueError(

@@ -1,0 +1,132 @@
+"""The blocks a prefill batch reads from a quantized cache, widened into a
+float buffer of the query's dtype, so that a kernel built for float caches
+(the Gluon prefill, ``prefill_gluon``, whose tensor cores take 16-bit
+operands) computes batches over fp8 and int8 caches too.
+
+Prefill is bound by its matrix products, not by its bytes: over a float
+cache the Gluon kernel runs 1.6x as fast as the Triton kernel over fp8
+blocks (b = 8, 2,048 new tokens, head size 128 on an H100:
+``kernels-h100.md`` against ``kernels-fp8-e4m3-h100.md``), and widening the
+blocks first reads each quantized byte once and writes two. Sequence ``s``'s
+page ``p`` lands at block ``s * pages + p`` of the buffer (``pages`` =
+``cdiv(max_seq_len, block_size)``), so its block table is that ``arange``;
+pages past a sequence's length are left as they were (no kernel reads
+them). A value is ``stored * scale`` rounded once to the query's dtype:
+the fp8 scale of its KV head (``fp8_kv.dequantize``) or the int8 scale of
+its token and KV head (``int8_kv.dequantize``). Oracle: those two
+functions, gathered by the block table (``tests/kernels/test_dequant_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.kv_quant import ScaleArgs
+
+
+@triton.jit
+def _dequant_blocks_kernel(
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], quantized
+    value_cache_ptr,
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    key_out_ptr,  # [num_seqs * pages, block_size, num_kv_heads, head_size], contiguous
+    value_out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_stride,  # over KV heads (0: one scale for the tensor)
+    scale_stride_b,  # int8: over blocks and slots
+    scale_stride_s,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    pages,
+    num_kv_heads,
+    INT8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    page = tl.program_id(1).to(tl.int64)
+    if page * BLOCK_SIZE >= tl.load(seq_lens_ptr + seq):
+        return
+    block = tl.load(block_table_ptr + seq * block_table_stride + page).to(tl.int64)
+    slots = tl.arange(0, BLOCK_SIZE).to(tl.int64)
+    dims = tl.arange(0, HEAD)
+    dest = (seq * pages + page) * BLOCK_SIZE * num_kv_heads * HEAD
+    for kv_head in range(num_kv_heads):
+        src = block * cache_stride_b + slots[:, None] * cache_stride_s + kv_head * cache_stride_h
+        out = dest + (slots[:, None] * num_kv_heads + kv_head) * HEAD + dims[None, :]
+        if INT8:  # a scale per token and KV head
+            at = block * scale_stride_b + slots * scale_stride_s + kv_head * scale_stride
+            k_scale = tl.load(k_scale_ptr + at).to(tl.float32)[:, None]
+            v_scale = tl.load(v_scale_ptr + at).to(tl.float32)[:, None]
+        else:  # a scale per KV head (or one for the tensor)
+            k_scale = tl.load(k_scale_ptr + kv_head * scale_stride)
+            v_scale = tl.load(v_scale_ptr + kv_head * scale_stride)
+        key = tl.load(key_cache_ptr + src + dims[None, :]).to(tl.float32) * k_scale
+        value = tl.load(value_cache_ptr + src + dims[None, :]).to(tl.float32) * v_scale
+        tl.store(key_out_ptr + out, key.to(key_out_ptr.dtype.element_ty))
+        tl.store(value_out_ptr + out, value.to(value_out_ptr.dtype.element_ty))
+
+
+def buffer_bytes(
+    num_seqs: int, max_seq_len: int, key_cache: torch.Tensor, dtype: torch.dtype
+) -> int:
+    """What ``dequantize_blocks``' K and V buffers take together."""
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    pages = _pages(max_seq_len, block_size)
+    return 2 * num_seqs * pages * block_size * num_kv_heads * head_size * dtype.itemsize
+
+
+def _pages(max_seq_len: int, block_size: int) -> int:
+    """Pages a sequence has in the buffer: the longest one's (one at least)."""
+    return max(1, -(-max_seq_len // block_size))
+
+
+def dequantize_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scales: ScaleArgs,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K and V blocks of every sequence's first ``seq_lens`` tokens,
+    widened to ``dtype`` (checked by ``paged_attention``: a quantized cache
+    and its ``scales``), and the block table that reads them."""
+    num_seqs = len(seq_lens)
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    pages = _pages(max_seq_len, block_size)
+    shape = (num_seqs * pages, block_size, num_kv_heads, head_size)
+    key_out = torch.empty(shape, dtype=dtype, device=key_cache.device)
+    value_out = torch.empty_like(key_out)
+    table = torch.arange(num_seqs * pages, dtype=torch.int32, device=key_cache.device)
+    if num_seqs:
+        _dequant_blocks_kernel[(num_seqs, pages)](
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            key_out,
+            value_out,
+            scales.k_scale,
+            scales.v_scale,
+            scales.stride,
+            scales.stride_b,
+            scales.stride_s,
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            block_table.stride(0),
+            pages,
+            num_kv_heads,
+            INT8=scales.int8,
+            BLOCK_SIZE=block_size,
+            HEAD=head_size,
+        )
+    return key_out, value_out, table.view(num_seqs, pages)
