@@ -91,7 +91,8 @@ def test_quantized_caches_are_widened_for_it(
 ) -> None:
     # Over an fp8 or int8 cache the batch's blocks are widened to the
     # query's dtype (dequant_blocks) and this kernel computes it; with no
-    # room for the buffer the Triton kernel reads the quantized cache.
+    # room for the buffer, or more of it than the new tokens pay for, the
+    # Triton kernel reads the quantized cache.
     batch, kv = quantized_batch(kind, head_size)
     args = [batch[name].cuda() for name in NAMES]  # type: ignore[union-attr]
     on = {name: t.cuda() for name, t in kv.items()}
@@ -111,10 +112,12 @@ def test_quantized_caches_are_widened_for_it(
     out = paged_attention.paged_attention(query, *args[1:], scale=0.3, **on)
     assert widened == [torch.bfloat16]
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-    monkeypatch.setattr(paged_attention, "PREFILL_DEQUANT_MAX_BYTES", 0)
-    out = paged_attention.paged_attention(query, *args[1:], scale=0.3, **on)
-    assert widened == [torch.bfloat16]
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    for limit in ("PREFILL_DEQUANT_MAX_BYTES", "PREFILL_DEQUANT_MAX_RATIO"):
+        with monkeypatch.context() as patch:
+            patch.setattr(paged_attention, limit, 0)
+            out = paged_attention.paged_attention(query, *args[1:], scale=0.3, **on)
+        assert widened == [torch.bfloat16]
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_it_covers_only_what_it_computes() -> None:

@@ -78,8 +78,13 @@ def buffer_bytes(
 ) -> int:
     """What ``dequantize_blocks``' K and V buffers take together."""
     _, block_size, num_kv_heads, head_size = key_cache.shape
-    pages = _pages(max_seq_len, block_size)
-    return 2 * num_seqs * pages * block_size * num_kv_heads * head_size * dtype.itemsize
+    tokens = buffer_tokens(num_seqs, max_seq_len, block_size)
+    return 2 * tokens * num_kv_heads * head_size * dtype.itemsize
+
+
+def buffer_tokens(num_seqs: int, max_seq_len: int, block_size: int) -> int:
+    """The token slots ``dequantize_blocks``' buffer holds."""
+    return num_seqs * _pages(max_seq_len, block_size) * block_size
 
 
 def _pages(max_seq_len: int, block_size: int) -> int:
