@@ -129,3 +129,21 @@ def test_a_batch_of_no_sequences_widens_nothing() -> None:
         torch.float16,
     )  # fmt: skip
     assert keys.shape[0] == 0 and table.shape == (0, 1)
+
+
+def test_one_buffer_a_device_serves_every_call_and_grows_when_a_batch_needs_more() -> None:
+    batch, kv = quantized_batch("fp8_e4m3")
+    args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
+    _, key_cache, value_cache, block_table, seq_lens, _ = args
+    scale = scale_args(key_cache, kv["k_scale"].to(DEVICE), kv["v_scale"].to(DEVICE), seq_lens)
+    base = dequant_blocks.reserve(DEVICE, 1 << 20)
+    assert dequant_blocks.reserve(DEVICE, 1000).data_ptr() == base.data_ptr()
+    for max_seq_len in (45, 8):  # a batch's, and the first page alone
+        keys, values, _ = dequant_blocks.dequantize_blocks(
+            key_cache, value_cache, block_table, seq_lens, max_seq_len, scale, torch.float16
+        )
+        assert keys.data_ptr() == base.data_ptr()
+        assert values.data_ptr() == base.data_ptr() + keys.numel() * 2
+    grown = dequant_blocks.reserve(DEVICE, 2 << 20)
+    assert grown.numel() == 2 << 20
+    assert dequant_blocks.reserve(DEVICE, 1 << 20).data_ptr() == grown.data_ptr()

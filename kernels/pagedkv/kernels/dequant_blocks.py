@@ -82,6 +82,29 @@ def buffer_bytes(
     return 2 * tokens * num_kv_heads * head_size * dtype.itemsize
 
 
+# One buffer a device, kept across calls and grown when a batch needs more:
+# a buffer allocated for each call, its size changing from step to step,
+# made the allocator free cached memory and allocate again where the KV
+# memory leaves it little room.
+_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
+def reserve(device: torch.device | str, num_bytes: int) -> torch.Tensor:
+    """The device's buffer (bytes), of ``num_bytes`` at least. An executor
+    reserves ``paged_attention.PREFILL_DEQUANT_MAX_BYTES`` before it
+    measures its peak memory, so the buffer never competes with the KV
+    blocks (model_runner.py)."""
+    if str(device) == "cuda":  # "cuda:0", as a tensor there names it
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    buffer = _BUFFERS.get(device)
+    if buffer is None or buffer.numel() < num_bytes:
+        _BUFFERS.pop(device, None)  # its memory is free for the new one
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        _BUFFERS[device] = buffer
+    return buffer
+
+
 def buffer_tokens(num_seqs: int, max_seq_len: int, block_size: int) -> int:
     """The token slots ``dequantize_blocks``' buffer holds."""
     return num_seqs * _pages(max_seq_len, block_size) * block_size
@@ -103,13 +126,17 @@ def dequantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The K and V blocks of every sequence's first ``seq_lens`` tokens,
     widened to ``dtype`` (checked by ``paged_attention``: a quantized cache
-    and its ``scales``), and the block table that reads them."""
+    and its ``scales``), and the block table that reads them. The K and V
+    blocks are views of the device's buffer (``reserve``): the next call on
+    the device writes over them."""
     num_seqs = len(seq_lens)
     _, block_size, num_kv_heads, head_size = key_cache.shape
     pages = _pages(max_seq_len, block_size)
     shape = (num_seqs * pages, block_size, num_kv_heads, head_size)
-    key_out = torch.empty(shape, dtype=dtype, device=key_cache.device)
-    value_out = torch.empty_like(key_out)
+    size = buffer_bytes(num_seqs, max_seq_len, key_cache, dtype)
+    buffer = reserve(key_cache.device, size)
+    key_out = buffer[: size // 2].view(dtype).view(shape)
+    value_out = buffer[size // 2 : size].view(dtype).view(shape)
     table = torch.arange(num_seqs * pages, dtype=torch.int32, device=key_cache.device)
     if num_seqs:
         _dequant_blocks_kernel[(num_seqs, pages)](

@@ -84,9 +84,9 @@ PREFILL_GLUON = True
 # sequences times the longest one's pages, K and V) is at most
 # PREFILL_DEQUANT_MAX_BYTES and holds at most PREFILL_DEQUANT_MAX_RATIO
 # tokens a new token of the batch; else the Triton kernel reads the
-# quantized cache. An executor holds PREFILL_DEQUANT_MAX_BYTES back from
-# its KV memory (model_runner.py), so a prefill's buffer never competes
-# with the blocks. The ratio keeps the widening where the new tokens'
+# quantized cache. An executor allocates PREFILL_DEQUANT_MAX_BYTES for the
+# buffer before it sizes its KV memory (model_runner.py), so a prefill's
+# buffer never competes with the blocks. The ratio keeps the widening where the new tokens'
 # products pay for it: on an H100 at b = 8 and head size 128 the fp8
 # prefill took 634 us against 954 (2,048 new tokens, ratio 1) and 634
 # against 848 (512 over 4,096 cached, ratio 9; kernels-fp8-e4m3-*-h100),

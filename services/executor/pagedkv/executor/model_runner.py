@@ -38,7 +38,7 @@ from pagedkv.executor.runner_config import RunnerConfig, kv_cache_dtype
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
-from pagedkv.kernels import paged_attention
+from pagedkv.kernels import dequant_blocks, paged_attention
 from pagedkv.kernels.backend import get_backend
 from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
@@ -152,6 +152,8 @@ class ModelRunner:
         scratch_blocks = 1 + num_seqs * blocks_per_seq
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        if self.widens_prefill_blocks:  # held from now on, so inside the peak
+            dequant_blocks.reserve(self.device, paged_attention.PREFILL_DEQUANT_MAX_BYTES)
         self._attach_kv(scratch_blocks)
         scratch_bytes = self.kv.num_bytes
         self.warm_up(scratch_blocks, profile=True)
@@ -163,8 +165,6 @@ class ModelRunner:
         budget = total * self.config.gpu_memory_utilization - others - peak
         if self.uses_cuda_graphs:  # captured after the KV memory, kept while it lives
             budget -= graph_logits_bytes(self.config, self.spec.vocab_size, self.dtype)
-        if self.kv_dtype.itemsize == 1:  # fp8 or int8: a prefill's widened blocks (paged_attention)
-            budget -= paged_attention.PREFILL_DEQUANT_MAX_BYTES
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 2:
             raise ValueError(
@@ -172,6 +172,20 @@ class ModelRunner:
                 f"(peak {peak / 2**30:.1f} GiB, others {others / 2**30:.1f} GiB)"
             )
         return num_blocks
+
+    @property
+    def widens_prefill_blocks(self) -> bool:
+        """Whether prefills over this executor's fp8 or int8 blocks widen
+        them for the Gluon kernel (Triton kernels on an sm_90 GPU;
+        ``paged_attention.PREFILL_DEQUANTIZE``)."""
+        return (
+            self.kv_dtype.itemsize == 1
+            and self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and paged_attention.PREFILL_GLUON
+            and paged_attention.PREFILL_DEQUANTIZE
+            and torch.cuda.get_device_capability(self.device) == (9, 0)
+        )
 
     def _attach_kv(self, num_blocks: int) -> None:
         """Allocates the KV memory of ``num_blocks`` blocks and the builder
