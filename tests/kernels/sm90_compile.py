@@ -8,7 +8,8 @@ each cache dtype (float16, bfloat16, e4m3, int8), the writes (rotated or
 not), prefill and decode attention (window, soft-cap, a tile schedule,
 the block table's read-ahead, widened V tiles and scaled int8 tiles on
 and off), the Gluon prefill (float16 and bfloat16; warps of their own or not), the one-launch decode
-(rotated or not) and the block moves.
+(rotated or not), the widening of fp8 and int8 blocks for the Gluon
+prefill and the block moves.
 
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
 
@@ -105,6 +106,16 @@ def _variants(dtype: torch.dtype) -> None:
             )  # fmt: skip
     if dtype in (torch.float16, torch.bfloat16):
         _gluon_prefill(dtype, table, mixed)
+    else:  # the blocks a Gluon prefill over them widens (dequant_blocks)
+        from pagedkv.kernels import dequant_blocks
+        from pagedkv.kernels.kv_quant import scale_args
+
+        seq_lens = mixed[0]
+        args = scale_args(key_cache, scales["k_scale"], scales["v_scale"], seq_lens)
+        for out_dtype in (torch.float16, torch.bfloat16):
+            dequant_blocks.dequantize_blocks(
+                key_cache, value_cache, table, seq_lens, 40, args, out_dtype
+            )
     pairs = torch.tensor([[1, 2], [3, 4]])
     cache_ops.copy_blocks(storage[:1], storage[1:], pairs)
     ids = torch.tensor([5, 6])
@@ -127,15 +138,17 @@ def _gluon_prefill(
     for head_size in default:
         query = torch.zeros(starts[-1], 8, head_size, dtype=dtype)
         cache = torch.zeros(64, 16, 2, head_size, dtype=dtype)
-        # The default tiling (warps of their own: schedule 3 at head size
-        # 64, 8 at 128) and schedule 1 (every
-        # warpgroup copies), each with a tile schedule and without; warps
-        # of their own taking turns at the tensor cores (schedule 4), their
-        # pages copied by the Tensor Memory Accelerator (6); persistent
-        # programs (5), with 64- and 128-key tiles, and copying by it (8).
+        # The default tiling (schedule 8: warps of their own in persistent
+        # programs, pages copied by the Tensor Memory Accelerator) and
+        # schedule 1 (every warpgroup copies), each with a tile schedule
+        # and without; warps of their own (schedule 3), taking turns at the
+        # tensor cores (4), their pages copied by the Tensor Memory
+        # Accelerator (6); persistent programs (5), with 64- and 128-key
+        # tiles.
         for tiling, schedule in (
             (default[head_size], None),
             (default[head_size], tiles),
+            ((64, 4, 3, 128), tiles),
             ((64, 4, 1, 128), None),
             ((64, 4, 1, 128), tiles),
             ((64, 3, 4, 128), None),
