@@ -86,13 +86,15 @@ PREFILL_GLUON = True
 # tokens a new token of the batch; else the Triton kernel reads the
 # quantized cache. An executor allocates PREFILL_DEQUANT_MAX_BYTES for the
 # buffer before it sizes its KV memory (model_runner.py), so a prefill's
-# buffer never competes with the blocks. The ratio keeps the widening where the new tokens'
-# products pay for it: on an H100 at b = 8 and head size 128 the fp8
-# prefill took 634 us against 954 (2,048 new tokens, ratio 1) and 634
-# against 848 (512 over 4,096 cached, ratio 9; kernels-fp8-e4m3-*-h100),
-# while the 8B shape's steps of a chunk beside 15 decodes of 8k tokens
-# (ratio 16) widened every decode's context and served 529 output tokens/s
-# against 670 (serve-kv-fp8_e4m3-8b-*-h100).
+# buffer never competes with the blocks. The ratio keeps the widening where
+# the new tokens' products pay for it: on an H100 at b = 8 and head size
+# 128 the fp8 prefill took 634 us against 954 (2,048 new tokens, ratio 1)
+# and 634 against 848 (512 over 4,096 cached, ratio 9;
+# kernels-fp8-e4m3{,-unwidened}-h100), while with no ratio the 8B shape's
+# chunks beside up to 15 decodes of 8k tokens (ratios up to 16) widened
+# every decode's context, and its fixed batch served 529 output tokens/s
+# over fp8 blocks against 670 before (serve-kv-fp8_e4m3-8b-{widened-all,
+# prefillrun}-h100).
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
