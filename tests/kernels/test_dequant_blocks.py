@@ -77,7 +77,7 @@ def test_each_page_a_sequence_reads_is_widened_into_its_own_block(
         args,
         dtype,
     )
-    pages = -(-max_seq_len // 8)
+    pages = dequant_blocks.PAGE_MULTIPLE  # 6 pages of 8, rounded up
     assert keys.shape == (len(seq_lens) * pages, 8, 2, 64) and keys.dtype == dtype
     assert keys.is_contiguous() and values.shape == keys.shape
     assert table.tolist() == torch.arange(len(seq_lens) * pages).view(-1, pages).tolist()
@@ -128,7 +128,7 @@ def test_a_batch_of_no_sequences_widens_nothing() -> None:
         scale_args(key_cache, kv["k_scale"].to(DEVICE), kv["v_scale"].to(DEVICE), empty),
         torch.float16,
     )  # fmt: skip
-    assert keys.shape[0] == 0 and table.shape == (0, 1)
+    assert keys.shape[0] == 0 and table.shape == (0, dequant_blocks.PAGE_MULTIPLE)
 
 
 def test_one_buffer_a_device_serves_every_call_and_grows_when_a_batch_needs_more() -> None:
@@ -147,3 +147,20 @@ def test_one_buffer_a_device_serves_every_call_and_grows_when_a_batch_needs_more
     grown = dequant_blocks.reserve(DEVICE, 2 << 20)
     assert grown.numel() == 2 << 20
     assert dequant_blocks.reserve(DEVICE, 1 << 20).data_ptr() == grown.data_ptr()
+
+
+@pytest.mark.parametrize("max_seq_len", [1, 8, 9, 128, 129, 1000])
+def test_the_tables_stride_is_a_multiple_of_16_whatever_the_longest_sequence(
+    max_seq_len: int,
+) -> None:
+    # One build of each kernel that reads the table, however long the
+    # batch's longest sequence (Triton specializes on divisibility by 16).
+    batch, kv = quantized_batch("fp8_e4m3")
+    key_cache = batch["key_cache"].to(DEVICE)  # type: ignore[union-attr]
+    seq_lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    table = torch.ones(2, 200, dtype=torch.int32, device=DEVICE)
+    scale = scale_args(key_cache, kv["k_scale"].to(DEVICE), kv["v_scale"].to(DEVICE), seq_lens)
+    _, _, widened = dequant_blocks.dequantize_blocks(
+        key_cache, key_cache, table, seq_lens, max_seq_len, scale, torch.float16
+    )
+    assert widened.stride(0) % 16 == 0 and widened.stride(0) >= -(-max_seq_len // 8)

@@ -10,8 +10,9 @@ blocks (b = 8, 2,048 new tokens, head size 128 on an H100:
 widening the blocks first reads each quantized byte once and writes two
 (over fp8 blocks widened: ``kernels-fp8-e4m3-h100.md``, 634 us against
 954). Sequence ``s``'s
-page ``p`` lands at block ``s * pages + p`` of the buffer (``pages`` =
-``cdiv(max_seq_len, block_size)``), so its block table is that ``arange``;
+page ``p`` lands at block ``s * pages + p`` of the buffer (``pages``:
+``cdiv(max_seq_len, block_size)`` rounded up to ``PAGE_MULTIPLE``), so its
+block table is that ``arange``;
 pages past a sequence's length are left as they were (no kernel reads
 them). A value is ``stored * scale`` rounded once to the query's dtype:
 the fp8 scale of its KV head (``fp8_kv.dequantize``) or the int8 scale of
@@ -112,9 +113,22 @@ def buffer_tokens(num_seqs: int, max_seq_len: int, block_size: int) -> int:
     return num_seqs * _pages(max_seq_len, block_size) * block_size
 
 
+# A sequence's pages in the buffer, and so the new block table's row
+# stride, are a multiple of this: Triton builds a kernel again for an
+# integer argument that turns divisible by 16 (or 1), and the Gluon
+# prefill takes seconds to build, so a stride that followed the longest
+# sequence from step to step built it again while serving (the executor's
+# own tables keep one width). Found with the sm_90 build on the CPU
+# (compile_only): tables 31 and 33 wide shared a build, 32 and 48 another,
+# 1 a third.
+PAGE_MULTIPLE = 16
+
+
 def _pages(max_seq_len: int, block_size: int) -> int:
-    """Pages a sequence has in the buffer: the longest one's (one at least)."""
-    return max(1, -(-max_seq_len // block_size))
+    """Pages a sequence has in the buffer: the longest one's, rounded up to
+    a multiple of ``PAGE_MULTIPLE``."""
+    pages = max(1, -(-max_seq_len // block_size))
+    return -(-pages // PAGE_MULTIPLE) * PAGE_MULTIPLE
 
 
 def dequantize_blocks(

@@ -86,15 +86,18 @@ PREFILL_GLUON = True
 # tokens a new token of the batch; else the Triton kernel reads the
 # quantized cache. An executor allocates PREFILL_DEQUANT_MAX_BYTES for the
 # buffer before it sizes its KV memory (model_runner.py), so a prefill's
-# buffer never competes with the blocks. The ratio keeps the widening where
-# the new tokens' products pay for it: on an H100 at b = 8 and head size
-# 128 the fp8 prefill took 634 us against 954 (2,048 new tokens, ratio 1)
-# and 634 against 848 (512 over 4,096 cached, ratio 9;
-# kernels-fp8-e4m3{,-unwidened}-h100), while with no ratio the 8B shape's
-# chunks beside up to 15 decodes of 8k tokens (ratios up to 16) widened
-# every decode's context, and its fixed batch served 529 output tokens/s
+# buffer never competes with the blocks. The ratio keeps the widening
+# within what was measured to gain: on an H100 at b = 8 and head size 128
+# the fp8 prefill took 634 us against 954 (2,048 new tokens, ratio 1) and
+# 634 against 848 (512 over 4,096 cached, ratio 9;
+# kernels-fp8-e4m3{,-unwidened}-h100). A chunk beside many decodes of long
+# contexts would widen every decode's context for its new tokens' sake
+# (the 8B shape's chunks beside up to 15 decodes of 8k tokens: ratios up
+# to 16). Its fixed batch, every batch widened and the table's stride
+# following the longest sequence (so the Gluon kernel was built again
+# while serving: dequant_blocks.PAGE_MULTIPLE), served 529 output tokens/s
 # over fp8 blocks against 670 before (serve-kv-fp8_e4m3-8b-{widened-all,
-# prefillrun}-h100).
+# prefillrun}-h100); with the ratio and the stride fixed it is unmeasured.
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
