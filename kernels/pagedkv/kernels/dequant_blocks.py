@@ -117,8 +117,8 @@ def buffer_tokens(num_seqs: int, max_seq_len: int, block_size: int) -> int:
 # stride, are a multiple of this: Triton builds a kernel again for an
 # integer argument that turns divisible by 16 (or 1), and the Gluon
 # prefill takes seconds to build, so a stride that followed the longest
-# sequence from step to step built it again while serving (the executor's
-# own tables keep one width). Found with the sm_90 build on the CPU
+# sequence from step to step could build it again while serving (the
+# executor's own tables keep one width). Found with the sm_90 build on the CPU
 # (compile_only): tables 31 and 33 wide shared a build, 32 and 48 another,
 # 1 a third.
 PAGE_MULTIPLE = 16

@@ -94,8 +94,8 @@ PREFILL_GLUON = True
 # contexts would widen every decode's context for its new tokens' sake
 # (the 8B shape's chunks beside up to 15 decodes of 8k tokens: ratios up
 # to 16). Its fixed batch, every batch widened and the table's stride
-# following the longest sequence (so the Gluon kernel was built again
-# while serving: dequant_blocks.PAGE_MULTIPLE), served 529 output tokens/s
+# following the longest sequence (so the Gluon kernel could be built again
+# mid-run: dequant_blocks.PAGE_MULTIPLE), served 529 output tokens/s
 # over fp8 blocks against 670 before (serve-kv-fp8_e4m3-8b-{widened-all,
 # prefillrun}-h100); with the ratio and the stride fixed it is unmeasured.
 PREFILL_DEQUANTIZE = True
