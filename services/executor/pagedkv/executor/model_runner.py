@@ -38,7 +38,6 @@ from pagedkv.executor.runner_config import RunnerConfig, kv_cache_dtype
 from pagedkv.executor.sampler import SamplerOutput, SamplingParamsBatch, sample
 from pagedkv.executor.step_types import Limits, StepPlan
 from pagedkv.executor.warm_up import WarmUpReport, run_warm_up
-from pagedkv.kernels import dequant_blocks, paged_attention
 from pagedkv.kernels.backend import get_backend
 from pagedkv.kernels.fp8_kv import KV_CACHE_DTYPES, hadamard
 
@@ -153,6 +152,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.widens_prefill_blocks:  # held from now on, so inside the peak
+            from pagedkv.kernels import dequant_blocks, paged_attention
+
             dequant_blocks.reserve(self.device, paged_attention.PREFILL_DEQUANT_MAX_BYTES)
         self._attach_kv(scratch_blocks)
         scratch_bytes = self.kv.num_bytes
@@ -178,11 +179,14 @@ class ModelRunner:
         """Whether prefills over this executor's fp8 or int8 blocks widen
         them for the Gluon kernel (Triton kernels on an sm_90 GPU;
         ``paged_attention.PREFILL_DEQUANTIZE``)."""
+        if self.kv_dtype.itemsize != 1 or self.device.type != "cuda":
+            return False
+        if self.backend.name != "triton":
+            return False
+        from pagedkv.kernels import paged_attention  # the backend has imported it
+
         return (
-            self.kv_dtype.itemsize == 1
-            and self.device.type == "cuda"
-            and self.backend.name == "triton"
-            and paged_attention.PREFILL_GLUON
+            paged_attention.PREFILL_GLUON
             and paged_attention.PREFILL_DEQUANTIZE
             and torch.cuda.get_device_capability(self.device) == (9, 0)
         )
