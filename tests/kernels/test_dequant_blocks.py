@@ -10,24 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.kernels import dequant_blocks, fp8_kv, int8_kv, paged_attention, reference
+from pagedkv.kernels import dequant_blocks, fp8_kv, paged_attention, reference
 from pagedkv.kernels.kv_quant import scale_args
 from tests.kernels.test_fp8_cache_kernels import quantized, scales
+from tests.kernels.test_int8_cache_kernels import Int8Cache
 from tests.kernels.test_reference import build_batch
 from tests.kernels.test_triton_kernels import DEVICE
 
 CONTEXTS, QUERY_LENS = [0, 21, 5], [19, 3, 40]
 NAMES = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")
-
-
-def int8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache`` stored as the executor stores an int8 one: values and
-    scales in one block's storage (``int8_kv.block_storage``)."""
-    _, values, token_scales = int8_kv.block_storage(*cache.shape)
-    wanted = int8_kv.token_scales(cache)
-    values.copy_(int8_kv.quantize(cache, wanted))
-    token_scales.copy_(wanted)
-    return values, token_scales
 
 
 def quantized_batch(
@@ -39,20 +30,12 @@ def quantized_batch(
         CONTEXTS, QUERY_LENS, num_q_heads=4, num_kv_heads=2, head_size=head_size, block_size=8
     )
     if kind == "int8":
-        kv = {}
-        for name, scale in (("key_cache", "k_scale"), ("value_cache", "v_scale")):
-            batch[name], kv[scale] = int8_cache(batch[name])  # type: ignore[arg-type]
-        return batch, kv
+        cache = Int8Cache.holding(batch["key_cache"], batch["value_cache"], torch.device("cpu"))  # type: ignore[arg-type]
+        batch["key_cache"], batch["value_cache"] = cache.caches
+        return batch, cache.scales
     kv = scales(2, per_head=True)
     quantized(batch, fp8_kv.KV_CACHE_DTYPES[kind], kv)
     return batch, kv
-
-
-def oracle(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole cache as its format reads it back, in ``dtype``."""
-    if cache.dtype == torch.int8:
-        return int8_kv.dequantize(cache, scale, dtype)
-    return fp8_kv.dequantize(cache, scale, dtype)
 
 
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "int8"])
@@ -84,8 +67,8 @@ def test_each_page_a_sequence_reads_is_widened_into_its_own_block(
     assert dequant_blocks.buffer_bytes(len(seq_lens), max_seq_len, key_cache, dtype) == (  # type: ignore[arg-type]
         2 * keys.numel() * dtype.itemsize
     )
-    want_k = oracle(key_cache, kv["k_scale"], dtype)  # type: ignore[arg-type]
-    want_v = oracle(value_cache, kv["v_scale"], dtype)  # type: ignore[arg-type]
+    want_k = reference.from_cache(key_cache, kv["k_scale"], dtype)  # type: ignore[arg-type]
+    want_v = reference.from_cache(value_cache, kv["v_scale"], dtype)  # type: ignore[arg-type]
     for seq, seq_len in enumerate(seq_lens.tolist()):
         for pos in range(seq_len):
             block = int(block_table[seq, pos // 8])
@@ -110,8 +93,8 @@ def test_attention_over_the_widened_blocks_is_the_quantized_caches(kind: str) ->
     )
     expected = reference.paged_attention(
         query.cpu(),
-        oracle(batch["key_cache"], kv["k_scale"], torch.float32),  # type: ignore[arg-type]
-        oracle(batch["value_cache"], kv["v_scale"], torch.float32),  # type: ignore[arg-type]
+        reference.from_cache(batch["key_cache"], kv["k_scale"], torch.float32),  # type: ignore[arg-type]
+        reference.from_cache(batch["value_cache"], kv["v_scale"], torch.float32),  # type: ignore[arg-type]
         *[batch[name] for name in NAMES[3:]],  # type: ignore[arg-type]
         scale=0.3,
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedkv.kernels import dequant_blocks, paged_attention, prefill_gluon, reference
-from tests.kernels.test_dequant_blocks import oracle, quantized_batch
+from tests.kernels.test_dequant_blocks import quantized_batch
 from tests.kernels.test_reference import build_batch
 from tests.kernels.test_triton_kernels import NAMES, tile_schedule
 
@@ -99,8 +99,8 @@ def test_quantized_caches_are_widened_for_it(
     query = args[0].to(torch.bfloat16)
     expected = reference.paged_attention(
         query.float(),
-        oracle(batch["key_cache"], kv["k_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
-        oracle(batch["value_cache"], kv["v_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
+        reference.from_cache(batch["key_cache"], kv["k_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
+        reference.from_cache(batch["value_cache"], kv["v_scale"], torch.float32).cuda(),  # type: ignore[arg-type]
         *args[3:],
         scale=0.3,
     )

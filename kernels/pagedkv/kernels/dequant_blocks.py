@@ -108,6 +108,20 @@ def reserve(device: torch.device | str, num_bytes: int) -> torch.Tensor:
     return buffer
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device, num_blocks: int) -> torch.Tensor:
+    """``arange(num_blocks)`` (int32) on ``device``: a view of one kept a
+    device and grown when needed, not a launch a layer (every layer of a
+    step reads the same table)."""
+    table = _TABLES.get(device)
+    if table is None or len(table) < num_blocks:
+        table = torch.arange(max(num_blocks, 1024), dtype=torch.int32, device=device)
+        _TABLES[device] = table
+    return table[:num_blocks]
+
+
 def buffer_tokens(num_seqs: int, max_seq_len: int, block_size: int) -> int:
     """The token slots ``dequantize_blocks``' buffer holds."""
     return num_seqs * _pages(max_seq_len, block_size) * block_size
@@ -153,7 +167,7 @@ def dequantize_blocks(
     buffer = reserve(key_cache.device, size)
     key_out = buffer[: size // 2].view(dtype).view(shape)
     value_out = buffer[size // 2 : size].view(dtype).view(shape)
-    table = torch.arange(num_seqs * pages, dtype=torch.int32, device=key_cache.device)
+    table = _table(key_cache.device, num_seqs * pages)
     if num_seqs:
         _dequant_blocks_kernel[(num_seqs, pages)](
             key_cache,

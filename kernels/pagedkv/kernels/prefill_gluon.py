@@ -99,13 +99,17 @@ def supports_query(query: torch.Tensor, sliding_window: int | None, softcap: flo
     """``supported`` over a cache of the query's dtype (what
     ``dequant_blocks`` makes of a quantized one)."""
     return (
-        query.is_cuda
-        and torch.cuda.get_device_capability(query.device) == (9, 0)
+        runs_on(query.device)
         and query.dtype in (torch.float16, torch.bfloat16)
         and query.shape[-1] in TILING
         and sliding_window is None
         and softcap is None
     )
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether ``device`` runs this kernel: an sm_90 GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 @gluon.jit

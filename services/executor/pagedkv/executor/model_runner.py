@@ -179,16 +179,14 @@ class ModelRunner:
         """Whether prefills over this executor's fp8 or int8 blocks widen
         them for the Gluon kernel (Triton kernels on an sm_90 GPU;
         ``paged_attention.PREFILL_DEQUANTIZE``)."""
-        if self.kv_dtype.itemsize != 1 or self.device.type != "cuda":
+        if self.kv_dtype.itemsize != 1 or self.backend.name != "triton":
             return False
-        if self.backend.name != "triton":
-            return False
-        from pagedkv.kernels import paged_attention  # the backend has imported it
+        from pagedkv.kernels import paged_attention, prefill_gluon  # the backend imported them
 
         return (
             paged_attention.PREFILL_GLUON
             and paged_attention.PREFILL_DEQUANTIZE
-            and torch.cuda.get_device_capability(self.device) == (9, 0)
+            and prefill_gluon.runs_on(self.device)
         )
 
     def _attach_kv(self, num_blocks: int) -> None:
