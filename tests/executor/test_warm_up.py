@@ -22,6 +22,7 @@ from pagedkv.executor.warm_up import (
     WarmUpStep,
     decode_steps,
     slot_mapping_blocks,
+    unwidened_steps,
     warm_up_steps,
 )
 from tests.executor.driver import ExecutorProcess
@@ -178,6 +179,38 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as
     assert torch.equal(torch.random.get_rng_state(), global_state)  # the process's RNG too
 
 
+def test_where_prefills_widen_quantized_blocks_they_run_again_without(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over fp8 or int8 blocks on an sm_90 GPU a prefill widens them for the
+    Gluon kernel, unless its buffer would be too large for its new tokens;
+    every warm-up prefill widens, so the prefills run once more with the
+    widening off, which builds the Triton kernel those steps take."""
+    from pagedkv.kernels import paged_attention  # here: see above _split_variant
+    from pagedkv.kernels.decode_attention import sm_count
+
+    seen: list[tuple[int, bool]] = []
+    forward = runner.forward
+
+    def spy(rows, num_computed, num_scheduled, needs_sample):  # type: ignore[no-untyped-def]
+        seen.append((int(num_scheduled.max()), paged_attention.PREFILL_DEQUANTIZE))
+        return forward(rows, num_computed, num_scheduled, needs_sample)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    monkeypatch.setattr(ModelRunner, "widens_prefill_blocks", property(lambda self: True))
+    report = runner.warm_up(full=True)
+    spec = runner.spec
+    steps = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device))
+    steps += warm_up_steps(64, spec.max_model_len, 4)
+    again = unwidened_steps(steps)
+    assert again and all(step.num_scheduled > 1 for step in again)
+    assert report.steps == steps + again
+    assert seen == [(step.num_scheduled, True) for step in steps] + [
+        (step.num_scheduled, False) for step in again
+    ]
+    assert paged_attention.PREFILL_DEQUANTIZE  # on again after
+
+
 def test_on_the_cpu_the_warm_up_only_logs(runner: ModelRunner) -> None:
     report = runner.warm_up()
     assert report.steps == () and report.sampler_paths == ()
@@ -193,21 +226,41 @@ def test_the_executor_logs_its_warm_up_before_it_says_ready(model_dir: Path) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype"),
+    [("llama", "auto"), ("gemma2", "auto"), ("llama-64", "fp8_e4m3"), ("llama-64", "int8")],
+)
 def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
-    model_dir: Path, family_dirs: dict[str, Path], arch: str
+    model_dir: Path,
+    family_dirs: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    arch: str,
+    kv_cache_dtype: str,
 ) -> None:
     """Steps of the shapes a scheduler sends after ready (prefill chunks of
     any length beside decodes, at any context, one to four entries), and
     eager decodes (one-token entries, sampled or not, split by their
-    context), reach only kernel variants the warm-up built."""
+    context), reach only kernel variants the warm-up built. ``llama-64``:
+    head size 64 in bfloat16, which the Gluon prefill takes, over fp8 and
+    int8 blocks (widened for it, or read by the Triton kernel where the
+    widening would be too large for the new tokens)."""
+    dtype = "auto"
+    if arch == "llama":
+        path = model_dir
+    elif arch == "llama-64":
+        path, dtype = tmp_path_factory.mktemp("head64") / "llama", "bfloat16"
+        make_tiny_model(path, "llama", seed=3, head_dim=64)
+    else:
+        path = family_dirs[arch]
     config = RunnerConfig(
-        model=str(model_dir if arch == "llama" else family_dirs[arch]),
+        model=str(path),
         device="cuda",
+        dtype=dtype,
         kernel_backend="triton",
         num_blocks=64,
         max_num_rows=4,
         max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(config)
     runner.warm_up()

@@ -13,6 +13,9 @@ Batches of decodes take the flash-decoding path of ``decode_attention``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import triton
 
@@ -101,6 +104,19 @@ PREFILL_GLUON = True
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
+
+
+@contextmanager
+def widening(enabled: bool) -> Iterator[None]:
+    """``PREFILL_DEQUANTIZE`` set to ``enabled`` inside the block (the
+    executor's warm-up builds the Triton prefill over quantized blocks, the
+    path of the batches the widening leaves, with it off)."""
+    global PREFILL_DEQUANTIZE
+    before, PREFILL_DEQUANTIZE = PREFILL_DEQUANTIZE, enabled
+    try:
+        yield
+    finally:
+        PREFILL_DEQUANTIZE = before
 
 
 def prefill_tiling(max_query_len: int, head_size: int, quantized: bool = False) -> tuple[int, ...]:

@@ -22,6 +22,12 @@ with every request queued behind it. What a step can reach, and how:
   and sizes the merge (the next power of two): ``decode_steps`` runs a
   one-entry decode at the shortest context of each such variant, up to the
   most splits a step can have (one entry at the model's length);
+- over an fp8 or int8 cache on an sm_90 GPU, a prefill widens the blocks
+  it reads for the Gluon kernel unless its buffer would be too large for
+  its new tokens (a chunk beside decodes of long contexts), when the Triton
+  kernel reads the quantized blocks; a step of the warm-up's lengths widens,
+  so ``run_warm_up`` runs its prefills again with the widening off
+  (``unwidened_steps``) to build that kernel too;
 - the decode graphs (cuda_graphs.py) are captured after these, one per batch
   size, so a decode step launches nothing new;
 - the sampler's paths (greedy with top logprobs, temperature, top-k, top-p,
@@ -80,6 +86,8 @@ class WarmUpRunner(Protocol):
     def generator(self) -> torch.Generator: ...
     @property
     def graphs(self) -> DecodeGraphs | None: ...
+    @property
+    def widens_prefill_blocks(self) -> bool: ...
     def forward(
         self,
         rows: np.ndarray,
@@ -183,6 +191,14 @@ def decode_steps(
     return tuple(steps)
 
 
+def unwidened_steps(steps: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
+    """The steps of ``steps`` that compute prompts (more than one new
+    token): run again with the widening off, they build the Triton prefill
+    over the quantized cache that a step whose widening would be too large
+    takes (``paged_attention.PREFILL_DEQUANT_MAX_RATIO``)."""
+    return tuple(step for step in steps if step.num_scheduled > 1)
+
+
 def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
     """The slot mapping's ``BLOCK`` of each step (its longest query, rounded
     up to a power of two, at most ``SLOT_MAPPING_MAX_BLOCK``)."""
@@ -214,6 +230,11 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
         steps = ()
     ran = run_forwards(runner, steps, num_blocks)
     paths: tuple[str, ...] = ()
+    if full and not profile and runner.widens_prefill_blocks:
+        from pagedkv.kernels import paged_attention
+
+        with paged_attention.widening(False):
+            ran += run_forwards(runner, unwidened_steps(steps), num_blocks)
     if full and not profile:
         paths = _run_sampler_paths(runner)
         runner.copy_blocks(np.array([[1, 1]], dtype=np.int64))
