@@ -100,7 +100,11 @@ PREFILL_GLUON = True
 # following the longest sequence (so the Gluon kernel could be built again
 # mid-run: dequant_blocks.PAGE_MULTIPLE), served 529 output tokens/s
 # over fp8 blocks against 670 before (serve-kv-fp8_e4m3-8b-{widened-all,
-# prefillrun}-h100); with the ratio and the stride fixed it is unmeasured.
+# prefillrun}-h100). With the ratio and the stride fixed, the Triton
+# kernel over fp8 blocks, which the warm-up's prefills (all widened) had
+# not built, was built mid-run: 430 against 640 for bf16 blocks
+# (serve-kv-*-8b-ratio-h100); the executor's warm-up now builds it
+# (warm_up.unwidened_steps).
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
