@@ -184,8 +184,9 @@ def test_where_prefills_widen_quantized_blocks_they_run_again_without(
 ) -> None:
     """Over fp8 or int8 blocks on an sm_90 GPU a prefill widens them for the
     Gluon kernel, unless its buffer would be too large for its new tokens;
-    every warm-up prefill widens, so the prefills run once more with the
-    widening off, which builds the Triton kernel those steps take."""
+    the warm-up's prefills have no context beside them, so each the Gluon
+    kernel takes widens, and the prefills run once more with the widening
+    off, which builds the Triton kernel the other steps take."""
     from pagedkv.kernels import paged_attention  # here: see above _split_variant
     from pagedkv.kernels.decode_attention import sm_count
 

@@ -25,9 +25,10 @@ with every request queued behind it. What a step can reach, and how:
 - over an fp8 or int8 cache on an sm_90 GPU, a prefill widens the blocks
   it reads for the Gluon kernel unless its buffer would be too large for
   its new tokens (a chunk beside decodes of long contexts), when the Triton
-  kernel reads the quantized blocks; a step of the warm-up's lengths widens,
-  so ``run_warm_up`` runs its prefills again with the widening off
-  (``unwidened_steps``) to build that kernel too;
+  kernel reads the quantized blocks; the warm-up's prefills have no
+  context beside them, so each one the Gluon kernel takes widens, and
+  ``run_warm_up`` runs them again with the widening off
+  (``unwidened_steps``) to build the Triton kernel's variants too;
 - the decode graphs (cuda_graphs.py) are captured after these, one per batch
   size, so a decode step launches nothing new;
 - the sampler's paths (greedy with top logprobs, temperature, top-k, top-p,
@@ -194,8 +195,8 @@ def decode_steps(
 def unwidened_steps(steps: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
     """The steps of ``steps`` that compute prompts (more than one new
     token): run again with the widening off, they build the Triton prefill
-    over the quantized cache that a step whose widening would be too large
-    takes (``paged_attention.PREFILL_DEQUANT_MAX_RATIO``)."""
+    over the quantized cache that a step takes when its widening would be
+    too large (``paged_attention``'s ``PREFILL_DEQUANT_MAX_*``)."""
     return tuple(step for step in steps if step.num_scheduled > 1)
 
 
