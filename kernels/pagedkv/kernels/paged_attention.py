@@ -96,16 +96,11 @@ PREFILL_GLUON = True
 # kernels-fp8-e4m3{,-unwidened}-h100). A chunk beside many decodes of long
 # contexts would widen every decode's context for its new tokens' sake
 # (the 8B shape's chunks beside up to 15 decodes of 8k tokens: ratios up
-# to 16). Its fixed batch, every batch widened and the table's stride
-# following the longest sequence (so the Gluon kernel could be built again
-# mid-run: dequant_blocks.PAGE_MULTIPLE), served 529 output tokens/s
-# over fp8 blocks against 670 before (serve-kv-fp8_e4m3-8b-{widened-all,
-# prefillrun}-h100). With the ratio and the stride fixed, the Triton
-# kernel over fp8 blocks, which the warm-up's prefills (all widened) had
-# not built, was built mid-run: 430 against 640 for bf16 blocks
-# (serve-kv-*-8b-ratio-h100); the executor's warm-up now builds it
-# (warm_up.unwidened_steps), and the fixed batch gives 683 over fp8
-# blocks against 646 over bf16 (serve-kv-*-8b-warmed-h100).
+# to 16). Such steps take the Triton kernel, which the executor's warm-up
+# builds with the widening off (warm_up.unwidened_steps). Served on an
+# H100, the 8B fixed batch gives 683 output tokens/s over fp8 blocks
+# against 646 over bf16 (serve-kv-*-8b-warmed-h100; the runs before, and
+# what each fixed, in kernels.md, "Quantized caches").
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
