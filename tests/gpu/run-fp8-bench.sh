@@ -60,6 +60,10 @@
 #   bash tests/gpu/run-fp8-bench.sh prefill   # the prefill kernel's tiles, its read-ahead and
 #                                             # fused scale off and on, bf16 and fp8_e4m3
 #                                             # blocks (a few minutes)
+#   bash tests/gpu/run-fp8-bench.sh mixed     # a chunk beside decodes of long contexts over
+#                                             # quantized blocks (KV: fp8_e4m3 unless set),
+#                                             # widened, not widened and split in two
+#                                             # launches, against bf16 blocks (a minute)
 #   bash tests/gpu/run-fp8-bench.sh int8-ptx-bench  # the same without the tests and the
 #                                             # decode kernel's sweep: the benches alone
 #
@@ -271,6 +275,12 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
       [[ $kv != bfloat16 ]] || name=kernels-$NAME
       "$PYTHON" -m pagedkv.bench.kernels.bench --kv-cache-dtype "$kv" \
         --output "$RESULTS/$name.json"
+    done
+    ;;
+  mixed)
+    for kv in ${KV:-fp8_e4m3}; do
+      "$PYTHON" -m pagedkv.bench.kernels.mixed --kv-cache-dtype "$kv" \
+        --output "$RESULTS/kernels-mixed-${kv//_/-}-$NAME.json"
     done
     ;;
   tune)

@@ -1,0 +1,304 @@
+"""Mixed prefill batches over quantized blocks: a prompt's chunk beside
+decodes of long contexts, with the widening of ``dequant_blocks`` forced on
+and off.
+
+``paged_attention`` widens a batch's quantized blocks for the Gluon prefill
+only within two limits (``PREFILL_DEQUANT_MAX_BYTES``, and
+``PREFILL_DEQUANT_MAX_RATIO`` buffered tokens a new token); beyond them the
+Triton kernel reads the quantized cache. The ratio counts every sequence's
+context, a decode's included, while what the widening buys grows with the
+chunk's own attention (its new tokens times its context). This bench times
+each case both ways, the limits lifted for the widened one; split in two
+launches (the chunk alone, widened within the limits, then the decodes by
+the flash-decoding kernel); and the same batch over bf16 blocks, so the
+bound, or a split, can be chosen from what each side costs:
+
+    python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
+        --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
+
+A case is ``NEWxCONTEXT+DECODESxLENGTH``: one chunk of NEW tokens over
+CONTEXT cached ones, then DECODES one-token entries whose sequences reach
+LENGTH tokens (the 8B shape's 32 query heads, 8 KV heads, head size 128 by
+default). Times are medians over the L2 flushed by a read (bench.time_us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedkv.bench.kernels.bench import (
+    BLOCK_SIZE,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    _environment,
+    _write,
+    time_us,
+)
+from pagedkv.kernels import dequant_blocks, fp8_kv, int8_kv, paged_attention
+
+DEFAULT_CASES = (
+    "7680x0+15x7936,4096x3584+15x7936,2048x5632+15x7936,512x7168+15x7936,"
+    "7680x0+7x7936,2048x0+7x4096,512x0+63x1024"
+)
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    """One chunk of ``new_tokens`` over ``context`` cached tokens, beside
+    ``decodes`` one-token entries whose sequences reach ``decode_len``."""
+
+    new_tokens: int
+    context: int
+    decodes: int
+    decode_len: int
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [self.context + self.new_tokens] + [self.decode_len] * self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.new_tokens + self.decodes
+
+    def label(self) -> str:
+        return f"{self.new_tokens}x{self.context}+{self.decodes}x{self.decode_len}"
+
+
+def parse_cases(text: str) -> list[MixedShape]:
+    """``NEWxCONTEXT+DECODESxLENGTH,...``; a ``ValueError`` names a bad one."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            chunk, decodes = part.split("+")
+            new_tokens, context = (int(n) for n in chunk.split("x"))
+            count, length = (int(n) for n in decodes.split("x"))
+        except ValueError:
+            raise ValueError(f"--cases: not NEWxCONTEXT+DECODESxLENGTH: {part!r}") from None
+        if new_tokens < 2 or context < 0 or count < 0 or length < 1:
+            raise ValueError(
+                f"--cases: {part!r} needs a chunk of at least 2 tokens and decodes of 1 or more"
+            )
+        shapes.append(MixedShape(new_tokens, context, count, length))
+    return shapes
+
+
+class MixedBatch:
+    """A mixed batch's packed query and paged K/V (shuffled block tables),
+    the cache in bf16 and, when asked, quantized as the executor stores it."""
+
+    def __init__(
+        self,
+        shape: MixedShape,
+        kv_dtype: torch.dtype,
+        head_size: int = 128,
+        device: str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.shape = shape
+        seq_lens = shape.seq_lens
+        pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
+        width = max(pages)
+        num_blocks = 1 + sum(pages)
+        perm = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).tolist()
+        table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        start = 0
+        for entry, count in enumerate(pages):
+            table[entry, :count] = torch.tensor(perm[start : start + count], dtype=torch.int32)
+            start += count
+        self.block_table = table.to(device)
+        cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size)
+        key = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+        value = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+        self.query = torch.randn(
+            shape.num_tokens, NUM_Q_HEADS, head_size, generator=gen, device=device, dtype=dtype
+        )
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        lengths = [shape.new_tokens] + [1] * shape.decodes
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.decode_starts = torch.arange(shape.decodes + 1, dtype=torch.int32, device=device)
+        self.scale = head_size**-0.5
+        Caches = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+        self.bf16: Caches = (key, value, {})
+        self.caches: Caches = self.bf16
+        if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scales = {}
+            stored = []
+            for name, cache in (("k_scale", key), ("v_scale", value)):
+                scales[name] = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
+                stored.append(fp8_kv.quantize(cache, scales[name], kv_dtype))
+            self.caches = (stored[0], stored[1], scales)
+        elif kv_dtype == torch.int8:
+            scales = {}
+            stored = []
+            for name, cache in (("k_scale", key), ("v_scale", value)):
+                _, values, token_scales = int8_kv.block_storage(*cache_shape, device=device)
+                token_scales.copy_(int8_kv.token_scales(cache))
+                values.copy_(int8_kv.quantize(cache, token_scales))
+                scales[name] = token_scales
+                stored.append(values)
+            self.caches = (stored[0], stored[1], scales)
+
+    def run(self, quantized: bool = True) -> torch.Tensor:
+        key_cache, value_cache, scales = self.caches if quantized else self.bf16
+        return paged_attention.paged_attention(
+            self.query,
+            key_cache,
+            value_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            max_query_len=self.shape.new_tokens,
+            max_seq_len=max(self.shape.seq_lens),
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
+        )
+
+    def split(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The same batch as two launches: the chunk alone (widened where
+        the limits allow: one sequence's pages), then the decodes alone
+        (the flash-decoding path)."""
+        key_cache, value_cache, scales = self.caches
+        shape = self.shape
+        chunk = paged_attention.paged_attention(
+            self.query[: shape.new_tokens],
+            key_cache,
+            value_cache,
+            self.block_table[:1],
+            self.seq_lens[:1],
+            self.query_start_loc[:2],
+            self.scale,
+            max_query_len=shape.new_tokens,
+            max_seq_len=shape.context + shape.new_tokens,
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
+        )
+        if not shape.decodes:
+            return chunk, None
+        decodes = paged_attention.paged_attention(
+            self.query[shape.new_tokens :],
+            key_cache,
+            value_cache,
+            self.block_table[1:],
+            self.seq_lens[1:],
+            self.decode_starts,
+            self.scale,
+            max_query_len=1,
+            max_seq_len=shape.decode_len,
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
+        )
+        return chunk, decodes
+
+    def buffer(self) -> tuple[int, int]:
+        """The widening's buffer: its bytes and its tokens (``dequant_blocks``)."""
+        key_cache = self.caches[0]
+        entries, longest = len(self.shape.seq_lens), max(self.shape.seq_lens)
+        return (
+            dequant_blocks.buffer_bytes(entries, longest, key_cache, self.query.dtype),
+            dequant_blocks.buffer_tokens(entries, longest, BLOCK_SIZE),
+        )
+
+
+def measure(batch: MixedBatch) -> dict[str, Any]:
+    """One row: the batch over bf16 blocks, over quantized ones widened (both
+    limits lifted) and not widened, and split in two launches (the chunk
+    widened by the default limits, the decodes by the decode kernel)."""
+    pa = paged_attention
+    limits = (pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO)
+    buffer_bytes, buffer_tokens = batch.buffer()
+    shape = batch.shape
+    chunk_flops = (
+        4 * NUM_Q_HEADS * batch.query.shape[-1] * shape.new_tokens
+        * (shape.context + shape.new_tokens / 2)
+    )  # fmt: skip
+    row: dict[str, Any] = {
+        "case": shape.label(),
+        "new_tokens": shape.new_tokens,
+        "context": shape.context,
+        "decodes": shape.decodes,
+        "decode_len": shape.decode_len,
+        "buffer_tokens_per_new_token": buffer_tokens / shape.num_tokens,
+        "buffer_mib": buffer_bytes / 2**20,
+        "widened_by_default": buffer_bytes <= limits[0]
+        and buffer_tokens <= limits[1] * shape.num_tokens,
+        "bf16_us": time_us(lambda: batch.run(quantized=False)),
+    }
+    try:
+        pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = 1 << 62, 1 << 62
+        with pa.widening(True):
+            widened = batch.run()
+            row["widened_us"] = time_us(batch.run)
+        with pa.widening(False):
+            unwidened = batch.run()
+            row["unwidened_us"] = time_us(batch.run)
+    finally:
+        pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = limits
+    chunk, decodes = batch.split()
+    row["split_us"] = time_us(batch.split)
+    split = chunk if decodes is None else torch.cat([chunk, decodes])
+    row["max_abs_diff_split_unwidened"] = float((split.float() - unwidened.float()).abs().max())
+    row["widened_vs_unwidened"] = row["widened_us"] / row["unwidened_us"]
+    row["max_abs_diff_widened_unwidened"] = float((widened.float() - unwidened.float()).abs().max())
+    row["chunk_tflops_widened"] = chunk_flops / row["widened_us"] / 1e6
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.kernels.mixed")
+    parser.add_argument("--output", default="kernels-mixed.json")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="NEWxCONTEXT+DECODESxLENGTH,...")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=(*fp8_kv.KV_CACHE_DTYPES, *int8_kv.KV_CACHE_DTYPES),
+        default="fp8_e4m3",
+    )
+    parser.add_argument("--head-size", type=int, default=128)
+    args = parser.parse_args(argv)
+    try:
+        shapes = parse_cases(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
+    kv_dtype = {**fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}[args.kv_cache_dtype]
+    rows = []
+    for shape in shapes:
+        rows.append(measure(MixedBatch(shape, kv_dtype, args.head_size)))
+        torch.cuda.empty_cache()
+    results = _environment() | {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "head_size": args.head_size,
+        "q_heads": NUM_Q_HEADS,
+        "kv_heads": NUM_KV_HEADS,
+        "limits": {
+            "PREFILL_DEQUANT_MAX_BYTES": paged_attention.PREFILL_DEQUANT_MAX_BYTES,
+            "PREFILL_DEQUANT_MAX_RATIO": paged_attention.PREFILL_DEQUANT_MAX_RATIO,
+        },
+        "rows": rows,
+    }
+    lines = [
+        f"{args.kv_cache_dtype} blocks, head size {args.head_size}, on {results['gpu']}",
+        "case (chunk NEWxCONTEXT + DECODESxLENGTH): bf16 blocks | widened | unwidened"
+        " (widened/unwidened) | split | buffer tokens a new token, MiB | widened by default",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['case']:>22}: {row['bf16_us']:9.1f} | {row['widened_us']:9.1f}"
+            f" | {row['unwidened_us']:9.1f} us (x{row['widened_vs_unwidened']:.2f})"
+            f" | {row['split_us']:9.1f}"
+            f" | {row['buffer_tokens_per_new_token']:7.1f}, {row['buffer_mib']:6.0f}"
+            f" | {'yes' if row['widened_by_default'] else 'no'}"
+        )
+    return _write(args.output, results, lines, "Mixed batches over quantized blocks")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

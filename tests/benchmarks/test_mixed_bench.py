@@ -1,0 +1,58 @@
+"""``pagedkv.bench.kernels.mixed``: its cases' syntax, and that a mixed
+batch's two launches (the chunk, then the decodes) give what the packed
+batch gives and what the oracle gives (on the CPU, under the interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from pagedkv.bench.kernels import mixed
+from pagedkv.kernels import dequant_blocks, reference
+
+
+def test_cases_name_a_chunk_and_its_decodes() -> None:
+    shapes = mixed.parse_cases("7680x0+15x7936,512x7168+0x1")
+    assert shapes[0] == mixed.MixedShape(7680, 0, 15, 7936)
+    assert shapes[0].seq_lens == [7680] + [7936] * 15
+    assert shapes[0].num_tokens == 7695
+    assert shapes[1].label() == "512x7168+0x1"
+    assert len(mixed.parse_cases(mixed.DEFAULT_CASES)) == 7
+
+
+@pytest.mark.parametrize("text", ["7680x0", "1x0+2x8", "8x0+2", "8x-1+2x8", "ax0+1x1"])
+def test_a_bad_case_is_named(text: str) -> None:
+    with pytest.raises(ValueError, match="--cases"):
+        mixed.parse_cases(text)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_the_split_launches_match_the_packed_batch(kv: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check; the GPU runs the bench itself")
+    dtypes = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+    shape = mixed.MixedShape(new_tokens=20, context=13, decodes=3, decode_len=40)
+    batch = mixed.MixedBatch(shape, dtypes[kv], head_size=32, device="cpu", dtype=torch.float16)
+    packed = batch.run()
+    chunk, decodes = batch.split()
+    assert decodes is not None
+    torch.testing.assert_close(torch.cat([chunk, decodes]), packed, atol=2e-3, rtol=0)
+    key_cache, value_cache, scales = batch.caches
+    expected = reference.paged_attention(
+        batch.query,
+        key_cache,
+        value_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        **scales,
+    )
+    torch.testing.assert_close(packed.float(), expected.float(), atol=2e-3, rtol=0)
+    # Four sequences, each the longest one's 3 pages rounded up to the buffer's multiple.
+    assert batch.buffer()[1] == 4 * dequant_blocks.PAGE_MULTIPLE * 16
