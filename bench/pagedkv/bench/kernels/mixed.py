@@ -10,8 +10,8 @@ context, a decode's included, while what the widening buys grows with the
 chunk's own attention (its new tokens times its context). This bench times
 each case both ways, the limits lifted for the widened one; split in two
 launches (the chunk alone, widened within the limits, then the decodes by
-the flash-decoding kernel); and the same batch over bf16 blocks, so the
-bound, or a split, can be chosen from what each side costs:
+the flash-decoding kernel); and the same batch over bf16 blocks, packed and
+split, so that the bound, or a split, can be chosen from what each costs:
 
     python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
         --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
@@ -163,11 +163,11 @@ class MixedBatch:
             v_scale=scales.get("v_scale"),
         )
 
-    def split(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def split(self, quantized: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same batch as two launches: the chunk alone (widened where
         the limits allow: one sequence's pages), then the decodes alone
         (the flash-decoding path)."""
-        key_cache, value_cache, scales = self.caches
+        key_cache, value_cache, scales = self.caches if quantized else self.bf16
         shape = self.shape
         chunk = paged_attention.paged_attention(
             self.query[: shape.new_tokens],
@@ -245,6 +245,7 @@ def measure(batch: MixedBatch) -> dict[str, Any]:
         pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = limits
     chunk, decodes = batch.split()
     row["split_us"] = time_us(batch.split)
+    row["bf16_split_us"] = time_us(lambda: batch.split(quantized=False))
     split = chunk if decodes is None else torch.cat([chunk, decodes])
     row["max_abs_diff_split_unwidened"] = float((split.float() - unwidened.float()).abs().max())
     row["widened_vs_unwidened"] = row["widened_us"] / row["unwidened_us"]
@@ -287,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"{args.kv_cache_dtype} blocks, head size {args.head_size}, on {results['gpu']}",
         "case (chunk NEWxCONTEXT + DECODESxLENGTH): bf16 blocks | widened | unwidened"
-        " (widened/unwidened) | split | buffer tokens a new token, MiB | widened by default",
+        " (widened/unwidened) | split | bf16 split"
+        " | buffer tokens a new token, MiB | widened by default",
     ]
     for row in rows:
         lines.append(
             f"{row['case']:>22}: {row['bf16_us']:9.1f} | {row['widened_us']:9.1f}"
             f" | {row['unwidened_us']:9.1f} us (x{row['widened_vs_unwidened']:.2f})"
-            f" | {row['split_us']:9.1f}"
+            f" | {row['split_us']:9.1f} | {row['bf16_split_us']:9.1f}"
             f" | {row['buffer_tokens_per_new_token']:7.1f}, {row['buffer_mib']:6.0f}"
             f" | {'yes' if row['widened_by_default'] else 'no'}"
         )
