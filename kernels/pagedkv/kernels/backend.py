@@ -13,6 +13,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from pagedkv.kernels.decode_split import DecodeSplit
+
 BACKEND_NAMES = ("triton", "torch")
 
 
@@ -68,6 +70,7 @@ class PagedAttention(Protocol):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        split: DecodeSplit | None = None,
     ) -> torch.Tensor: ...
 
 

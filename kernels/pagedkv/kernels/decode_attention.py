@@ -3,10 +3,13 @@
 One program per (sequence, KV head, split of the context) reads each K/V
 byte once for all the query heads that share it (``decode_kernel``); a
 second kernel merges the splits by their log-sum-exp (``decode_merge``).
-Here: the launch constants, the splits and the launch. Launch constants come from
+Here: the launch constants, the splits and the launch, and
+``rotary_decode_attention``, the decode that rotates and caches the new
+tokens in the same launch. Launch constants come from
 ``python -m pagedkv.bench.kernels.tune`` on the H200. Oracle:
-``reference.paged_attention``; the entry point is
-``paged_attention.paged_attention``, which checks the arguments.
+``reference.paged_attention``; the entry points are
+``paged_attention.paged_attention``, which checks the arguments, and
+``rotary_decode_attention`` (exported there too).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from typing import NamedTuple
 import torch
 import triton
 
+from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
 from pagedkv.kernels.decode_kernel import _decode_split_kernel
 from pagedkv.kernels.decode_merge import merge_splits
-from pagedkv.kernels.kv_quant import ScaleArgs
+from pagedkv.kernels.kv_quant import ScaleArgs, scale_args
 from pagedkv.kernels.tiles import WORDS_OPS, WORDS_PTX
 
 # Decode tuning, from ``python -m pagedkv.bench.kernels.tune`` on the H200 (results
@@ -258,3 +262,57 @@ def decode(
     )
     if split:
         merge_splits(partial_out, partial_lse, out, num_splits, block_d)
+
+
+def rotary_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    rotate: bool = False,
+) -> torch.Tensor:
+    """For a batch of one-token decodes, what ``rotary_and_cache`` and then
+    ``paged_attention`` give, in one launch (the flash-decoding kernel rotates
+    the query and writes the new keys and values itself); ``query`` is left
+    as it is. ``rotate``: as ``rotary_and_cache``'s, the query and key in
+    the Hadamard basis. Oracle: ``reference.rotary_decode_attention``."""
+    check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
+    check_rotate(rotate, query.shape[-1])
+    check_attention_args(
+        query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap, scale
+    )
+    scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
+    out = torch.empty_like(query)
+    if not len(query):
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    rotary = Rotary(key, value, cos_sin, positions, slot_mapping, rotate)
+    decode(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        out,
+        scale,
+        sliding_window,
+        softcap,
+        max_seq_len,
+        scales,
+        rotary,
+    )
+    return out

@@ -8,7 +8,9 @@ aligned: query token j of a sequence with ``seq_len`` tokens and ``q_len``
 new ones is at position ``seq_len - q_len + j``. Oracle:
 ``reference.paged_attention``.
 
-Batches of decodes take the flash-decoding path of ``decode_attention``.
+Batches of decodes take the flash-decoding path of ``decode_attention``
+(whose ``rotary_decode_attention``, the one-launch decode, is exported here
+too).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import torch
 import triton
 
 from pagedkv.kernels import dequant_blocks, prefill_gluon
-from pagedkv.kernels.checks import check_attention_args, check_rotary_args, check_rotate
-from pagedkv.kernels.decode_attention import Rotary, decode
-from pagedkv.kernels.kv_quant import scale_args
+from pagedkv.kernels.checks import check_attention_args
+from pagedkv.kernels.decode_attention import decode, rotary_decode_attention
+from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.kv_quant import ScaleArgs, scale_args
 from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
+
+__all__ = ["paged_attention", "prefill_tiling", "rotary_decode_attention", "tile_rows", "widening"]
 
 # Prefill tiling: (query rows, keys per step, warps, pipeline stages, and
 # optionally a cap on a thread's registers) at head sizes up to 128, over a
@@ -104,6 +109,13 @@ PREFILL_GLUON = True
 PREFILL_DEQUANTIZE = True
 PREFILL_DEQUANT_MAX_BYTES = 512 << 20
 PREFILL_DEQUANT_MAX_RATIO = 10
+# Over an fp8 or int8 cache, a batch whose leading entries are decodes,
+# given with a ``DecodeSplit`` (the executor's eager mixed steps), takes two
+# launches: the flash-decoding kernel over the decodes, the prefill path
+# over the rest alone (decode_split.py). The rest's widening then holds
+# only its own context, within the limits above where a chunk beside
+# decodes of long contexts would exceed them.
+PREFILL_SPLIT_DECODES = True
 
 
 @contextmanager
@@ -152,6 +164,7 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    split: DecodeSplit | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -169,7 +182,10 @@ def paged_attention(
     ``max_seq_len`` size the launch; they are computed, with a device sync,
     when not given. A quantized cache is read through ``k_scale`` and
     ``v_scale`` (``kv_quant``): an fp8 cache's per tensor or KV head, an
-    int8 cache's per token and KV head.
+    int8 cache's per token and KV head. ``split`` (no ``tiles``) says that
+    the batch's first entries are decodes and describes the rest: over a
+    quantized cache each part then takes its own launch
+    (``PREFILL_SPLIT_DECODES``).
     """
     check_attention_args(
         query,
@@ -183,8 +199,7 @@ def paged_attention(
         scale,
     )
     scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
-    num_tokens, num_q_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_tokens = query.shape[0]
     # A schedule's batch may carry padding tokens: zeros there, not whatever
     # the memory held (their rows flow through the rest of the layer).
     out = torch.empty_like(query) if tiles is None else torch.zeros_like(query)
@@ -213,6 +228,83 @@ def paged_attention(
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
             raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
         tiles = tiles.contiguous()
+    elif (
+        split is not None
+        and PREFILL_SPLIT_DECODES
+        and scales.quantized
+        and 0 < split.num_decodes < len(seq_lens)
+    ):
+        decodes = split.num_decodes
+        decode(
+            query[:decodes],
+            key_cache,
+            value_cache,
+            block_table[:decodes],
+            seq_lens[:decodes],
+            out[:decodes],
+            scale,
+            sliding_window,
+            softcap,
+            split.decode_max_seq_len,
+            scales,
+        )
+        _prefill(
+            query[decodes:],
+            key_cache,
+            value_cache,
+            split.block_table,
+            split.seq_lens,
+            split.query_start_loc,
+            out[decodes:],
+            scale,
+            sliding_window,
+            softcap,
+            split.max_query_len,
+            split.max_seq_len,
+            None,
+            scales,
+        )
+        return out
+    _prefill(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale,
+        sliding_window,
+        softcap,
+        max_query_len,
+        max_seq_len,
+        tiles,
+        scales,
+    )
+    return out
+
+
+def _prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_query_len: int,
+    max_seq_len: int | None,
+    tiles: torch.Tensor | None,
+    scales: ScaleArgs,
+) -> None:
+    """``paged_attention``'s prefill path, writing ``out``: the Gluon
+    kernel where it applies (over quantized blocks widened first, within
+    the limits), else the Triton kernel."""
+    num_tokens, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
     if (
         PREFILL_GLUON
         and PREFILL_DEQUANTIZE
@@ -238,7 +330,7 @@ def paged_attention(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
             max_query_len, tiles,
         )  # fmt: skip
-        return out
+        return
     # A fifth field, when a tile has one, caps a thread's registers (Triton's maxnreg).
     block_m, block_n, num_warps, num_stages, *registers = prefill_tiling(
         max_query_len, head_size, scales.quantized
@@ -300,58 +392,3 @@ def paged_attention(
         num_stages=num_stages,
         **limits,
     )
-    return out
-
-
-def rotary_decode_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    max_seq_len: int | None = None,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    rotate: bool = False,
-) -> torch.Tensor:
-    """For a batch of one-token decodes, what ``rotary_and_cache`` and then
-    ``paged_attention`` give, in one launch (the flash-decoding kernel rotates
-    the query and writes the new keys and values itself); ``query`` is left
-    as it is. ``rotate``: as ``rotary_and_cache``'s, the query and key in
-    the Hadamard basis. Oracle: ``reference.rotary_decode_attention``."""
-    check_rotary_args(query, key, value, cos_sin, positions, key_cache, value_cache, slot_mapping)
-    check_rotate(rotate, query.shape[-1])
-    check_attention_args(
-        query, key_cache, value_cache, block_table, seq_lens, None, sliding_window, softcap, scale
-    )
-    scales = scale_args(key_cache, k_scale, v_scale, seq_lens)
-    out = torch.empty_like(query)
-    if not len(query):
-        return out
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    rotary = Rotary(key, value, cos_sin, positions, slot_mapping, rotate)
-    decode(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        out,
-        scale,
-        sliding_window,
-        softcap,
-        max_seq_len,
-        scales,
-        rotary,
-    )
-    return out

@@ -31,6 +31,7 @@ from pagedkv.kernels.checks import (
     check_rotary_args,
     check_rotate,
 )
+from pagedkv.kernels.decode_split import DecodeSplit
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +172,7 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    split: DecodeSplit | None = None,  # the Triton path's two launches: one batch here
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -369,7 +371,8 @@ def rotary_decode_attention(
         softcap,
         max_query_len=1,
         max_seq_len=max_seq_len,
-        **scales,
+        k_scale=scales["k_scale"],
+        v_scale=scales["v_scale"],
     )
 
 

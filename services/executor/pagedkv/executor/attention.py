@@ -21,6 +21,7 @@ import torch
 
 from pagedkv.executor.kv_rotation import rotate_heads
 from pagedkv.kernels.backend import KernelBackend
+from pagedkv.kernels.decode_split import DecodeSplit
 
 ATTENTION_NAME = "pagedkv"
 
@@ -58,12 +59,20 @@ class AttentionMetadata:
     # the query and the new keys are multiplied by it after the rotary
     # embedding; None: stored as they are.
     rotation: torch.Tensor | None = None
+    # Per group, where a quantized memory's eager step has decodes first and
+    # prompts after them: the rest of the batch for attention's second
+    # launch (``paged_attention``'s ``split``); None: one launch.
+    splits: tuple[DecodeSplit, ...] | None = None
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The cache kernels' ``k_scale`` and ``v_scale`` for ``layer``, if any."""
         if self.k_scales is None or self.v_scales is None:
             return {}
         return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
+
+    def split(self, group: int) -> DecodeSplit | None:
+        """Group ``group``'s ``splits``, if any."""
+        return None if self.splits is None else self.splits[group]
 
 
 def paged_attention_forward(
@@ -107,7 +116,9 @@ def paged_attention_forward(
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
         tiles=meta.tiles,
-        **scales,
+        k_scale=scales.get("k_scale"),
+        v_scale=scales.get("v_scale"),
+        split=meta.split(group),
     )
     return out[None], None  # [1, T, Hq, D]
 

@@ -14,6 +14,7 @@ padding entries whose slots are -1. Reads ``Rows``, changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from pagedkv.executor.kv_memory import KVMemory
 from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.executor.rows import Rows, to_device
 from pagedkv.kernels.backend import KernelBackend
+from pagedkv.kernels.decode_split import DecodeSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,7 @@ class InputBuilder:
         self.softcap = softcap
         self.num_groups = len(groups)
         self.group_windows = tuple(g.spec.sliding_window for g in groups)
+        self.split_decodes = kv.dtype.itemsize == 1
 
     def build(
         self,
@@ -168,6 +171,14 @@ class InputBuilder:
             rotation=self.kv.rotation,
         )
 
+    def _leading_decodes(self, num_scheduled: np.ndarray) -> int:
+        """How many entries at the start of an eager step are one-token
+        decodes, where attention takes them in a launch of their own
+        (``DecodeSplit``: a quantized memory, prompts after them); else 0."""
+        if not self.split_decodes or num_scheduled.max() == 1:
+            return 0
+        return int(np.argmax(num_scheduled != 1))
+
     def prepare(
         self,
         rows: np.ndarray,
@@ -192,20 +203,22 @@ class InputBuilder:
         max_seq_len = int(seq_lens.max())
         sample_index = query_start_loc[1:][needs_sample] - 1
         sampled_rows = rows[needs_sample]
-        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = (
-            pack_aligned(
-                [
-                    rows,
-                    np.repeat(rows, num_scheduled),
-                    positions,
-                    seq_lens,
-                    query_start_loc,
-                    sample_index,
-                    sampled_rows,
-                ],
-                self.rows.device,
-            )
+        decodes = self._leading_decodes(num_scheduled)
+        rest_qsl = query_start_loc[decodes:] - query_start_loc[decodes]
+        packed = pack_aligned(
+            [
+                rows,
+                np.repeat(rows, num_scheduled),
+                positions,
+                seq_lens,
+                query_start_loc,
+                sample_index,
+                sampled_rows,
+                *((rows[decodes:], seq_lens[decodes:], rest_qsl) if decodes else ()),
+            ],
+            self.rows.device,
         )
+        rows_t, token_rows_t, positions_t, seq_lens_t, qsl_t, sample_index_t, sampled_t = packed[:7]
         input_ids, meta = self.build(
             rows_t,
             token_rows_t,
@@ -216,6 +229,25 @@ class InputBuilder:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )
+        if decodes:
+            rest_rows_t, rest_seq_lens_t, rest_qsl_t = packed[7:]
+            rest_seq_lens_t, rest_qsl_t = (
+                rest_seq_lens_t.to(torch.int32),
+                rest_qsl_t.to(torch.int32),
+            )
+            splits = tuple(
+                DecodeSplit(
+                    num_decodes=decodes,
+                    decode_max_seq_len=int(seq_lens[:decodes].max()),
+                    block_table=self.rows.block_tables[g].index_select(0, rest_rows_t),
+                    seq_lens=rest_seq_lens_t,
+                    query_start_loc=rest_qsl_t,
+                    max_query_len=int(num_scheduled[decodes:].max()),
+                    max_seq_len=int(seq_lens[decodes:].max()),
+                )
+                for g in range(self.num_groups)
+            )
+            meta = dataclasses.replace(meta, splits=splits)
         return ForwardInputs(
             input_ids=input_ids,
             positions=positions_t,

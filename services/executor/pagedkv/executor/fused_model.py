@@ -195,7 +195,9 @@ class FusedDecoder:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             tiles=meta.tiles,
-            **scales,
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
+            split=meta.split(group),
         )
         attended: torch.Tensor = layer.o_proj(out.reshape(num_tokens, -1))
         return attended

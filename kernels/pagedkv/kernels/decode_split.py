@@ -1,0 +1,39 @@
+"""A mixed batch's leading decodes, for attention in two launches.
+
+A step that computes a prompt's chunk beside decodes packs both into one
+batch. Over an fp8 or int8 cache, the prefill kernels read such a batch in
+one of two ways (``paged_attention``): its blocks widened for the Gluon
+kernel, where the buffer holds every entry's context, a decode's included;
+or the Triton kernel over the quantized blocks, which computes each decode
+with a tile of prefill rows. With the decodes first in the batch and a
+``DecodeSplit`` describing the rest, ``paged_attention`` instead launches the
+flash-decoding kernel over the decodes and the prefill path over the other
+entries alone, whose widening then holds only their own context.
+
+The split's index tensors are the other entries' own (the executor packs
+them 16-byte aligned with the step's other index vectors, forward_inputs.py),
+not views into the batch's: a view at another offset would change the
+kernels' pointer specializations from step to step. The decodes read the
+batch's tensors from their start, which keeps theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSplit:
+    """The first ``num_decodes`` entries of a batch are one-token decodes
+    (their sequences at most ``decode_max_seq_len`` tokens); the rest, a
+    batch of their own, are described by the fields below."""
+
+    num_decodes: int
+    decode_max_seq_len: int
+    block_table: torch.Tensor  # [num_rest, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_rest] int32
+    query_start_loc: torch.Tensor  # [num_rest + 1] int32, from 0
+    max_query_len: int
+    max_seq_len: int

@@ -1,0 +1,88 @@
+"""``paged_attention``'s ``split``: a batch whose first entries are decodes,
+over an fp8 cache, in two launches (the decodes, then the rest as a batch
+of its own), against the oracle over the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels import paged_attention, reference
+from pagedkv.kernels.decode_split import DecodeSplit
+from tests.kernels.test_fp8_cache_kernels import FORMATS, NAMES, quantized, scales
+from tests.kernels.test_reference import build_batch
+from tests.kernels.test_triton_kernels import DEVICE
+
+# Three decodes (one at a block boundary, one long), then prompts' chunks
+# of more and fewer than a small tile's 16 rows and a decode among them.
+CONTEXTS = [15, 16, 300, 0, 17, 40, 9]
+QUERIES = [1, 1, 1, 20, 9, 1, 24]
+DECODES = 3
+
+
+def rest_of(batch: dict[str, torch.Tensor]) -> DecodeSplit:
+    """The entries after the decodes, with index vectors of their own."""
+    seq_lens = batch["seq_lens"]
+    starts = batch["query_start_loc"][DECODES:]
+    return DecodeSplit(
+        num_decodes=DECODES,
+        decode_max_seq_len=int(seq_lens[:DECODES].max()),
+        block_table=batch["block_table"][DECODES:].clone(),
+        seq_lens=seq_lens[DECODES:].clone(),
+        query_start_loc=(starts - starts[0]).to(torch.int32),
+        max_query_len=max(QUERIES[DECODES:]),
+        max_seq_len=int(seq_lens[DECODES:].max()),
+    )
+
+
+@pytest.mark.parametrize("fp8", FORMATS)
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+def test_decodes_first_in_two_launches_match_the_oracle(
+    fp8: torch.dtype, sliding_window: int | None, softcap: float | None
+) -> None:
+    kv = scales(2, per_head=True)
+    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    quantized(batch, fp8, kv)
+    on_device = {
+        name: value.to(DEVICE) for name, value in batch.items() if isinstance(value, torch.Tensor)
+    }
+    args = [on_device[name] for name in NAMES]
+    kv_device = {name: value.to(DEVICE) for name, value in kv.items()}
+    kwargs = {"scale": 0.125, "sliding_window": sliding_window, "softcap": softcap}
+    want = reference.paged_attention(*[batch[n] for n in NAMES], **kwargs, **kv)  # type: ignore[arg-type]
+    got = paged_attention.paged_attention(
+        *args, **kwargs, **kv_device, max_query_len=max(QUERIES), split=rest_of(on_device)
+    )  # type: ignore[arg-type]
+    torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+
+
+def test_a_float_cache_or_no_decodes_first_takes_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A split the batch does not match would read the wrong entries: one
+    # that is not taken leaves the result the oracle's.
+    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    on_device = {
+        name: value.to(DEVICE) for name, value in batch.items() if isinstance(value, torch.Tensor)
+    }
+    args = [on_device[name] for name in NAMES]
+    want = reference.paged_attention(*[batch[n] for n in NAMES], scale=0.125)  # type: ignore[arg-type]
+    wrong = DecodeSplit(
+        num_decodes=DECODES,
+        decode_max_seq_len=1,
+        block_table=on_device["block_table"][:1],
+        seq_lens=on_device["seq_lens"][:1],
+        query_start_loc=on_device["query_start_loc"][:2],
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    got = paged_attention.paged_attention(*args, scale=0.125, split=wrong)  # type: ignore[arg-type]
+    torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+    kv = scales(2, per_head=False)
+    quantized(batch, FORMATS[0], kv)
+    args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
+    want = reference.paged_attention(*[batch[n] for n in NAMES], scale=0.125, **kv)  # type: ignore[arg-type]
+    kv_device = {name: value.to(DEVICE) for name, value in kv.items()}
+    monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
+    got = paged_attention.paged_attention(*args, scale=0.125, split=wrong, **kv_device)  # type: ignore[arg-type]
+    torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
