@@ -22,6 +22,7 @@ from pagedkv.executor.warm_up import (
     WarmUpStep,
     decode_steps,
     slot_mapping_blocks,
+    split_steps,
     unwidened_steps,
     warm_up_steps,
 )
@@ -170,7 +171,7 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as
     expected = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device))
     expected += warm_up_steps(64, spec.max_model_len, 4)
     assert report.steps == expected
-    assert seen == [tuple(step) for step in expected]
+    assert seen == [step[:3] for step in expected]
     assert report.sampler_paths == tuple(path.name for path in SAMPLER_PATHS)
     assert report.graph_batch_sizes == ()  # no CUDA graphs on the CPU
     assert not runner.rows.live.any()
@@ -212,6 +213,45 @@ def test_where_prefills_widen_quantized_blocks_they_run_again_without(
     assert paged_attention.PREFILL_DEQUANTIZE  # on again after
 
 
+def test_over_quantized_blocks_each_decode_runs_again_before_a_prompt(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over fp8 or int8 blocks, a step whose decodes come before a prompt
+    launches the decode kernel over them alone, without the rotary
+    embedding a fused model's decode steps fold into it: each decode
+    variant runs once more before a two-token prompt, attended in two
+    launches."""
+    config = RunnerConfig(
+        model=str(model_dir),
+        kernel_backend="torch",
+        num_blocks=8,
+        max_num_rows=4,
+        max_num_batched_tokens=64,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    runner = ModelRunner(config)
+    seen: list[tuple[list[int], list[int], bool]] = []
+    prepare = runner.forward_inputs.prepare
+
+    def spy(rows, num_computed, num_scheduled, needs_sample):  # type: ignore[no-untyped-def]
+        inputs = prepare(rows, num_computed, num_scheduled, needs_sample)
+        split = inputs.metadata.splits is not None
+        seen.append((num_computed.tolist(), num_scheduled.tolist(), split))
+        return inputs
+
+    monkeypatch.setattr(runner.forward_inputs, "prepare", spy)
+    report = runner.warm_up(full=True)
+
+    from pagedkv.kernels.decode_attention import sm_count  # here: see above _split_variant
+
+    spec = runner.spec
+    decodes = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), True)
+    assert decodes and report.steps[-len(decodes) :] == split_steps(decodes)
+    assert seen[-len(decodes) :] == [([d.num_computed, 0], [1, 2], True) for d in decodes]
+    assert not any(split for *_, split in seen[: -len(decodes)])
+    assert not runner.rows.live.any() and not runner.rows.block_tables.any()
+
+
 def test_on_the_cpu_the_warm_up_only_logs(runner: ModelRunner) -> None:
     report = runner.warm_up()
     assert report.steps == () and report.sampler_paths == ()
@@ -239,7 +279,8 @@ def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
     kv_cache_dtype: str,
 ) -> None:
     """Steps of the shapes a scheduler sends after ready (prefill chunks of
-    any length beside decodes, at any context, one to four entries), and
+    any length beside decodes, before or after them, at any context, one to
+    four entries), and
     eager decodes (one-token entries, sampled or not, split by their
     context), reach only kernel variants the warm-up built. ``llama-64``:
     head size 64 in bfloat16, which the Gluon prefill takes, over fp8 and
@@ -280,6 +321,10 @@ def test_after_the_warm_up_mixed_eager_steps_compile_nothing(
         ([1], [1000], [True]),
         ([1, 1, 1, 1], [1000, 5, 9, 700], [True, True, False, True]),
         ([1], [40], [False]),
+        # Decodes before prompts: over fp8 and int8 blocks, two launches.
+        ([1, 17], [40, 0], [True, False]),
+        ([1, 1, 5], [70, 900, 7], [True, False, True]),
+        ([1, 29, 1, 2], [1000, 3, 5, 0], [True, True, True, True]),
     ]
     for num_scheduled, num_computed, needs_sample in steps:
         rows = np.arange(len(num_scheduled), dtype=np.int64)

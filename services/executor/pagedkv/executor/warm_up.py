@@ -29,6 +29,11 @@ with every request queued behind it. What a step can reach, and how:
   context beside them, so each one the Gluon kernel takes widens, and
   ``run_warm_up`` runs them again with the widening off
   (``unwidened_steps``) to build the Triton kernel's variants too;
+- over an fp8 or int8 cache, an eager step whose decodes come before a
+  prompt launches the flash-decoding kernel over the decodes alone
+  (``DecodeSplit``), without the rotary embedding a fused model's decode
+  steps fold into it: ``split_steps`` runs each of ``decode_steps``' decodes
+  before a two-token prompt;
 - the decode graphs (cuda_graphs.py) are captured after these, one per batch
   size, so a decode step launches nothing new;
 - the sampler's paths (greedy with top logprobs, temperature, top-k, top-p,
@@ -108,11 +113,13 @@ SLOT_MAPPING_MAX_BLOCK = 1024
 
 class WarmUpStep(NamedTuple):
     """One scratch forward: ``num_seqs`` entries of ``num_scheduled`` new
-    tokens each, after ``num_computed`` tokens of context."""
+    tokens each, after ``num_computed`` tokens of context; with a
+    ``decode_context`` (not -1), after a one-token decode at that context."""
 
     num_seqs: int
     num_computed: int
     num_scheduled: int
+    decode_context: int = -1
 
 
 class SamplerPath(NamedTuple):
@@ -200,6 +207,15 @@ def unwidened_steps(steps: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
     return tuple(step for step in steps if step.num_scheduled > 1)
 
 
+def split_steps(decodes: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
+    """For each of ``decodes`` (``decode_steps``), that decode before a
+    two-token prompt: over a quantized memory such a step's attention
+    launches the flash-decoding kernel over the decode alone, without the
+    one-launch decode's rotary embedding (``DecodeSplit``), a variant the
+    eager decode steps of a fused model never reach."""
+    return tuple(WarmUpStep(1, 0, 2, decode_context=step.num_computed) for step in decodes)
+
+
 def slot_mapping_blocks(steps: tuple[WarmUpStep, ...]) -> set[int]:
     """The slot mapping's ``BLOCK`` of each step (its longest query, rounded
     up to a power of two, at most ``SLOT_MAPPING_MAX_BLOCK``)."""
@@ -222,9 +238,12 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
     spec = runner.spec
     quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
     words = quantized and reads_words(config.kv_cache_dtype == "int8", spec.head_size)
-    steps = decode_steps(
+    decodes = decode_steps(
         spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), quantized, words
-    ) + warm_up_steps(config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows)
+    )
+    steps = decodes + warm_up_steps(
+        config.max_num_batched_tokens, spec.max_model_len, config.max_num_rows
+    )
     if profile:
         steps = steps[-1:]
     elif not full:
@@ -236,6 +255,8 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
 
         with paged_attention.widening(False):
             ran += run_forwards(runner, unwidened_steps(steps), num_blocks)
+    if full and not profile and quantized and config.max_num_rows > 1:
+        ran += run_forwards(runner, split_steps(decodes), num_blocks)
     if full and not profile:
         paths = _run_sampler_paths(runner)
         runner.copy_blocks(np.array([[1, 1]], dtype=np.int64))
@@ -277,13 +298,13 @@ def run_forwards(
     ran = []
     state = runner.generator.get_state()
     for step in steps:  # warm_up_steps keeps each within max_num_rows
-        rows = np.arange(step.num_seqs, dtype=np.int64)
-        runner.rows.fill_tables(np.ones((step.num_seqs, runner.max_blocks_per_row), np.int64))
+        decode = step.decode_context >= 0
+        num_computed = [step.decode_context] * decode + [step.num_computed] * step.num_seqs
+        num_scheduled = [1] * decode + [step.num_scheduled] * step.num_seqs
+        rows = np.arange(len(num_computed), dtype=np.int64)
+        runner.rows.fill_tables(np.ones((len(rows), runner.max_blocks_per_row), np.int64))
         runner.forward(
-            rows,
-            np.full(step.num_seqs, step.num_computed),
-            np.full(step.num_seqs, step.num_scheduled),
-            np.ones(step.num_seqs, dtype=bool),
+            rows, np.array(num_computed), np.array(num_scheduled), np.ones(len(rows), dtype=bool)
         )
         runner.rows.free(rows.tolist())  # the scratch rows' samples
         ran.append(step)
