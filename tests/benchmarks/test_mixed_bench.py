@@ -19,7 +19,7 @@ from pagedkv.kernels import dequant_blocks, reference
 def test_cases_name_a_chunk_and_its_decodes() -> None:
     shapes = mixed.parse_cases("7680x0+15x7936,512x7168+0x1")
     assert shapes[0] == mixed.MixedShape(7680, 0, 15, 7936)
-    assert shapes[0].seq_lens == [7680] + [7936] * 15
+    assert shapes[0].seq_lens == [7936] * 15 + [7680]
     assert shapes[0].num_tokens == 7695
     assert shapes[1].label() == "512x7168+0x1"
     assert len(mixed.parse_cases(mixed.DEFAULT_CASES)) == 7
@@ -32,16 +32,16 @@ def test_a_bad_case_is_named(text: str) -> None:
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_the_split_launches_match_the_packed_batch(kv: str) -> None:
+def test_the_split_and_two_launches_match_the_packed_batch(kv: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CPU check; the GPU runs the bench itself")
     dtypes = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
     shape = mixed.MixedShape(new_tokens=20, context=13, decodes=3, decode_len=40)
     batch = mixed.MixedBatch(shape, dtypes[kv], head_size=32, device="cpu", dtype=torch.float16)
+    assert batch.rest is not None and batch.rest.query_start_loc.tolist() == [0, 20]
     packed = batch.run()
-    chunk, decodes = batch.split()
-    assert decodes is not None
-    torch.testing.assert_close(torch.cat([chunk, decodes]), packed, atol=2e-3, rtol=0)
+    torch.testing.assert_close(batch.run(split=True), packed, atol=2e-3, rtol=0)
+    torch.testing.assert_close(batch.two_launches(), packed, atol=2e-3, rtol=0)
     key_cache, value_cache, scales = batch.caches
     expected = reference.paged_attention(
         batch.query,
@@ -54,5 +54,10 @@ def test_the_split_launches_match_the_packed_batch(kv: str) -> None:
         **scales,
     )
     torch.testing.assert_close(packed.float(), expected.float(), atol=2e-3, rtol=0)
+    bf16 = reference.paged_attention(
+        batch.query, *batch.bf16[:2], batch.block_table, batch.seq_lens,
+        batch.query_start_loc, batch.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(batch.two_launches(quantized=False), bf16, atol=2e-3, rtol=0)
     # Four sequences, each the longest one's 3 pages rounded up to the buffer's multiple.
     assert batch.buffer()[1] == 4 * dequant_blocks.PAGE_MULTIPLE * 16

@@ -9,17 +9,19 @@ Triton kernel reads the quantized cache. The ratio counts every sequence's
 context, a decode's included, while what the widening buys grows with the
 chunk's own attention (its new tokens times its context). This bench times
 each case both ways, the limits lifted for the widened one; split in two
-launches (the chunk alone, widened within the limits, then the decodes by
-the flash-decoding kernel); and the same batch over bf16 blocks, packed and
-split, so that the bound, or a split, can be chosen from what each costs:
+launches (``paged_attention``'s ``split``: the decodes by the
+flash-decoding kernel, then the chunk alone, widened within the limits);
+and the same batch over bf16 blocks, packed and in the same two launches,
+so that the bound, and where to split, can be chosen from what each costs:
 
     python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
         --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
 
 A case is ``NEWxCONTEXT+DECODESxLENGTH``: one chunk of NEW tokens over
-CONTEXT cached ones, then DECODES one-token entries whose sequences reach
-LENGTH tokens (the 8B shape's 32 query heads, 8 KV heads, head size 128 by
-default). Times are medians over the L2 flushed by a read (bench.time_us).
+CONTEXT cached ones, after DECODES one-token entries whose sequences reach
+LENGTH tokens (the scheduler's order: decodes first), with the 8B shape's
+32 query heads, 8 KV heads and head size 128 by default. Times are medians
+over the L2 flushed by a read (bench.time_us).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pagedkv.bench.kernels.bench import (
     time_us,
 )
 from pagedkv.kernels import dequant_blocks, fp8_kv, int8_kv, paged_attention
+from pagedkv.kernels.decode_split import DecodeSplit
 
 DEFAULT_CASES = (
     "7680x0+15x7936,4096x3584+15x7936,2048x5632+15x7936,512x7168+15x7936,"
@@ -49,7 +52,7 @@ DEFAULT_CASES = (
 
 @dataclass(frozen=True)
 class MixedShape:
-    """One chunk of ``new_tokens`` over ``context`` cached tokens, beside
+    """One chunk of ``new_tokens`` over ``context`` cached tokens, after
     ``decodes`` one-token entries whose sequences reach ``decode_len``."""
 
     new_tokens: int
@@ -59,7 +62,7 @@ class MixedShape:
 
     @property
     def seq_lens(self) -> list[int]:
-        return [self.context + self.new_tokens] + [self.decode_len] * self.decodes
+        return [self.decode_len] * self.decodes + [self.context + self.new_tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +92,9 @@ def parse_cases(text: str) -> list[MixedShape]:
 
 class MixedBatch:
     """A mixed batch's packed query and paged K/V (shuffled block tables),
-    the cache in bf16 and, when asked, quantized as the executor stores it."""
+    the decodes first (the scheduler's order), the cache in bf16 and, when
+    asked, quantized as the executor stores it; ``rest`` describes the
+    chunk for ``paged_attention``'s ``split`` (None without decodes)."""
 
     def __init__(
         self,
@@ -103,10 +108,9 @@ class MixedBatch:
         self.shape = shape
         seq_lens = shape.seq_lens
         pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
-        width = max(pages)
         num_blocks = 1 + sum(pages)
         perm = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).tolist()
-        table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
         start = 0
         for entry, count in enumerate(pages):
             table[entry, :count] = torch.tensor(perm[start : start + count], dtype=torch.int32)
@@ -119,12 +123,21 @@ class MixedBatch:
             shape.num_tokens, NUM_Q_HEADS, head_size, generator=gen, device=device, dtype=dtype
         )
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        lengths = [shape.new_tokens] + [1] * shape.decodes
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
+        starts = [*range(shape.decodes + 1), shape.num_tokens]
         self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.decode_starts = torch.arange(shape.decodes + 1, dtype=torch.int32, device=device)
+        self.rest: DecodeSplit | None = None
+        if shape.decodes:
+            self.rest = DecodeSplit(
+                num_decodes=shape.decodes,
+                decode_max_seq_len=shape.decode_len,
+                block_table=self.block_table[shape.decodes :].clone(),
+                seq_lens=self.seq_lens[shape.decodes :].clone(),
+                query_start_loc=torch.tensor(
+                    [0, shape.new_tokens], dtype=torch.int32, device=device
+                ),
+                max_query_len=shape.new_tokens,
+                max_seq_len=shape.context + shape.new_tokens,
+            )
         self.scale = head_size**-0.5
         Caches = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
         self.bf16: Caches = (key, value, {})
@@ -147,7 +160,9 @@ class MixedBatch:
                 stored.append(values)
             self.caches = (stored[0], stored[1], scales)
 
-    def run(self, quantized: bool = True) -> torch.Tensor:
+    def run(self, quantized: bool = True, split: bool = False) -> torch.Tensor:
+        """The batch in one call of ``paged_attention``: one launch, or with
+        ``split`` (a quantized cache) the decodes' and the chunk's."""
         key_cache, value_cache, scales = self.caches if quantized else self.bf16
         return paged_attention.paged_attention(
             self.query,
@@ -161,43 +176,50 @@ class MixedBatch:
             max_seq_len=max(self.shape.seq_lens),
             k_scale=scales.get("k_scale"),
             v_scale=scales.get("v_scale"),
+            split=self.rest if split else None,
         )
 
-    def split(self, quantized: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The same batch as two launches: the chunk alone (widened where
-        the limits allow: one sequence's pages), then the decodes alone
-        (the flash-decoding path)."""
+    def two_launches(self, quantized: bool = True) -> torch.Tensor:
+        """The decodes (the flash-decoding path), then the chunk alone, as
+        separate calls: what ``split`` does, over any cache."""
         key_cache, value_cache, scales = self.caches if quantized else self.bf16
-        shape = self.shape
-        chunk = paged_attention.paged_attention(
-            self.query[: shape.new_tokens],
-            key_cache,
-            value_cache,
-            self.block_table[:1],
-            self.seq_lens[:1],
-            self.query_start_loc[:2],
-            self.scale,
-            max_query_len=shape.new_tokens,
-            max_seq_len=shape.context + shape.new_tokens,
-            k_scale=scales.get("k_scale"),
-            v_scale=scales.get("v_scale"),
+        kv = {"k_scale": scales.get("k_scale"), "v_scale": scales.get("v_scale")}
+        shape, rest = self.shape, self.rest
+        parts = []
+        if shape.decodes:
+            parts.append(
+                paged_attention.paged_attention(
+                    self.query[: shape.decodes],
+                    key_cache,
+                    value_cache,
+                    self.block_table[: shape.decodes],
+                    self.seq_lens[: shape.decodes],
+                    self.query_start_loc[: shape.decodes + 1],
+                    self.scale,
+                    max_query_len=1,
+                    max_seq_len=shape.decode_len,
+                    **kv,
+                )
+            )
+        assert rest is not None or not shape.decodes
+        chunk_args = (
+            (rest.block_table, rest.seq_lens, rest.query_start_loc)
+            if rest is not None
+            else (self.block_table, self.seq_lens, self.query_start_loc)
         )
-        if not shape.decodes:
-            return chunk, None
-        decodes = paged_attention.paged_attention(
-            self.query[shape.new_tokens :],
-            key_cache,
-            value_cache,
-            self.block_table[1:],
-            self.seq_lens[1:],
-            self.decode_starts,
-            self.scale,
-            max_query_len=1,
-            max_seq_len=shape.decode_len,
-            k_scale=scales.get("k_scale"),
-            v_scale=scales.get("v_scale"),
+        parts.append(
+            paged_attention.paged_attention(
+                self.query[shape.decodes :],
+                key_cache,
+                value_cache,
+                *chunk_args,
+                self.scale,
+                max_query_len=shape.new_tokens,
+                max_seq_len=shape.context + shape.new_tokens,
+                **kv,
+            )
         )
-        return chunk, decodes
+        return torch.cat(parts)
 
     def buffer(self) -> tuple[int, int]:
         """The widening's buffer: its bytes and its tokens (``dequant_blocks``)."""
@@ -211,8 +233,8 @@ class MixedBatch:
 
 def measure(batch: MixedBatch) -> dict[str, Any]:
     """One row: the batch over bf16 blocks, over quantized ones widened (both
-    limits lifted) and not widened, and split in two launches (the chunk
-    widened by the default limits, the decodes by the decode kernel)."""
+    limits lifted) and not widened, and split in two launches (the decodes
+    by the decode kernel, the chunk widened within the default limits)."""
     pa = paged_attention
     limits = (pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO)
     buffer_bytes, buffer_tokens = batch.buffer()
@@ -243,10 +265,9 @@ def measure(batch: MixedBatch) -> dict[str, Any]:
             row["unwidened_us"] = time_us(batch.run)
     finally:
         pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = limits
-    chunk, decodes = batch.split()
-    row["split_us"] = time_us(batch.split)
-    row["bf16_split_us"] = time_us(lambda: batch.split(quantized=False))
-    split = chunk if decodes is None else torch.cat([chunk, decodes])
+    split = batch.run(split=True)
+    row["split_us"] = time_us(lambda: batch.run(split=True))
+    row["bf16_split_us"] = time_us(lambda: batch.two_launches(quantized=False))
     row["max_abs_diff_split_unwidened"] = float((split.float() - unwidened.float()).abs().max())
     row["widened_vs_unwidened"] = row["widened_us"] / row["unwidened_us"]
     row["max_abs_diff_widened_unwidened"] = float((widened.float() - unwidened.float()).abs().max())
