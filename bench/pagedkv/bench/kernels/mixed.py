@@ -183,10 +183,10 @@ class MixedBatch:
         """The decodes (the flash-decoding path), then the chunk alone, as
         separate calls: what ``split`` does, over any cache."""
         key_cache, value_cache, scales = self.caches if quantized else self.bf16
-        kv = {"k_scale": scales.get("k_scale"), "v_scale": scales.get("v_scale")}
+        k_scale, v_scale = scales.get("k_scale"), scales.get("v_scale")
         shape, rest = self.shape, self.rest
         parts = []
-        if shape.decodes:
+        if rest is not None:
             parts.append(
                 paged_attention.paged_attention(
                     self.query[: shape.decodes],
@@ -198,25 +198,23 @@ class MixedBatch:
                     self.scale,
                     max_query_len=1,
                     max_seq_len=shape.decode_len,
-                    **kv,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
             )
-        assert rest is not None or not shape.decodes
-        chunk_args = (
-            (rest.block_table, rest.seq_lens, rest.query_start_loc)
-            if rest is not None
-            else (self.block_table, self.seq_lens, self.query_start_loc)
-        )
         parts.append(
             paged_attention.paged_attention(
                 self.query[shape.decodes :],
                 key_cache,
                 value_cache,
-                *chunk_args,
+                self.block_table if rest is None else rest.block_table,
+                self.seq_lens if rest is None else rest.seq_lens,
+                self.query_start_loc if rest is None else rest.query_start_loc,
                 self.scale,
                 max_query_len=shape.new_tokens,
                 max_seq_len=shape.context + shape.new_tokens,
-                **kv,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         )
         return torch.cat(parts)
