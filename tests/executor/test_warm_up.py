@@ -223,7 +223,7 @@ def test_over_quantized_blocks_each_decode_runs_again_before_a_prompt(
     launches."""
     config = RunnerConfig(
         model=str(model_dir),
-        kernel_backend="torch",
+        kernel_backend="triton",
         num_blocks=8,
         max_num_rows=4,
         max_num_batched_tokens=64,

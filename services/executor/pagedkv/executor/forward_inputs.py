@@ -78,7 +78,9 @@ class InputBuilder:
         self.softcap = softcap
         self.num_groups = len(groups)
         self.group_windows = tuple(g.spec.sliding_window for g in groups)
-        self.split_decodes = kv.dtype.itemsize == 1
+        # Triton's paged attention takes a quantized memory's decodes-first
+        # steps in two launches (the torch backend's, in one whatever it is given).
+        self.split_decodes = kv.dtype.itemsize == 1 and backend.name == "triton"
 
     def build(
         self,
