@@ -5,6 +5,7 @@ lengths; the executor logs its warm-up before it says ready."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.runner_config import RunnerConfig

@@ -94,6 +94,8 @@ class WarmUpRunner(Protocol):
     def graphs(self) -> DecodeGraphs | None: ...
     @property
     def widens_prefill_blocks(self) -> bool: ...
+    @property
+    def splits_decodes(self) -> bool: ...
     def forward(
         self,
         rows: np.ndarray,
@@ -255,7 +257,7 @@ def run_warm_up(runner: WarmUpRunner, num_blocks: int, profile: bool, full: bool
 
         with paged_attention.widening(False):
             ran += run_forwards(runner, unwidened_steps(steps), num_blocks)
-    if full and not profile and quantized and config.max_num_rows > 1:
+    if full and not profile and runner.splits_decodes and config.max_num_rows > 1:
         ran += run_forwards(runner, split_steps(decodes), num_blocks)
     if full and not profile:
         paths = _run_sampler_paths(runner)
