@@ -82,6 +82,25 @@ def copy_ceiling_gbps(num_bytes: int = 4 * 1024**3) -> float:
     return 2 * num_bytes / us / 1e3
 
 
+def stored_cache(cache: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache`` (``[num_blocks, block_size, num_kv_heads, head_size]``)
+    stored as an executor stores ``kv_dtype`` blocks, and its scale: int8
+    with a scale per token and KV head (laid out as ``int8_kv`` lays them
+    out), fp8 with one per tensor."""
+    if kv_dtype == torch.int8:
+        num_blocks, block_size, num_kv_heads, head_size = cache.shape
+        _, values, scales = int8_kv.block_storage(
+            num_blocks, block_size, num_kv_heads, head_size, device=cache.device
+        )
+        for start in range(0, len(cache), 4096):  # float32 copies a slice at a time
+            part = slice(start, start + 4096)
+            scales[part] = int8_kv.token_scales(cache[part])
+            values[part] = int8_kv.quantize(cache[part], scales[part])
+        return values, scales
+    scale = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
+    return fp8_kv.quantize(cache, scale, kv_dtype), scale
+
+
 class Case:
     """One batch: paged K/V behind shuffled block tables, and the same K/V contiguous."""
 
@@ -122,21 +141,9 @@ class Case:
         self.q = self.query.view(batch, new_tokens, NUM_Q_HEADS, head_size).transpose(1, 2)
         self.scale = head_size**-0.5
         self.kv_scales: dict[str, torch.Tensor] = {}
-        if kv_dtype == torch.int8:  # the paged copies quantized per token, SDPA's kept
-            for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
-                _, values, scales = int8_kv.block_storage(*shape, device="cuda")
-                for start in range(0, num_blocks, 4096):  # float32 copies a slice at a time
-                    part = slice(start, start + 4096)
-                    scales[part] = int8_kv.token_scales(cache[part])
-                    values[part] = int8_kv.quantize(cache[part], scales[part])
-                self.kv_scales[f"{name}_scale"] = scales
-                setattr(self, f"{'key' if name == 'k' else 'value'}_cache", values)
-        elif kv_dtype != DTYPE:  # fp8: the paged copies quantized, SDPA's kept
-            for name, cache in (("k", self.key_cache), ("v", self.value_cache)):
-                scale = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
-                self.kv_scales[f"{name}_scale"] = scale
-                quantized = fp8_kv.quantize(cache, scale, kv_dtype)
-                setattr(self, f"{'key' if name == 'k' else 'value'}_cache", quantized)
+        if kv_dtype != DTYPE:  # the paged copies quantized, SDPA's kept
+            self.key_cache, self.kv_scales["k_scale"] = stored_cache(self.key_cache, kv_dtype)
+            self.value_cache, self.kv_scales["v_scale"] = stored_cache(self.value_cache, kv_dtype)
 
     def ours(self) -> torch.Tensor:
         return paged_attention(

@@ -39,6 +39,7 @@ from pagedkv.bench.kernels.bench import (
     NUM_Q_HEADS,
     _environment,
     _write,
+    stored_cache,
     time_us,
 )
 from pagedkv.kernels import dequant_blocks, fp8_kv, int8_kv, paged_attention
@@ -142,23 +143,10 @@ class MixedBatch:
         Caches = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
         self.bf16: Caches = (key, value, {})
         self.caches: Caches = self.bf16
-        if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scales = {}
-            stored = []
-            for name, cache in (("k_scale", key), ("v_scale", value)):
-                scales[name] = fp8_kv.calibrated_scale(cache, kv_dtype, per_head=False)
-                stored.append(fp8_kv.quantize(cache, scales[name], kv_dtype))
-            self.caches = (stored[0], stored[1], scales)
-        elif kv_dtype == torch.int8:
-            scales = {}
-            stored = []
-            for name, cache in (("k_scale", key), ("v_scale", value)):
-                _, values, token_scales = int8_kv.block_storage(*cache_shape, device=device)
-                token_scales.copy_(int8_kv.token_scales(cache))
-                values.copy_(int8_kv.quantize(cache, token_scales))
-                scales[name] = token_scales
-                stored.append(values)
-            self.caches = (stored[0], stored[1], scales)
+        if kv_dtype != dtype:
+            key_cache, k_scale = stored_cache(key, kv_dtype)
+            value_cache, v_scale = stored_cache(value, kv_dtype)
+            self.caches = (key_cache, value_cache, {"k_scale": k_scale, "v_scale": v_scale})
 
     def run(self, quantized: bool = True, split: bool = False) -> torch.Tensor:
         """The batch in one call of ``paged_attention``: one launch, or with
