@@ -85,10 +85,20 @@ def test_two_launches_give_the_logits_of_one(
     llama: Path, kv: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = prefilled(llama, "triton", fused, kv)
+    launches: list[int] = []
+    decode = paged_attention.decode
+
+    def spy(query: torch.Tensor, *args: object) -> None:
+        launches.append(len(query))
+        decode(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_attention, "decode", spy)
     split = mixed_logits(runner, decodes_first=True)
+    assert launches == [1] * runner.spec.num_layers  # row 1's decode, alone, in every layer
     # The step again (it writes the same K/V at the same slots), in one launch.
     monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
     packed = mixed_logits(runner, decodes_first=True)
+    assert launches == [1] * runner.spec.num_layers
     # The decode's attention sums in another order in the decode kernel.
     assert relative(split, packed) < 1e-3
     # The prompt first: one launch whatever the switch says.

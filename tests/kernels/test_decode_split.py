@@ -35,11 +35,28 @@ def rest_of(batch: dict[str, torch.Tensor]) -> DecodeSplit:
     )
 
 
+def decode_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The entries of each flash-decoding launch ``paged_attention`` makes."""
+    launches: list[int] = []
+    decode = paged_attention.decode
+
+    def spy(query: torch.Tensor, *args: object) -> None:
+        launches.append(len(query))
+        decode(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_attention, "decode", spy)
+    return launches
+
+
 @pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
 def test_decodes_first_in_two_launches_match_the_oracle(
-    fp8: torch.dtype, sliding_window: int | None, softcap: float | None
+    fp8: torch.dtype,
+    sliding_window: int | None,
+    softcap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    launches = decode_launches(monkeypatch)
     kv = scales(2, per_head=True)
     batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
     quantized(batch, fp8, kv)
@@ -54,6 +71,7 @@ def test_decodes_first_in_two_launches_match_the_oracle(
         *args, **kwargs, **kv_device, max_query_len=max(QUERIES), split=rest_of(on_device)
     )  # type: ignore[arg-type]
     torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+    assert launches == [DECODES]  # the decodes alone, then the rest's prefill
 
 
 def test_a_float_cache_or_no_decodes_first_takes_one_launch(
@@ -61,6 +79,7 @@ def test_a_float_cache_or_no_decodes_first_takes_one_launch(
 ) -> None:
     # A split the batch does not match would read the wrong entries: one
     # that is not taken leaves the result the oracle's.
+    launches = decode_launches(monkeypatch)
     batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
     on_device = {
         name: value.to(DEVICE) for name, value in batch.items() if isinstance(value, torch.Tensor)
@@ -86,3 +105,4 @@ def test_a_float_cache_or_no_decodes_first_takes_one_launch(
     monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
     got = paged_attention.paged_attention(*args, scale=0.125, split=wrong, **kv_device)  # type: ignore[arg-type]
     torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+    assert launches == []

@@ -228,8 +228,10 @@ def paged_attention(
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
             raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
         tiles = tiles.contiguous()
-    elif (
-        split is not None
+    target = out
+    if (
+        tiles is None
+        and split is not None
         and PREFILL_SPLIT_DECODES
         and scales.quantized
         and 0 < split.num_decodes < len(seq_lens)
@@ -248,23 +250,13 @@ def paged_attention(
             split.decode_max_seq_len,
             scales,
         )
-        _prefill(
-            query[decodes:],
-            key_cache,
-            value_cache,
+        query, target = query[decodes:], out[decodes:]
+        block_table, seq_lens, query_start_loc = (
             split.block_table,
             split.seq_lens,
             split.query_start_loc,
-            out[decodes:],
-            scale,
-            sliding_window,
-            softcap,
-            split.max_query_len,
-            split.max_seq_len,
-            None,
-            scales,
         )
-        return out
+        max_query_len, max_seq_len = split.max_query_len, split.max_seq_len
     _prefill(
         query,
         key_cache,
@@ -272,7 +264,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
-        out,
+        target,
         scale,
         sliding_window,
         softcap,

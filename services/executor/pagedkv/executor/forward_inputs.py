@@ -59,6 +59,17 @@ def pack_aligned(arrays: list[np.ndarray], device: torch.device) -> list[torch.T
     return [packed[start : start + len(a)] for a, start in zip(arrays, offsets, strict=False)]
 
 
+def _splits_decodes(kv: KVMemory, backend: KernelBackend) -> bool:
+    """Whether attention takes a step's leading decodes in a launch of their
+    own: Triton's paged attention over a quantized memory, with its
+    ``PREFILL_SPLIT_DECODES`` on (the torch backend computes a batch at once)."""
+    if kv.dtype.itemsize != 1 or backend.name != "triton":
+        return False
+    from pagedkv.kernels import paged_attention  # the backend imported it
+
+    return paged_attention.PREFILL_SPLIT_DECODES
+
+
 class InputBuilder:
     """The forward inputs over one executor's rows and KV memory."""
 
@@ -78,9 +89,7 @@ class InputBuilder:
         self.softcap = softcap
         self.num_groups = len(groups)
         self.group_windows = tuple(g.spec.sliding_window for g in groups)
-        # Triton's paged attention takes a quantized memory's decodes-first
-        # steps in two launches (the torch backend's, in one whatever it is given).
-        self.split_decodes = kv.dtype.itemsize == 1 and backend.name == "triton"
+        self.splits_decodes = _splits_decodes(kv, backend)
 
     def build(
         self,
@@ -177,7 +186,7 @@ class InputBuilder:
         """How many entries at the start of an eager step are one-token
         decodes, where attention takes them in a launch of their own
         (``DecodeSplit``: a quantized memory, prompts after them); else 0."""
-        if not self.split_decodes or num_scheduled.max() == 1:
+        if not self.splits_decodes or num_scheduled.max() == 1:
             return 0
         return int(np.argmax(num_scheduled != 1))
 

@@ -193,7 +193,7 @@ class ModelRunner:
     def splits_decodes(self) -> bool:
         """Whether attention takes the decodes of a step whose decodes come
         first in a launch of their own (``forward_inputs``, ``DecodeSplit``)."""
-        return self.forward_inputs.split_decodes
+        return self.forward_inputs.splits_decodes
 
     def _attach_kv(self, num_blocks: int) -> None:
         """Allocates the KV memory of ``num_blocks`` blocks and the builder
