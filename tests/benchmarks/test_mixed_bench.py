@@ -41,7 +41,7 @@ def test_the_split_and_two_launches_match_the_packed_batch(kv: str) -> None:
     assert batch.rest is not None and batch.rest.query_start_loc.tolist() == [0, 20]
     packed = batch.run()
     torch.testing.assert_close(batch.run(split=True), packed, atol=2e-3, rtol=0)
-    torch.testing.assert_close(batch.two_launches(), packed, atol=2e-3, rtol=0)
+    torch.testing.assert_close(torch.cat(batch.two_launches()), packed, atol=2e-3, rtol=0)
     key_cache, value_cache, scales = batch.caches
     expected = reference.paged_attention(
         batch.query,
@@ -58,6 +58,8 @@ def test_the_split_and_two_launches_match_the_packed_batch(kv: str) -> None:
         batch.query, *batch.bf16[:2], batch.block_table, batch.seq_lens,
         batch.query_start_loc, batch.scale,
     )  # fmt: skip
-    torch.testing.assert_close(batch.two_launches(quantized=False), bf16, atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        torch.cat(batch.two_launches(quantized=False)), bf16, atol=2e-3, rtol=0
+    )
     # Four sequences, each the longest one's 3 pages rounded up to the buffer's multiple.
     assert batch.buffer()[1] == 4 * dequant_blocks.PAGE_MULTIPLE * 16
