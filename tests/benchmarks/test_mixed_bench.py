@@ -4,13 +4,8 @@ batch gives and what the oracle gives (on the CPU, under the interpreter)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.bench.kernels import mixed
 from pagedkv.kernels import dequant_blocks, reference

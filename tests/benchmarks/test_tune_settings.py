@@ -5,13 +5,7 @@ prefill tiles are timed with every combination of the prefill switches."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.bench.kernels import tune
 

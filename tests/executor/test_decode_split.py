@@ -5,15 +5,11 @@ launches, and the logits are those of the same step in one launch."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.tiny_model import make_tiny_model

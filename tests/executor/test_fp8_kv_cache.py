@@ -7,15 +7,11 @@ transformers' modules alike."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.runner_config import RunnerConfig

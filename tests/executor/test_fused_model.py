@@ -4,15 +4,11 @@ over cached context, logits compared at every sampled token."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.fused_support import unsupported_reason
 from pagedkv.executor.model_runner import ModelRunner

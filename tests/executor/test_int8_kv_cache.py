@@ -7,15 +7,11 @@ and transformers' modules alike."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.tiny_model import make_tiny_model
 from tests.executor.test_fused_model import make_runner, step_logits

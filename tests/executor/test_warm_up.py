@@ -5,7 +5,6 @@ lengths; the executor logs its warm-up before it says ready."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.runner_config import RunnerConfig
@@ -30,6 +26,8 @@ from pagedkv.executor.warm_up import (
     unwidened_steps,
     warm_up_steps,
 )
+from pagedkv.kernels import paged_attention
+from pagedkv.kernels.decode_attention import launch_constants, sm_count, split_count
 from tests.executor.driver import ExecutorProcess
 from tests.service.test_model_families import family_dirs
 
@@ -67,11 +65,6 @@ def test_the_steps_reach_every_slot_mapping_block_and_both_attention_tilings() -
     assert steps[-1] == WarmUpStep(4, 0, 2048)  # the largest step, as the KV memory was sized
 
 
-# The kernel modules are imported inside the tests: collected before
-# tests/kernels/conftest.py chooses Triton's interpreter, a module-level
-# import would define the kernels without it for the whole run.
-
-
 def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
     """What Triton specializes the flash-decoding launch on: the split
     count equal to 1, a multiple of 16, and the merge's power-of-two width."""
@@ -87,11 +80,6 @@ def _split_variant(num_splits: int) -> tuple[bool, bool, int]:
 def test_decode_steps_reach_each_split_variant_once_at_its_shortest_context(
     max_model_len: int, num_kv_heads: int, num_sms: int, fp8: bool, words: bool
 ) -> None:
-    from pagedkv.kernels.decode_attention import (
-        launch_constants,
-        split_count,
-    )  # here: see above _split_variant
-
     (block_n, _, _), per_sm = launch_constants(fp8, words)
 
     def count(pairs: int, seq_len: int) -> int:
@@ -169,8 +157,6 @@ def test_the_warm_up_runs_each_step_and_sampler_path_and_leaves_rows_and_rngs_as
     global_state = torch.random.get_rng_state()
     report = runner.warm_up(full=True)
 
-    from pagedkv.kernels.decode_attention import sm_count  # here: see above _split_variant
-
     spec = runner.spec
     expected = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device))
     expected += warm_up_steps(64, spec.max_model_len, 4)
@@ -192,8 +178,6 @@ def test_where_prefills_widen_quantized_blocks_they_run_again_without(
     the warm-up's prefills have no context beside them, so each the Gluon
     kernel takes widens, and the prefills run once more with the widening
     off, which builds the Triton kernel the other steps take."""
-    from pagedkv.kernels import paged_attention  # here: see above _split_variant
-    from pagedkv.kernels.decode_attention import sm_count
 
     seen: list[tuple[int, bool]] = []
     forward = runner.forward
@@ -245,8 +229,6 @@ def test_over_quantized_blocks_each_decode_runs_again_before_a_prompt(
 
     monkeypatch.setattr(runner.forward_inputs, "prepare", spy)
     report = runner.warm_up(full=True)
-
-    from pagedkv.kernels.decode_attention import sm_count  # here: see above _split_variant
 
     spec = runner.spec
     decodes = decode_steps(spec.max_model_len, spec.num_kv_heads, sm_count(runner.device), True)

@@ -14,7 +14,7 @@ prefill and the block moves.
     python -m tests.kernels.sm90_compile   # prints the kernels built; exit 1 on a failure
 
 Run in a process of its own: ``TRITON_INTERPRET`` must be unset before
-any kernel is defined (tests/kernels/conftest.py sets it for the tests).
+any kernel is defined (tests/conftest.py sets it for the tests).
 """
 
 from __future__ import annotations
