@@ -1,5 +1,5 @@
-"""An eager step whose decodes come before a prompt's chunk, over an fp8 or
-int8 memory: its forward inputs describe the rest of the batch
+"""An eager step whose decodes come before a prompt's chunk, over a float,
+fp8 or int8 memory: its forward inputs describe the rest of the batch
 (``DecodeSplit``, every index vector its own), attention takes two
 launches, and the logits are those of the same step in one launch."""
 
@@ -17,6 +17,7 @@ from pagedkv.kernels import paged_attention
 from tests.executor.test_fused_model import make_runner
 
 ALL = np.ones(2, bool)
+KV_DTYPES = ["auto", "fp8_e4m3", "int8"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,10 @@ def mixed_logits(runner: ModelRunner, decodes_first: bool) -> torch.Tensor:
     return logits.flip(0) if decodes_first else logits
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_the_rest_of_the_batch_has_index_vectors_of_its_own(llama: Path, kv: str) -> None:
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_the_rest_of_the_batch_has_index_vectors_of_its_own(
+    llama: Path, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = prefilled(llama, "triton", True, kv)
     prepare = runner.forward_inputs.prepare
     inputs = prepare(np.array([1, 0]), np.array([27, 0]), np.array([1, 9]), ALL)
@@ -61,21 +64,24 @@ def test_the_rest_of_the_batch_has_index_vectors_of_its_own(llama: Path, kv: str
     assert torch.equal(split.block_table, table[:1])  # row 0's
     for vector in (split.seq_lens, split.query_start_loc, split.block_table):
         assert vector.data_ptr() % 16 == 0  # the kernels' pointer class stays one
-    # A prompt first, decodes only, or a float memory: one launch.
+    # A prompt first, decodes only, or the switch off when the runner is
+    # made: one launch.
     assert (
         prepare(np.array([0, 1]), np.array([0, 27]), np.array([9, 1]), ALL).metadata.splits is None
     )
     assert (
         prepare(np.array([1, 0]), np.array([27, 9]), np.array([1, 1]), ALL).metadata.splits is None
     )
-    float_runner = prefilled(llama, "triton", True, "auto")
-    float_inputs = float_runner.forward_inputs.prepare(
+    monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
+    off = prefilled(llama, "triton", True, kv)
+    assert not off.splits_decodes
+    off_inputs = off.forward_inputs.prepare(
         np.array([1, 0]), np.array([27, 0]), np.array([1, 9]), ALL
     )
-    assert float_inputs.metadata.splits is None
+    assert off_inputs.metadata.splits is None
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
 def test_two_launches_give_the_logits_of_one(
     llama: Path, kv: str, fused: bool, monkeypatch: pytest.MonkeyPatch

@@ -1,8 +1,10 @@
 """``paged_attention``'s ``split``: a batch whose first entries are decodes,
-over an fp8 cache, in two launches (the decodes, then the rest as a batch
-of its own), against the oracle over the whole batch."""
+over a float or fp8 cache, in two launches (the decodes, then the rest as a
+batch of its own), against the oracle over the whole batch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -48,18 +50,20 @@ def decode_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
-@pytest.mark.parametrize("fp8", FORMATS)
+@pytest.mark.parametrize("fp8", [None, *FORMATS], ids=["float16", *map(str, FORMATS)])
 @pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (None, 5.0)])
 def test_decodes_first_in_two_launches_match_the_oracle(
-    fp8: torch.dtype,
+    fp8: torch.dtype | None,
     sliding_window: int | None,
     softcap: float | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     launches = decode_launches(monkeypatch)
-    kv = scales(2, per_head=True)
+    kv: dict[str, torch.Tensor] = {}
     batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
-    quantized(batch, fp8, kv)
+    if fp8 is not None:
+        kv = scales(2, per_head=True)
+        quantized(batch, fp8, kv)
     on_device = {
         name: value.to(DEVICE) for name, value in batch.items() if isinstance(value, torch.Tensor)
     }
@@ -74,11 +78,10 @@ def test_decodes_first_in_two_launches_match_the_oracle(
     assert launches == [DECODES]  # the decodes alone, then the rest's prefill
 
 
-def test_a_float_cache_or_no_decodes_first_takes_one_launch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_split_not_taken_leaves_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     # A split the batch does not match would read the wrong entries: one
-    # that is not taken leaves the result the oracle's.
+    # that is not taken (no decodes first, or the switch off) leaves the
+    # result the oracle's.
     launches = decode_launches(monkeypatch)
     batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
     on_device = {
@@ -95,6 +98,10 @@ def test_a_float_cache_or_no_decodes_first_takes_one_launch(
         max_query_len=1,
         max_seq_len=1,
     )
+    none_first = dataclasses.replace(wrong, num_decodes=0)
+    got = paged_attention.paged_attention(*args, scale=0.125, split=none_first)  # type: ignore[arg-type]
+    torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+    monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
     got = paged_attention.paged_attention(*args, scale=0.125, split=wrong)  # type: ignore[arg-type]
     torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
     kv = scales(2, per_head=False)
@@ -102,7 +109,6 @@ def test_a_float_cache_or_no_decodes_first_takes_one_launch(
     args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
     want = reference.paged_attention(*[batch[n] for n in NAMES], scale=0.125, **kv)  # type: ignore[arg-type]
     kv_device = {name: value.to(DEVICE) for name, value in kv.items()}
-    monkeypatch.setattr(paged_attention, "PREFILL_SPLIT_DECODES", False)
     got = paged_attention.paged_attention(*args, scale=0.125, split=wrong, **kv_device)  # type: ignore[arg-type]
     torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
     assert launches == []

@@ -1,14 +1,15 @@
 """A mixed batch's leading decodes, for attention in two launches.
 
 A step that computes a prompt's chunk beside decodes packs both into one
-batch. Over an fp8 or int8 cache, the prefill kernels read such a batch in
-one of two ways (``paged_attention``): its blocks widened for the Gluon
-kernel, where the buffer holds every entry's context, a decode's included;
-or the Triton kernel over the quantized blocks, which computes each decode
-with a tile of prefill rows. With the decodes first in the batch and a
-``DecodeSplit`` describing the rest, ``paged_attention`` instead launches the
-flash-decoding kernel over the decodes and the prefill path over the other
-entries alone, whose widening then holds only their own context.
+batch. The prefill kernels compute each decode of such a batch with a tile
+of prefill rows, one of them live, in one program that walks its whole
+context; over an fp8 or int8 cache, widening the blocks for the Gluon
+kernel would also fill the buffer with every decode's context. With the
+decodes first in the batch and a ``DecodeSplit`` describing the rest,
+``paged_attention`` instead launches the flash-decoding kernel over the
+decodes (their contexts spread over many programs) and the prefill path
+over the other entries alone, whose widening then holds only their own
+context.
 
 The split's index tensors are the other entries' own (the executor packs
 them 16-byte aligned with the step's other index vectors, forward_inputs.py),

@@ -11,8 +11,8 @@ chunk's own attention (its new tokens times its context). This bench times
 each case both ways, the limits lifted for the widened one; split in two
 launches (``paged_attention``'s ``split``: the decodes by the
 flash-decoding kernel, then the chunk alone, widened within the limits);
-and the same batch over bf16 blocks, packed and in the same two launches,
-so that the bound, and where to split, can be chosen from what each costs:
+and the same batch over bf16 blocks, packed and split; so that the bound,
+and where to split, can be chosen from what each costs:
 
     python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
         --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
@@ -150,7 +150,7 @@ class MixedBatch:
 
     def run(self, quantized: bool = True, split: bool = False) -> torch.Tensor:
         """The batch in one call of ``paged_attention``: one launch, or with
-        ``split`` (a quantized cache) the decodes' and the chunk's."""
+        ``split`` the decodes' and the chunk's."""
         key_cache, value_cache, scales = self.caches if quantized else self.bf16
         return paged_attention.paged_attention(
             self.query,
@@ -166,47 +166,6 @@ class MixedBatch:
             v_scale=scales.get("v_scale"),
             split=self.rest if split else None,
         )
-
-    def two_launches(self, quantized: bool = True) -> list[torch.Tensor]:
-        """The decodes (the flash-decoding path), then the chunk alone, as
-        separate calls: what ``split`` does, over any cache; their outputs
-        (the split writes them into one tensor, so no copy is timed here)."""
-        key_cache, value_cache, scales = self.caches if quantized else self.bf16
-        k_scale, v_scale = scales.get("k_scale"), scales.get("v_scale")
-        shape, rest = self.shape, self.rest
-        parts = []
-        if rest is not None:
-            parts.append(
-                paged_attention.paged_attention(
-                    self.query[: shape.decodes],
-                    key_cache,
-                    value_cache,
-                    self.block_table[: shape.decodes],
-                    self.seq_lens[: shape.decodes],
-                    self.query_start_loc[: shape.decodes + 1],
-                    self.scale,
-                    max_query_len=1,
-                    max_seq_len=shape.decode_len,
-                    k_scale=k_scale,
-                    v_scale=v_scale,
-                )
-            )
-        parts.append(
-            paged_attention.paged_attention(
-                self.query[shape.decodes :],
-                key_cache,
-                value_cache,
-                self.block_table if rest is None else rest.block_table,
-                self.seq_lens if rest is None else rest.seq_lens,
-                self.query_start_loc if rest is None else rest.query_start_loc,
-                self.scale,
-                max_query_len=shape.new_tokens,
-                max_seq_len=shape.context + shape.new_tokens,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-        )
-        return parts
 
     def buffer(self) -> tuple[int, int]:
         """The widening's buffer: its bytes and its tokens (``dequant_blocks``)."""
@@ -253,10 +212,10 @@ def measure(batch: MixedBatch) -> dict[str, Any]:
         pa.PREFILL_SPLIT_DECODES = True  # timed whatever the default
         split = batch.run(split=True)
         row["split_us"] = time_us(lambda: batch.run(split=True))
+        row["bf16_split_us"] = time_us(lambda: batch.run(quantized=False, split=True))
     finally:
         pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = limits
         pa.PREFILL_SPLIT_DECODES = switch
-    row["bf16_split_us"] = time_us(lambda: batch.two_launches(quantized=False))
     row["max_abs_diff_split_unwidened"] = float((split.float() - unwidened.float()).abs().max())
     row["widened_vs_unwidened"] = row["widened_us"] / row["unwidened_us"]
     row["max_abs_diff_widened_unwidened"] = float((widened.float() - unwidened.float()).abs().max())

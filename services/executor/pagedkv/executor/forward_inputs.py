@@ -59,11 +59,11 @@ def pack_aligned(arrays: list[np.ndarray], device: torch.device) -> list[torch.T
     return [packed[start : start + len(a)] for a, start in zip(arrays, offsets, strict=False)]
 
 
-def _splits_decodes(kv: KVMemory, backend: KernelBackend) -> bool:
+def _splits_decodes(backend: KernelBackend) -> bool:
     """Whether attention takes a step's leading decodes in a launch of their
-    own: Triton's paged attention over a quantized memory, with its
-    ``PREFILL_SPLIT_DECODES`` on (the torch backend computes a batch at once)."""
-    if kv.dtype.itemsize != 1 or backend.name != "triton":
+    own: Triton's paged attention, with its ``PREFILL_SPLIT_DECODES`` on
+    (the torch backend computes a batch at once)."""
+    if backend.name != "triton":
         return False
     from pagedkv.kernels import paged_attention  # the backend imported it
 
@@ -89,7 +89,7 @@ class InputBuilder:
         self.softcap = softcap
         self.num_groups = len(groups)
         self.group_windows = tuple(g.spec.sliding_window for g in groups)
-        self.splits_decodes = _splits_decodes(kv, backend)
+        self.splits_decodes = _splits_decodes(backend)
 
     def build(
         self,
@@ -185,7 +185,7 @@ class InputBuilder:
     def _leading_decodes(self, num_scheduled: np.ndarray) -> int:
         """How many entries at the start of an eager step are one-token
         decodes, where attention takes them in a launch of their own
-        (``DecodeSplit``: a quantized memory, prompts after them); else 0."""
+        (``DecodeSplit``: prompts after them, on the Triton backend); else 0."""
         if not self.splits_decodes or num_scheduled.max() == 1:
             return 0
         return int(np.argmax(num_scheduled != 1))

@@ -29,8 +29,8 @@ with every request queued behind it. What a step can reach, and how:
   context beside them, so each one the Gluon kernel takes widens, and
   ``run_warm_up`` runs them again with the widening off
   (``unwidened_steps``) to build the Triton kernel's variants too;
-- over an fp8 or int8 cache, an eager step whose decodes come before a
-  prompt launches the flash-decoding kernel over the decodes alone
+- an eager step whose decodes come before a prompt launches the
+  flash-decoding kernel over the decodes alone
   (``DecodeSplit``), without the rotary embedding a fused model's decode
   steps fold into it: ``split_steps`` runs each of ``decode_steps``' decodes
   before a two-token prompt;
@@ -211,8 +211,8 @@ def unwidened_steps(steps: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
 
 def split_steps(decodes: tuple[WarmUpStep, ...]) -> tuple[WarmUpStep, ...]:
     """For each of ``decodes`` (``decode_steps``), that decode before a
-    two-token prompt: over a quantized memory such a step's attention
-    launches the flash-decoding kernel over the decode alone, without the
+    two-token prompt: such a step's attention launches the
+    flash-decoding kernel over the decode alone, without the
     one-launch decode's rotary embedding (``DecodeSplit``), a variant the
     eager decode steps of a fused model never reach."""
     return tuple(WarmUpStep(1, 0, 2, decode_context=step.num_computed) for step in decodes)
