@@ -11,8 +11,10 @@
 # It installs those wheels into SITE (/tmp/site), puts the parts' sources on
 # PYTHONPATH (nothing of pagedkv is installed; their `pagedkv` subcommands are
 # registered beside the wheels), prints what it runs with, then runs
-#   - the tests marked gpu in tests/executor and tests/kernels (about 4
-#     minutes), and, with END_TO_END=1,
+#   - the tests marked gpu in tests/executor and tests/kernels (more than
+#     5 minutes on an H100, whose executor-process tests take about 15 s
+#     each: give tests/kernels and tests/executor a step each), and, with
+#     END_TO_END=1,
 #   - the tests that drive executor servers end to end over gRPC
 #     (tests/executor/test_executor_api.py, tests/service/test_hardening.py;
 #     about 3 minutes more: their executors run on the CPU, so they check the
