@@ -15,6 +15,7 @@ from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.tiny_model import make_tiny_model
 from pagedkv.kernels import paged_attention
 from tests.executor.test_fused_model import make_runner
+from tests.kernels.test_decode_split import decode_launches
 
 ALL = np.ones(2, bool)
 KV_DTYPES = ["auto", "fp8_e4m3", "int8"]
@@ -87,14 +88,7 @@ def test_two_launches_give_the_logits_of_one(
     llama: Path, kv: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = prefilled(llama, "triton", fused, kv)
-    launches: list[int] = []
-    decode = paged_attention.decode
-
-    def spy(query: torch.Tensor, *args: object) -> None:
-        launches.append(len(query))
-        decode(query, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(paged_attention, "decode", spy)
+    launches = decode_launches(monkeypatch)
     split = mixed_logits(runner, decodes_first=True)
     assert launches == [1] * runner.spec.num_layers  # row 1's decode, alone, in every layer
     # The step again (it writes the same K/V at the same slots), in one launch.
