@@ -56,3 +56,14 @@ def test_the_split_matches_the_packed_batch(kv: str) -> None:
     torch.testing.assert_close(batch.run(quantized=False, split=True), bf16, atol=2e-3, rtol=0)
     # Four sequences, each the longest one's 3 pages rounded up to the buffer's multiple.
     assert batch.buffer()[1] == 4 * dequant_blocks.PAGE_MULTIPLE * 16
+    # As a graph's step, over 6 slots (3 of them padding entries), packed and split.
+    batch.tiled(slots=6, max_model_len=64)
+    assert batch.tiled_decodes.seq_lens.tolist() == [40, 40, 40, 1, 1, 1]
+    assert batch.padded_starts.tolist() == [0, 1, 2, 3, 23, 23, 23]
+    assert batch.tiles_split[0].tolist().count(3) == batch.tiles[0].tolist().count(3)
+    assert {0, 1, 2} <= set(batch.tiles[0].tolist())
+    assert set(batch.tiles_split[0].tolist()) == {3, -1}
+    for quantized, want in ((True, packed), (False, bf16)):
+        tiled = batch.run_tiled(quantized=quantized)
+        torch.testing.assert_close(tiled, want, atol=2e-3, rtol=0)
+        torch.testing.assert_close(batch.run_tiled(quantized, split=True), tiled, atol=2e-3, rtol=0)

@@ -15,6 +15,7 @@ from pagedkv.executor.mixed_graphs import MixedGraphs, tile_schedule
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.runner_config import RunnerConfig
 from pagedkv.executor.tiny_model import make_tiny_model
+from tests.kernels.test_decode_split import decode_launches
 
 BLOCKS_PER_ROW = 4
 PROMPT_LEN = 21
@@ -100,6 +101,42 @@ def test_a_mixed_graph_gives_the_eager_logits_and_its_padding_writes_no_kv(
     assert positions.tolist() == (computed + scheduled)[sample].tolist()
     for cache in caches:
         assert bool((cache[1, 0] == 123.0).all())
+
+
+@pytest.mark.parametrize(
+    ("rows", "computed", "scheduled"),
+    [
+        ([2, 1], [PROMPT_LEN, 10], [1, 11]),  # a decode, then a chunk
+        ([2, 0, 1], [PROMPT_LEN, PROMPT_LEN - 1, 3], [1, 1, 15]),  # two decodes first
+        ([2, 0], [PROMPT_LEN, PROMPT_LEN - 1], [1, 1]),  # decodes alone
+    ],
+)
+def test_a_mixed_graph_takes_its_leading_decodes_in_a_launch_of_their_own(
+    runner: ModelRunner,
+    rows: list[int],
+    computed: list[int],
+    scheduled: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the Triton backend the graph's decode launch covers its 4 slots
+    # (one a layer) and the tiles the rest; on torch's, one launch.
+    entries = np.array(rows)
+    sample = np.ones(len(rows), bool)
+    num_computed, num_scheduled = np.array(computed), np.array(scheduled)
+    inputs = runner.forward_inputs.prepare(entries, num_computed, num_scheduled, sample)
+    eager = runner.logits(inputs)
+    assert eager is not None
+    caches = runner.kv.key_caches + runner.kv.value_caches
+    for cache in caches:  # where padding (row 0, position 0) would write
+        cache[1, 0] = 123.0
+    launches = decode_launches(monkeypatch)
+    graphs = MixedGraphs(runner, 64, 4, capture=False)
+    logits, _, _ = graphs.run(entries, num_computed, num_scheduled, sample)
+    torch.testing.assert_close(logits.float(), eager, atol=1e-4, rtol=1e-4)
+    for cache in caches:
+        assert bool((cache[1, 0] == 123.0).all())
+    layers = runner.spec.num_layers
+    assert launches == ([4] * layers if runner.splits_decodes else [])
 
 
 def test_a_tile_schedule_covers_every_tile_once_the_furthest_reaching_first() -> None:

@@ -1,6 +1,7 @@
 """``paged_attention``'s ``split``: a batch whose first entries are decodes,
 over a float or fp8 cache, in two launches (the decodes, then the rest as a
-batch of its own), against the oracle over the whole batch."""
+batch of its own; or, with a tile schedule, the decodes' slots, then the
+schedule), against the oracle over the whole batch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagedkv.kernels import paged_attention, reference
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 from tests.kernels.test_fp8_cache_kernels import FORMATS, NAMES, quantized, scales
 from tests.kernels.test_reference import build_batch
 from tests.kernels.test_triton_kernels import DEVICE
@@ -112,3 +113,56 @@ def test_a_split_not_taken_leaves_one_launch(monkeypatch: pytest.MonkeyPatch) ->
     got = paged_attention.paged_attention(*args, scale=0.125, split=wrong, **kv_device)  # type: ignore[arg-type]
     torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
     assert launches == []
+
+
+def tiled_decodes(batch: dict[str, torch.Tensor], slots: int) -> tuple[torch.Tensor, TiledDecodes]:
+    """A CUDA graph's form: a schedule of every query tile after the leading
+    decodes, with spare programs, and the decode launch's ``slots`` (those
+    past the decodes one token long)."""
+    rows = paged_attention.tile_rows(max(QUERIES), batch["query"].shape[-1])
+    schedule = [
+        (entry, tile)
+        for entry in range(DECODES, len(QUERIES))
+        for tile in range(-(-QUERIES[entry] // rows))
+    ]
+    schedule += [(-1, -1)] * 3
+    tiles = torch.tensor(schedule, dtype=torch.int32).T.contiguous()
+    lens = torch.ones(slots, dtype=torch.int32)
+    lens[:DECODES] = batch["seq_lens"][:DECODES]
+    return tiles, TiledDecodes(slots, lens, max_seq_len=512)
+
+
+@pytest.mark.parametrize("fp8", [None, FORMATS[0]], ids=["float16", str(FORMATS[0])])
+@pytest.mark.parametrize("slots", [DECODES, 5])
+def test_a_schedules_leading_decodes_in_a_launch_of_their_own_match_the_oracle(
+    fp8: torch.dtype | None, slots: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slots past the decodes hold a prompt's rows, which the tiles write again.
+    launches = decode_launches(monkeypatch)
+    kv: dict[str, torch.Tensor] = {}
+    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    if fp8 is not None:
+        kv = scales(2, per_head=True)
+        quantized(batch, fp8, kv)
+    tiles, decodes = tiled_decodes(batch, slots)
+    args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
+    kv_device = {name: value.to(DEVICE) for name, value in kv.items()}
+    want = reference.paged_attention(*[batch[n] for n in NAMES], scale=0.125, **kv)  # type: ignore[arg-type]
+    split = TiledDecodes(slots, decodes.seq_lens.to(DEVICE), decodes.max_seq_len)
+    got = paged_attention.paged_attention(
+        *args, scale=0.125, max_query_len=max(QUERIES), max_seq_len=512,
+        tiles=tiles.to(DEVICE), split=split, **kv_device,
+    )  # type: ignore[arg-type]  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+    assert launches == [slots]
+
+
+def test_tiled_decodes_need_a_schedule_and_fit_the_batch() -> None:
+    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    tiles, decodes = tiled_decodes(batch, DECODES)
+    args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="split: a TiledDecodes goes with tiles"):
+        paged_attention.paged_attention(*args, scale=0.125, split=decodes)  # type: ignore[arg-type]
+    too_many = TiledDecodes(len(CONTEXTS) + 1, torch.ones(len(CONTEXTS) + 1, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="split: 8 slots"):
+        paged_attention.paged_attention(*args, scale=0.125, tiles=tiles.to(DEVICE), split=too_many)  # type: ignore[arg-type]

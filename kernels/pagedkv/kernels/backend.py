@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 
 BACKEND_NAMES = ("triton", "torch")
 
@@ -70,7 +70,7 @@ class PagedAttention(Protocol):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
-        split: DecodeSplit | None = None,
+        split: DecodeSplit | TiledDecodes | None = None,
     ) -> torch.Tensor: ...
 
 

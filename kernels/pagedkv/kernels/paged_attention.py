@@ -24,7 +24,7 @@ import triton
 from pagedkv.kernels import dequant_blocks, prefill_gluon
 from pagedkv.kernels.checks import check_attention_args
 from pagedkv.kernels.decode_attention import decode, rotary_decode_attention
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 from pagedkv.kernels.kv_quant import ScaleArgs, scale_args
 from pagedkv.kernels.prefill_kernel import _paged_attention_kernel
 
@@ -169,7 +169,7 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split: DecodeSplit | None = None,
+    split: DecodeSplit | TiledDecodes | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
@@ -189,7 +189,10 @@ def paged_attention(
     ``v_scale`` (``kv_quant``): an fp8 cache's per tensor or KV head, an
     int8 cache's per token and KV head. ``split`` (no ``tiles``) says that
     the batch's first entries are decodes and describes the rest: each
-    part then takes its own launch (``PREFILL_SPLIT_DECODES``).
+    part then takes its own launch (``PREFILL_SPLIT_DECODES``). With
+    ``tiles``, a ``TiledDecodes`` ``split`` says that the schedule leaves
+    out the leading decodes, which take the flash-decoding launch over its
+    slots first (always: the schedule decided it).
     """
     check_attention_args(
         query,
@@ -232,6 +235,12 @@ def paged_attention(
         if tiles.ndim != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32:
             raise ValueError("tiles: expected an int32 [2, num_tiles] tensor")
         tiles = tiles.contiguous()
+    if isinstance(split, TiledDecodes):
+        if tiles is None:
+            raise ValueError("split: a TiledDecodes goes with tiles")
+        _tiled_decodes(query, key_cache, value_cache, block_table, out, scale, sliding_window,
+                       softcap, split, scales)  # fmt: skip
+        split = None
     target = out
     if (
         tiles is None
@@ -277,6 +286,42 @@ def paged_attention(
         scales,
     )
     return out
+
+
+def _tiled_decodes(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    split: TiledDecodes,
+    scales: ScaleArgs,
+) -> None:
+    """A tiled batch's leading decodes: the flash-decoding launch over its
+    first ``split.num_slots`` tokens, before the tiles (which write the
+    slots that are a prompt's rows again)."""
+    slots = split.num_slots
+    if not 0 < slots <= min(len(query), len(block_table)) or split.seq_lens.shape != (slots,):
+        raise ValueError(
+            f"split: {slots} slots with seq_lens of shape {tuple(split.seq_lens.shape)}"
+            f" over {len(query)} tokens and {len(block_table)} entries"
+        )
+    decode(
+        query[:slots],
+        key_cache,
+        value_cache,
+        block_table[:slots],
+        split.seq_lens,
+        out[:slots],
+        scale,
+        sliding_window,
+        softcap,
+        split.max_seq_len,
+        scales,
+    )
 
 
 def _prefill(

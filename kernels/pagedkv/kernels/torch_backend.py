@@ -31,7 +31,7 @@ from pagedkv.kernels.checks import (
     check_rotary_args,
     check_rotate,
 )
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,7 +172,7 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split: DecodeSplit | None = None,  # the Triton path's two launches: one batch here
+    split: DecodeSplit | TiledDecodes | None = None,  # the Triton path's launches: one here
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size], query's dtype
     """Causal attention of each sequence's new tokens over its paged K/V.
 

@@ -12,7 +12,10 @@ each case both ways, the limits lifted for the widened one; split in two
 launches (``paged_attention``'s ``split``: the decodes by the
 flash-decoding kernel, then the chunk alone, widened within the limits);
 and the same batch over bf16 blocks, packed and split; so that the bound,
-and where to split, can be chosen from what each costs:
+and where to split, can be chosen from what each costs. A CUDA graph's
+mixed step (``tiles``, no widening) is timed too, packed and with its
+leading decodes in the graph's own decode launch over ``--slots`` slots
+(``TiledDecodes``), over bf16 and the quantized blocks:
 
     python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
         --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
@@ -29,8 +32,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.bench.kernels.bench import (
@@ -43,7 +48,7 @@ from pagedkv.bench.kernels.bench import (
     time_us,
 )
 from pagedkv.kernels import dequant_blocks, fp8_kv, int8_kv, paged_attention
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 
 DEFAULT_CASES = (
     "7680x0+15x7936,4096x3584+15x7936,2048x5632+15x7936,512x7168+15x7936,"
@@ -167,6 +172,60 @@ class MixedBatch:
             split=self.rest if split else None,
         )
 
+    def tiled(self, slots: int, max_model_len: int) -> None:
+        """Sets what a CUDA graph's mixed step reads: its entries padded to
+        ``min(slots, tokens)`` (as a graph holds them: no tokens, no
+        length), its schedule of every query tile with spare programs
+        (``tiles``), and the same without the decodes (``tiles_split``),
+        which its decode launch takes over those slots, sized for
+        ``max_model_len`` (``tiled_decodes``)."""
+        from pagedkv.executor.mixed_graphs import tile_schedule
+
+        shape, device = self.shape, self.query.device
+        entries = shape.decodes + 1
+        padded = max(entries, min(slots, shape.num_tokens))
+        self.padded_table = torch.zeros(
+            padded, self.block_table.shape[1], dtype=torch.int32, device=device
+        )
+        self.padded_table[:entries] = self.block_table
+        self.padded_lens = torch.zeros(padded, dtype=torch.int32, device=device)
+        self.padded_lens[:entries] = self.seq_lens
+        self.padded_starts = torch.full(
+            (padded + 1,), shape.num_tokens, dtype=torch.int32, device=device
+        )
+        self.padded_starts[: entries + 1] = self.query_start_loc
+        rows = paged_attention.tile_rows(shape.new_tokens, self.query.shape[-1])
+        num_tiles = -(-shape.num_tokens // rows) + padded
+        computed = np.array([shape.decode_len - 1] * shape.decodes + [shape.context])
+        scheduled = np.array([1] * shape.decodes + [shape.new_tokens])
+        self.tiles, self.tiles_split = (
+            torch.from_numpy(tile_schedule(computed, n, rows, num_tiles)).to(device, torch.int32)
+            for n in (scheduled, np.where(scheduled == 1, 0, scheduled))
+        )
+        lens = torch.ones(padded, dtype=torch.int32)
+        lens[: shape.decodes] = shape.decode_len
+        self.tiled_decodes = TiledDecodes(padded, lens.to(device), max_model_len)
+
+    def run_tiled(self, quantized: bool = True, split: bool = False) -> torch.Tensor:
+        """The batch as a CUDA graph's mixed step runs it: the schedule,
+        with ``split`` its decodes in their own launch first."""
+        key_cache, value_cache, scales = self.caches if quantized else self.bf16
+        return paged_attention.paged_attention(
+            self.query,
+            key_cache,
+            value_cache,
+            self.padded_table,
+            self.padded_lens,
+            self.padded_starts,
+            self.scale,
+            max_query_len=self.shape.new_tokens,
+            max_seq_len=self.tiled_decodes.max_seq_len,
+            tiles=self.tiles_split if split else self.tiles,
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
+            split=self.tiled_decodes if split else None,
+        )
+
     def buffer(self) -> tuple[int, int]:
         """The widening's buffer: its bytes and its tokens (``dequant_blocks``)."""
         key_cache = self.caches[0]
@@ -177,10 +236,12 @@ class MixedBatch:
         )
 
 
-def measure(batch: MixedBatch) -> dict[str, Any]:
+def measure(batch: MixedBatch, slots: int = 256, max_model_len: int = 8192) -> dict[str, Any]:
     """One row: the batch over bf16 blocks, over quantized ones widened (both
     limits lifted) and not widened, and split in two launches (the decodes
-    by the decode kernel, the chunk widened within the default limits)."""
+    by the decode kernel, the chunk widened within the default limits); then
+    as a CUDA graph's step (``MixedBatch.tiled``), packed and split, over
+    bf16 and quantized blocks."""
     pa = paged_attention
     limits = (pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO)
     buffer_bytes, buffer_tokens = batch.buffer()
@@ -213,10 +274,18 @@ def measure(batch: MixedBatch) -> dict[str, Any]:
         split = batch.run(split=True)
         row["split_us"] = time_us(lambda: batch.run(split=True))
         row["bf16_split_us"] = time_us(lambda: batch.run(quantized=False, split=True))
+        batch.tiled(slots, max_model_len)
+        tiled = batch.run_tiled()
+        tiled_split = batch.run_tiled(split=True)
+        for name, quantized in (("tiled_bf16", False), ("tiled", True)):
+            row[f"{name}_us"] = time_us(partial(batch.run_tiled, quantized))
+            row[f"{name}_split_us"] = time_us(partial(batch.run_tiled, quantized, True))
     finally:
         pa.PREFILL_DEQUANT_MAX_BYTES, pa.PREFILL_DEQUANT_MAX_RATIO = limits
         pa.PREFILL_SPLIT_DECODES = switch
     row["max_abs_diff_split_unwidened"] = float((split.float() - unwidened.float()).abs().max())
+    row["max_abs_diff_tiled_split"] = float((tiled_split.float() - tiled.float()).abs().max())
+    row["decode_slots"] = batch.tiled_decodes.num_slots
     row["widened_vs_unwidened"] = row["widened_us"] / row["unwidened_us"]
     row["max_abs_diff_widened_unwidened"] = float((widened.float() - unwidened.float()).abs().max())
     row["chunk_tflops_widened"] = chunk_flops / row["widened_us"] / 1e6
@@ -233,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         default="fp8_e4m3",
     )
     parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument(
+        "--slots", type=int, default=256, help="a graph's entries at most (max_num_seqs)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="a graph's decode launch is sized for it"
+    )
     args = parser.parse_args(argv)
     try:
         shapes = parse_cases(args.cases)
@@ -241,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_dtype = {**fp8_kv.KV_CACHE_DTYPES, **int8_kv.KV_CACHE_DTYPES}[args.kv_cache_dtype]
     rows = []
     for shape in shapes:
-        rows.append(measure(MixedBatch(shape, kv_dtype, args.head_size)))
+        batch = MixedBatch(shape, kv_dtype, args.head_size)
+        rows.append(measure(batch, args.slots, args.max_model_len))
         torch.cuda.empty_cache()
     results = _environment() | {
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -252,13 +328,16 @@ def main(argv: list[str] | None = None) -> int:
             "PREFILL_DEQUANT_MAX_BYTES": paged_attention.PREFILL_DEQUANT_MAX_BYTES,
             "PREFILL_DEQUANT_MAX_RATIO": paged_attention.PREFILL_DEQUANT_MAX_RATIO,
         },
+        "slots": args.slots,
+        "max_model_len": args.max_model_len,
         "rows": rows,
     }
     lines = [
         f"{args.kv_cache_dtype} blocks, head size {args.head_size}, on {results['gpu']}",
         "case (chunk NEWxCONTEXT + DECODESxLENGTH): bf16 blocks | widened | unwidened"
         " (widened/unwidened) | split | bf16 split"
-        " | buffer tokens a new token, MiB (limits in the JSON)",
+        " | buffer tokens a new token, MiB (limits in the JSON)"
+        " || as a graph's step: bf16 packed | bf16 split | packed | split",
     ]
     for row in rows:
         lines.append(
@@ -266,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             f" | {row['unwidened_us']:9.1f} us (x{row['widened_vs_unwidened']:.2f})"
             f" | {row['split_us']:9.1f} | {row['bf16_split_us']:9.1f}"
             f" | {row['buffer_tokens_per_new_token']:7.1f}, {row['buffer_mib']:6.0f}"
+            f" || {row['tiled_bf16_us']:9.1f} | {row['tiled_bf16_split_us']:9.1f}"
+            f" | {row['tiled_us']:9.1f} | {row['tiled_split_us']:9.1f}"
         )
     return _write(args.output, results, lines, "Mixed batches over quantized blocks")
 

@@ -21,7 +21,7 @@ import torch
 
 from pagedkv.executor.kv_rotation import rotate_heads
 from pagedkv.kernels.backend import KernelBackend
-from pagedkv.kernels.decode_split import DecodeSplit
+from pagedkv.kernels.decode_split import DecodeSplit, TiledDecodes
 
 ATTENTION_NAME = "pagedkv"
 
@@ -59,10 +59,11 @@ class AttentionMetadata:
     # the query and the new keys are multiplied by it after the rotary
     # embedding; None: stored as they are.
     rotation: torch.Tensor | None = None
-    # Per group, where a quantized memory's eager step has decodes first and
-    # prompts after them: the rest of the batch for attention's second
-    # launch (``paged_attention``'s ``split``); None: one launch.
-    splits: tuple[DecodeSplit, ...] | None = None
+    # Per group, where a step has decodes first and prompts after them
+    # (``paged_attention``'s ``split``): an eager step's rest of the batch
+    # for attention's second launch, or a mixed graph's decode slots
+    # (``TiledDecodes``, with ``tiles``); None: one launch.
+    splits: tuple[DecodeSplit | TiledDecodes, ...] | None = None
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The cache kernels' ``k_scale`` and ``v_scale`` for ``layer``, if any."""
@@ -70,7 +71,7 @@ class AttentionMetadata:
             return {}
         return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
-    def split(self, group: int) -> DecodeSplit | None:
+    def split(self, group: int) -> DecodeSplit | TiledDecodes | None:
         """Group ``group``'s ``splits``, if any."""
         return None if self.splits is None else self.splits[group]
 

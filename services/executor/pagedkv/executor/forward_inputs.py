@@ -59,6 +59,12 @@ def pack_aligned(arrays: list[np.ndarray], device: torch.device) -> list[torch.T
     return [packed[start : start + len(a)] for a, start in zip(arrays, offsets, strict=False)]
 
 
+def leading_decodes(num_scheduled: np.ndarray) -> int:
+    """How many entries at the start of a step compute one token each."""
+    others = np.flatnonzero(num_scheduled != 1)
+    return int(others[0]) if len(others) else len(num_scheduled)
+
+
 def _splits_decodes(backend: KernelBackend) -> bool:
     """Whether attention takes a step's leading decodes in a launch of their
     own: Triton's paged attention, with its ``PREFILL_SPLIT_DECODES`` on
@@ -188,7 +194,7 @@ class InputBuilder:
         (``DecodeSplit``: prompts after them, on the Triton backend); else 0."""
         if not self.splits_decodes or num_scheduled.max() == 1:
             return 0
-        return int(np.argmax(num_scheduled != 1))
+        return leading_decodes(num_scheduled)
 
     def prepare(
         self,

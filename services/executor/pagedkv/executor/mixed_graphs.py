@@ -17,7 +17,13 @@ position -1: they read row 0's first token and write no K/V (slot -1), and
 padding entries have no tokens. The attention reads its schedule from the
 buffer too (``paged_attention``'s ``tiles``: each program's sequence and
 query tile, the longest reaches first), so its grid is fixed however the
-tokens split between entries.
+tokens split between entries. Where attention takes a step's leading
+decodes in a launch of their own (``splits_decodes``, as the eager steps
+do), each graph holds that launch too, over its first ``entries`` tokens
+and sized for any context (``TiledDecodes``): the buffer gives each slot's
+length (the leading decodes' own, 1 for the rest), and the schedule leaves
+those decodes out. Packed, each decode would take a prefill tile of its
+own and walk its whole context in one program.
 
 A host tier's load lands chunk by chunk of layers (host_kv.py), and a
 graph has no hook between its layers: so each token count's forward is
@@ -43,6 +49,8 @@ import torch
 
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.cuda_graphs import GraphRunner
+from pagedkv.executor.forward_inputs import leading_decodes
+from pagedkv.kernels.decode_split import TiledDecodes
 
 log = get_logger(__name__)
 
@@ -89,9 +97,10 @@ class _Graph:
     def layout(self) -> tuple[int, ...]:
         """Lengths of the buffer's vectors: entries' rows, tokens' rows,
         tokens' positions, entries' sequence lengths, query starts, sample
-        indices, sampled rows, the attention's schedule."""
+        indices, sampled rows, the attention's schedule, the decode slots'
+        lengths."""
         t, e = self.tokens, self.entries
-        return (e, t, t, e, e + 1, e, e, 2 * self.num_tiles)
+        return (e, t, t, e, e + 1, e, e, 2 * self.num_tiles, e)
 
     def split(self, host: np.ndarray) -> list[np.ndarray]:
         """``host`` (the buffer's host copy) as views of the layout's vectors."""
@@ -131,6 +140,7 @@ class MixedGraphs:
         assert starts and starts[0] == 0 and list(starts) == sorted(set(starts))
         self.runner = runner
         self.starts = tuple(starts)
+        self.splits_decodes = runner.splits_decodes
         sizes = graph_token_sizes(max_tokens)
         head_size = runner.spec.head_size
         self.graphs: list[_Graph] = []
@@ -169,9 +179,17 @@ class MixedGraphs:
         num_tokens = int(num_scheduled.sum())
         graph = next(g for g in self.graphs if g.tokens >= num_tokens)
         host = self._padding(graph)
-        rows_v, token_rows, positions, seq_lens, starts, sample_index, sampled, tiles = graph.split(
-            host
-        )
+        (
+            rows_v,
+            token_rows,
+            positions,
+            seq_lens,
+            starts,
+            sample_index,
+            sampled,
+            tiles,
+            decode_lens,
+        ) = graph.split(host)
         count = len(rows)
         rows_v[:count] = rows
         np.cumsum(num_scheduled, out=starts[1 : count + 1])
@@ -183,9 +201,14 @@ class MixedGraphs:
         num_samples = int(needs_sample.sum())
         sample_index[:num_samples] = starts[1 : count + 1][needs_sample] - 1
         sampled[:num_samples] = rows[needs_sample]
-        tiles[:] = tile_schedule(
-            num_computed, num_scheduled, graph.rows_per_tile, graph.num_tiles
-        ).reshape(-1)
+        tiled = num_scheduled
+        if self.splits_decodes:  # the leading decodes take the decode launch
+            decodes = leading_decodes(num_scheduled)
+            decode_lens[:decodes] = seq_lens[:decodes]
+            tiled = np.concatenate([np.zeros(decodes, np.int64), num_scheduled[decodes:]])
+        tiles[:] = tile_schedule(num_computed, tiled, graph.rows_per_tile, graph.num_tiles).reshape(
+            -1
+        )
         source = torch.from_numpy(host)
         if graph.inputs.device.type == "cuda":
             source = source.pin_memory()
@@ -204,11 +227,12 @@ class MixedGraphs:
 
     def _padding(self, graph: _Graph) -> np.ndarray:
         """The input buffer of a step with no entries: every token padding,
-        no tile scheduled."""
+        no tile scheduled, every decode slot one token long."""
         host = np.zeros(sum(graph.layout), dtype=np.int64)
-        _, _, positions, _, _, _, _, tiles = graph.split(host)
+        _, _, positions, _, _, _, _, tiles, decode_lens = graph.split(host)
         positions[:] = -1
         tiles[: graph.num_tiles] = -1
+        decode_lens[:] = 1
         return host
 
     def _capture(self) -> None:
@@ -248,7 +272,9 @@ class MixedGraphs:
         self, graph: _Graph, before_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         runner = self.runner
-        rows, token_rows, raw_positions, seq_lens, starts, sample_index, _, tiles = graph.views()
+        rows, token_rows, raw_positions, seq_lens, starts, sample_index, _, tiles, decode_lens = (
+            graph.views()
+        )
         positions = raw_positions.clamp(min=0)
         input_ids, meta = runner.forward_inputs.build(
             rows,
@@ -267,4 +293,9 @@ class MixedGraphs:
             tiles=tiles.to(torch.int32).view(2, -1),
             before_layer=before_layer,
         )
+        if self.splits_decodes:
+            decodes = TiledDecodes(
+                graph.entries, decode_lens.to(torch.int32), runner.spec.max_model_len
+            )
+            meta = replace(meta, splits=(decodes,) * len(meta.block_tables))
         return runner.run_model(input_ids, positions, meta, sample_index)
