@@ -63,7 +63,9 @@
 #   bash tests/gpu/run-fp8-bench.sh mixed     # a chunk beside decodes of long contexts over
 #                                             # quantized blocks (KV: fp8_e4m3 unless set),
 #                                             # widened, not widened and split in two
-#                                             # launches, against bf16 blocks (a minute)
+#                                             # launches, against bf16 blocks, and as a
+#                                             # CUDA graph's step over SLOTS decode slots
+#                                             # (256 unless set; a minute or two)
 #   bash tests/gpu/run-fp8-bench.sh int8-ptx-bench  # the same without the tests and the
 #                                             # decode kernel's sweep: the benches alone
 #
@@ -278,9 +280,10 @@ sys.exit(main(sys.argv[2:]))' "$words" --kv-cache-dtype "$kv" \
     done
     ;;
   mixed)
+    # SLOTS: a graph's decode slots (the bench's --slots), in the name when set.
     for kv in ${KV:-fp8_e4m3}; do
-      "$PYTHON" -m pagedkv.bench.kernels.mixed --kv-cache-dtype "$kv" \
-        --output "$RESULTS/kernels-mixed-${kv//_/-}-$NAME.json"
+      "$PYTHON" -m pagedkv.bench.kernels.mixed --kv-cache-dtype "$kv" --slots "${SLOTS:-256}" \
+        --output "$RESULTS/kernels-mixed-${kv//_/-}${SLOTS:+-slots$SLOTS}-$NAME.json"
     done
     ;;
   tune)
