@@ -79,6 +79,24 @@ def test_a_graph_decode_gives_the_eager_logits_and_its_padding_writes_no_kv(
         assert bool((cache[1, 0] == 123.0).all())
 
 
+def eager_logits_marking_padding(
+    runner: ModelRunner,
+    rows: np.ndarray,
+    computed: np.ndarray,
+    scheduled: np.ndarray,
+    sample: np.ndarray,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The eager step's logits, and the caches with 123 where a graph's
+    padding (row 0, position 0: block 1, offset 0) would write K/V."""
+    inputs = runner.forward_inputs.prepare(rows, computed, scheduled, sample)
+    eager = runner.logits(inputs)
+    assert eager is not None
+    caches = runner.kv.key_caches + runner.kv.value_caches
+    for cache in caches:
+        cache[1, 0] = 123.0
+    return eager, caches
+
+
 @pytest.mark.parametrize("needs_sample", [[True, True], [False, True]])
 def test_a_mixed_graph_gives_the_eager_logits_and_its_padding_writes_no_kv(
     runner: ModelRunner, needs_sample: list[bool]
@@ -87,12 +105,7 @@ def test_a_mixed_graph_gives_the_eager_logits_and_its_padding_writes_no_kv(
     # 22nd token: 12 tokens in the graph of 32, 20 of them padding.
     rows, computed, scheduled = np.array([1, 2]), np.array([10, PROMPT_LEN]), np.array([11, 1])
     sample = np.array(needs_sample)
-    inputs = runner.forward_inputs.prepare(rows, computed, scheduled, sample)
-    eager = runner.logits(inputs)
-    assert eager is not None
-    caches = runner.kv.key_caches + runner.kv.value_caches
-    for cache in caches:  # where padding (row 0, position 0) would write
-        cache[1, 0] = 123.0
+    eager, caches = eager_logits_marking_padding(runner, rows, computed, scheduled, sample)
     graphs = MixedGraphs(runner, 64, 4, capture=False)
     assert graphs.sizes == [32, 64] and graphs.fits(scheduled)
     logits, sampled_rows, positions = graphs.run(rows, computed, scheduled, sample)
@@ -123,12 +136,9 @@ def test_a_mixed_graph_takes_its_leading_decodes_in_a_launch_of_their_own(
     entries = np.array(rows)
     sample = np.ones(len(rows), bool)
     num_computed, num_scheduled = np.array(computed), np.array(scheduled)
-    inputs = runner.forward_inputs.prepare(entries, num_computed, num_scheduled, sample)
-    eager = runner.logits(inputs)
-    assert eager is not None
-    caches = runner.kv.key_caches + runner.kv.value_caches
-    for cache in caches:  # where padding (row 0, position 0) would write
-        cache[1, 0] = 123.0
+    eager, caches = eager_logits_marking_padding(
+        runner, entries, num_computed, num_scheduled, sample
+    )
     launches = decode_launches(monkeypatch)
     graphs = MixedGraphs(runner, 64, 4, capture=False)
     logits, _, _ = graphs.run(entries, num_computed, num_scheduled, sample)

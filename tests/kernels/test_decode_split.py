@@ -38,6 +38,19 @@ def rest_of(batch: dict[str, torch.Tensor]) -> DecodeSplit:
     )
 
 
+def mixed_batch(
+    fp8: torch.dtype | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The test's batch over a float16 cache, or ``fp8`` blocks with their
+    scales per KV head (the second dict; empty for float16)."""
+    kv: dict[str, torch.Tensor] = {}
+    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
+    if fp8 is not None:
+        kv = scales(2, per_head=True)
+        quantized(batch, fp8, kv)
+    return batch, kv  # type: ignore[return-value]
+
+
 def decode_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The entries of each flash-decoding launch ``paged_attention`` makes."""
     launches: list[int] = []
@@ -60,11 +73,7 @@ def test_decodes_first_in_two_launches_match_the_oracle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     launches = decode_launches(monkeypatch)
-    kv: dict[str, torch.Tensor] = {}
-    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
-    if fp8 is not None:
-        kv = scales(2, per_head=True)
-        quantized(batch, fp8, kv)
+    batch, kv = mixed_batch(fp8)
     on_device = {
         name: value.to(DEVICE) for name, value in batch.items() if isinstance(value, torch.Tensor)
     }
@@ -139,11 +148,7 @@ def test_a_schedules_leading_decodes_in_a_launch_of_their_own_match_the_oracle(
 ) -> None:
     # Slots past the decodes hold a prompt's rows, which the tiles write again.
     launches = decode_launches(monkeypatch)
-    kv: dict[str, torch.Tensor] = {}
-    batch = build_batch(CONTEXTS, QUERIES, num_q_heads=4, num_kv_heads=2, dtype=torch.float16)
-    if fp8 is not None:
-        kv = scales(2, per_head=True)
-        quantized(batch, fp8, kv)
+    batch, kv = mixed_batch(fp8)
     tiles, decodes = tiled_decodes(batch, slots)
     args = [batch[name].to(DEVICE) for name in NAMES]  # type: ignore[union-attr]
     kv_device = {name: value.to(DEVICE) for name, value in kv.items()}

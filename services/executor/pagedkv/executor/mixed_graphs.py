@@ -206,9 +206,8 @@ class MixedGraphs:
             decodes = leading_decodes(num_scheduled)
             decode_lens[:decodes] = seq_lens[:decodes]
             tiled = np.concatenate([np.zeros(decodes, np.int64), num_scheduled[decodes:]])
-        tiles[:] = tile_schedule(num_computed, tiled, graph.rows_per_tile, graph.num_tiles).reshape(
-            -1
-        )
+        schedule = tile_schedule(num_computed, tiled, graph.rows_per_tile, graph.num_tiles)
+        tiles[:] = schedule.reshape(-1)
         source = torch.from_numpy(host)
         if graph.inputs.device.type == "cuda":
             source = source.pin_memory()
