@@ -35,7 +35,7 @@ from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import ScheduledStep, StepPlan, copy_phases, encode_step
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
-from pagedkv.scheduler.windows import Decision, Window, window_steps
+from pagedkv.scheduler.windows import Decision, Window, decodes_first, window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
@@ -354,6 +354,7 @@ class ExecutorScheduler:
             return self.schedule()  # the freed blocks admit what waited
         if not decisions and not self.freed_rows:
             return None
+        decisions = decodes_first(decisions)
         window = Window(1, decisions)
         if not preempted:
             window = window_steps(self.decode_window, bool(self.waiting), self.kv, decisions)
