@@ -6,9 +6,10 @@ first, in (priority, arrival) order, a decode token each or the next chunk
 of their prompt, preempting by recompute when one cannot get a block, the
 least important, newest running sequence first, its full blocks staying in
 the prefix cache; then admission from the waiting queue in (priority,
-arrival) order with a prefix-cache lookup, all within a token budget),
-makes the step's state changes and records them in a ``StepPlan`` (the
-entries' by entry_writer.py), which ``encode_step`` turns into messages
+arrival) order with a prefix-cache lookup, all within a token budget;
+the one-token entries sent first, windows.py), makes the step's state
+changes and records them in a ``StepPlan`` (the entries' by
+entry_writer.py), which ``encode_step`` turns into messages
 (step_message.py, no state changes there). ``process()`` applies the
 executor's samples (step_outputs.py); forks and beams are in groups.py.
 
