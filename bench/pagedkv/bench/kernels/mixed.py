@@ -15,7 +15,9 @@ and the same batch over bf16 blocks, packed and split; so that the bound,
 and where to split, can be chosen from what each costs. A CUDA graph's
 mixed step (``tiles``, no widening) is timed too, packed and with its
 leading decodes in the graph's own decode launch over ``--slots`` slots
-(``TiledDecodes``), over bf16 and the quantized blocks:
+(``TiledDecodes``), over bf16 and the quantized blocks (a graph takes
+steps of up to 1,024 tokens: for the longer cases these columns show
+what the launches cost, not a step the executor replays):
 
     python -m pagedkv.bench.kernels.mixed --kv-cache-dtype fp8_e4m3 \\
         --cases 7680x0+15x7936,512x7168+15x7936 --output FILE.json
