@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from pagedkv.executor import entry_order
 from pagedkv.executor.cuda_graphs import DecodeGraphs
 from pagedkv.executor.mixed_graphs import MixedGraphs, tile_schedule
 from pagedkv.executor.model_runner import ModelRunner
 from pagedkv.executor.runner_config import RunnerConfig
+from pagedkv.executor.sampler import SamplerOutput
 from pagedkv.executor.tiny_model import make_tiny_model
 from tests.kernels.test_decode_split import decode_launches
 
@@ -169,3 +171,44 @@ def test_eager_inputs_gather_whole_table_rows_whatever_the_entries_need(
         (1 + BLOCKS_PER_ROW) * runner.config.block_size + i for i in range(5)
     ]
     assert inputs.input_ids.tolist() == runner.rows.token_ids[1, :5].tolist()
+
+
+def test_a_forward_takes_its_decodes_first_and_answers_in_the_steps_order(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new request's chunk comes first in a step message; the decodes
+    # after it move ahead (on the Triton backend, into a launch of their
+    # own), and the samples come back in the step's order.
+    rows, computed, scheduled = (
+        np.array([1, 2, 0]),
+        np.array([10, PROMPT_LEN, 20]),
+        np.array([11, 1, 1]),
+    )
+    sample = np.array([True, False, True])
+    assert entry_order.decodes_first(scheduled).tolist() == [1, 2, 0]  # type: ignore[union-attr]
+    packed = runner.forward_in_order(rows, computed, scheduled, sample)
+    launches = decode_launches(monkeypatch)
+    moved = runner.forward(rows, computed, scheduled, sample)
+    assert packed is not None and moved is not None
+    assert moved.token_ids.tolist() == packed.token_ids.tolist()
+    torch.testing.assert_close(moved.logprobs, packed.logprobs, atol=1e-4, rtol=1e-4)
+    assert launches == ([2] * runner.spec.num_layers if runner.splits_decodes else [])
+
+
+def test_decodes_first_keeps_each_part_in_order_and_in_step_order_undoes_it() -> None:
+    assert entry_order.decodes_first(np.array([1, 1, 5])) is None  # already leading
+    assert entry_order.decodes_first(np.array([1, 1])) is None
+    assert entry_order.decodes_first(np.array([4, 5])) is None
+    order = entry_order.decodes_first(np.array([7, 1, 3, 1]))
+    assert order is not None and order.tolist() == [1, 3, 0, 2]
+    needs_sample = np.array([True, True, False, True])[order]  # entry 2 samples nothing
+    moved = SamplerOutput(  # samples of entries 1, 3, 0, in that order
+        torch.tensor([11, 13, 10]),
+        torch.tensor([-1.0, -3.0, -0.5]),
+        torch.tensor([[11], [13], [10]]),
+        torch.tensor([[-1.0], [-3.0], [-0.5]]),
+    )
+    back = entry_order.in_step_order(moved, order, needs_sample)
+    assert back.token_ids.tolist() == [10, 11, 13]
+    assert back.logprobs.tolist() == [-0.5, -1.0, -3.0]
+    assert back.top_token_ids.tolist() == [[10], [11], [13]]

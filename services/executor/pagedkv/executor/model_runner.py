@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pagedkv.executor import attention
+from pagedkv.executor import attention, entry_order
 from pagedkv.executor.block_store import BlockStore, num_host_blocks
 from pagedkv.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.executor.forward_inputs import ForwardInputs, InputBuilder
@@ -308,6 +308,26 @@ class ModelRunner:
         return SamplerOutput(*(torch.cat(column) for column in zip(*results, strict=True)))
 
     def forward(
+        self,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        needs_sample: np.ndarray,
+        calibrate: bool = False,
+    ) -> SamplerOutput | None:
+        """``forward_in_order`` with the one-token entries first, where
+        attention takes a batch's leading decodes in a launch of their own
+        (entry_order.py); the samples in the entries' order."""
+        order = entry_order.decodes_first(num_scheduled) if self.splits_decodes else None
+        if order is None:
+            return self.forward_in_order(rows, num_computed, num_scheduled, needs_sample, calibrate)
+        needs_sample = needs_sample[order]
+        output = self.forward_in_order(
+            rows[order], num_computed[order], num_scheduled[order], needs_sample, calibrate
+        )
+        return None if output is None else entry_order.in_step_order(output, order, needs_sample)
+
+    def forward_in_order(
         self,
         rows: np.ndarray,
         num_computed: np.ndarray,

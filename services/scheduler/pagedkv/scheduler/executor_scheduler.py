@@ -6,10 +6,9 @@ first, in (priority, arrival) order, a decode token each or the next chunk
 of their prompt, preempting by recompute when one cannot get a block, the
 least important, newest running sequence first, its full blocks staying in
 the prefix cache; then admission from the waiting queue in (priority,
-arrival) order with a prefix-cache lookup, all within a token budget;
-the one-token entries sent first, windows.py), makes the step's state
-changes and records them in a ``StepPlan`` (the entries' by
-entry_writer.py), which ``encode_step`` turns into messages
+arrival) order with a prefix-cache lookup, all within a token budget),
+makes the step's state changes and records them in a ``StepPlan`` (the
+entries' by entry_writer.py), which ``encode_step`` turns into messages
 (step_message.py, no state changes there). ``process()`` applies the
 executor's samples (step_outputs.py); forks and beams are in groups.py.
 
@@ -36,7 +35,7 @@ from pagedkv.scheduler.kv_cache_types import Allocation
 from pagedkv.scheduler.sequence import ExecutorRow, Generation, Sequence, SequenceState
 from pagedkv.scheduler.step_message import ScheduledStep, StepPlan, copy_phases, encode_step
 from pagedkv.scheduler.step_outputs import Processed, apply_outputs
-from pagedkv.scheduler.windows import Decision, Window, decodes_first, window_steps
+from pagedkv.scheduler.windows import Decision, Window, window_steps
 from pagedkv.v1 import common_pb2, executor_pb2
 
 __all__ = ["ExecutorScheduler", "Processed", "ScheduledStep", "copy_phases"]
@@ -355,7 +354,6 @@ class ExecutorScheduler:
             return self.schedule()  # the freed blocks admit what waited
         if not decisions and not self.freed_rows:
             return None
-        decisions = decodes_first(decisions)
         window = Window(1, decisions)
         if not preempted:
             window = window_steps(self.decode_window, bool(self.waiting), self.kv, decisions)

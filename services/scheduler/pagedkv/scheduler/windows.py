@@ -30,22 +30,6 @@ Decision = tuple[Sequence, int, Allocation | None]
 step, and its table changes (None: send the whole table)."""
 
 
-def decodes_first(decisions: list[Decision]) -> list[Decision]:
-    """``decisions`` with the one-token entries first, each part in its
-    order: the executor's attention takes a step's leading one-token
-    entries in a launch of their own (the flash-decoding kernel), and
-    running decodes after a prompt's chunk (a sequence admitted with most of
-    its prompt cached decodes while an earlier one still chunks) would be
-    left in the chunk's launch. The same list when already so."""
-    chunk_seen = False
-    for _, count, _ in decisions:
-        if count != 1:
-            chunk_seen = True
-        elif chunk_seen:
-            return [d for d in decisions if d[1] == 1] + [d for d in decisions if d[1] != 1]
-    return decisions
-
-
 class Window(NamedTuple):
     """How many decode steps a step runs (1: a plain step), and its
     decisions with the slots of that many steps."""
