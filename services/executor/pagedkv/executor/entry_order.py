@@ -15,8 +15,8 @@ that order back in the step's.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from pagedkv.executor.rows import to_device
 from pagedkv.executor.sampler import SamplerOutput
 
 
@@ -38,5 +38,5 @@ def in_step_order(
     back = np.argsort(order[needs_sample], kind="stable")
     if (back == np.arange(len(back))).all():
         return output
-    index = torch.from_numpy(back).to(output.token_ids.device)
+    index = to_device(back, output.token_ids.device)  # the host does not wait
     return SamplerOutput(*(column.index_select(0, index) for column in output))
