@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagedkv.executor.attention import AttentionMetadata
+from pagedkv.executor.entry_order import leading_decodes
 from pagedkv.executor.kv_memory import KVMemory
 from pagedkv.executor.model_spec import KVCacheGroup
 from pagedkv.executor.rows import Rows, to_device
@@ -57,12 +58,6 @@ def pack_aligned(arrays: list[np.ndarray], device: torch.device) -> list[torch.T
         host[start : start + len(array)] = array
     packed = to_device(host, device)
     return [packed[start : start + len(a)] for a, start in zip(arrays, offsets, strict=False)]
-
-
-def leading_decodes(num_scheduled: np.ndarray) -> int:
-    """How many entries at the start of a step compute one token each."""
-    others = np.flatnonzero(num_scheduled != 1)
-    return int(others[0]) if len(others) else len(num_scheduled)
 
 
 def _splits_decodes(backend: KernelBackend) -> bool:

@@ -49,7 +49,7 @@ import torch
 
 from pagedkv.common.logging import get_logger
 from pagedkv.executor.cuda_graphs import GraphRunner
-from pagedkv.executor.forward_inputs import leading_decodes
+from pagedkv.executor.entry_order import leading_decodes
 from pagedkv.kernels.decode_split import TiledDecodes
 
 log = get_logger(__name__)
